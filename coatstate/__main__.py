@@ -1,0 +1,3 @@
+from coatstate.cli import main
+
+raise SystemExit(main())
