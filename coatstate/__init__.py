@@ -2,7 +2,18 @@
 
 from coatstate import formats
 from coatstate.formats import FP8Format, GroupQuantized, dequantize, quantize
+from coatstate.optim import CompressedAdamW, compress_adamw_state_dict, to_adamw_state_dict
 
 __version__ = "0.1.0"
 
-__all__ = ["FP8Format", "GroupQuantized", "__version__", "dequantize", "formats", "quantize"]
+__all__ = [
+    "CompressedAdamW",
+    "FP8Format",
+    "GroupQuantized",
+    "__version__",
+    "compress_adamw_state_dict",
+    "dequantize",
+    "formats",
+    "quantize",
+    "to_adamw_state_dict",
+]

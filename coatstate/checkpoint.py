@@ -1,0 +1,473 @@
+"""Save, load and read optimizer checkpoints (with the model's state dict if wanted).
+
+One safetensors file per checkpoint (or a root file plus shards), through any fsspec URL;
+docs/CHECKPOINT.md specifies the layout. CompressedAdamW states are stored as their plain
+tensors (codes, scales, exponents); any torch optimizer whose state is tensors and plain values
+(torch.optim.AdamW included) is stored the same way, uncompressed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import os
+import time
+import uuid
+from collections.abc import Mapping
+from typing import Any, BinaryIO
+
+import torch
+
+from coatstate.formats import schema
+from coatstate.formats.schema import CheckpointError
+
+from . import checkpoint_io as cio
+
+__all__ = ["Checkpoint", "CheckpointError", "load", "read", "read_header", "read_state_dict", "save"]
+
+DEFAULT_SHARD_SIZE = 5 * 2**30
+"""Bytes above which a checkpoint is split into shards (as Hugging Face does for weights)."""
+_MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+
+@dataclasses.dataclass
+class Checkpoint:
+    """What a checkpoint file holds."""
+
+    optimizer: dict[str, Any]
+    """The optimizer state dict ({"state": ..., "param_groups": ...}), tensors on the CPU."""
+    model: dict[str, torch.Tensor] | None
+    """The model state dict saved with it, or None."""
+    header: dict[str, Any]
+    """The JSON header (formats.schema); {} for a .pt input."""
+
+
+# ------------------------------------------------------------------------------------ saving
+def _library_version() -> str:
+    from coatstate import __version__
+
+    return __version__
+
+
+def _cpu(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _source(obj: Any, model: Any, param_names: Any) -> tuple[dict, dict[int, list[int]], dict[int, str], str | None]:
+    """(state dict, {pid: shape}, {pid: name}, optimizer class name) from what save() was given."""
+    shapes: dict[int, list[int]] = {}
+    names: dict[int, str] = {}
+    if isinstance(obj, torch.optim.Optimizer):
+        sd = obj.state_dict()
+        by_obj = {}
+        if isinstance(model, torch.nn.Module):
+            by_obj = {id(p): n for n, p in model.named_parameters()}
+        pid = 0
+        for group in obj.param_groups:
+            for p in group["params"]:
+                shapes[pid] = list(p.shape)
+                if id(p) in by_obj:
+                    names[pid] = by_obj[id(p)]
+                pid += 1
+        kind = type(obj).__name__
+    elif isinstance(obj, Mapping) and "state" in obj and "param_groups" in obj:
+        sd, kind = dict(obj), None
+    else:
+        raise TypeError(
+            "save() takes a torch.optim.Optimizer or an optimizer state dict (a mapping with 'state' "
+            f"and 'param_groups'); got {type(obj).__name__}"
+        )
+    for group in sd["param_groups"]:  # torch >= 2.6 optimizers built from named_parameters()
+        for pid, name in zip(group["params"], group.get("param_names", ())):
+            names.setdefault(pid, name)
+    if param_names is not None:
+        items = param_names.items() if isinstance(param_names, Mapping) else enumerate(param_names)
+        names.update({int(k): str(v) for k, v in items})
+    return sd, shapes, names, kind
+
+
+def _moment_formats(state: Mapping[str, Any], group: Mapping[str, Any]) -> dict[str, Any]:
+    out = {}
+    for name, value in state.items():
+        parts = schema.moment_of(name)
+        if parts and parts[1] == "_codes" and isinstance(value, torch.Tensor):
+            moment = parts[0]
+            out[moment] = {
+                "format": "e4m3" if value.dtype == torch.float8_e4m3fn else "e5m2",
+                "group_size": group.get("group_size"),
+                "expand": f"{moment}_exponents" in state,
+            }
+    return out
+
+
+def _flatten(sd: Mapping[str, Any], shapes, names, model_sd) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    tensors: dict[str, torch.Tensor] = {}
+    groups, params = [], {}
+    for g, group in enumerate(sd["param_groups"]):
+        enc = {}
+        for k, v in group.items():
+            if isinstance(v, torch.Tensor):
+                tensors[schema.group_key(g, k)] = _cpu(v)
+                enc[k] = {"$tensor": schema.group_key(g, k)}
+            else:
+                enc[k] = schema.encode_value(v, f"param_groups[{g}].{k}")
+        groups.append(enc)
+        for pid in group["params"]:
+            params[str(pid)] = {"group": g, "name": names.get(pid), "shape": shapes.get(pid)}
+    state = {}
+    for pid, pstate in sd["state"].items():
+        if str(pid) not in params:
+            raise ValueError(f"state dict has state for param id {pid}, which no param group lists")
+        entry = {}
+        for name, v in pstate.items():
+            if isinstance(v, torch.Tensor):
+                key = schema.state_key(pid, name)
+                tensors[key] = _cpu(v)
+                entry[name] = {"$tensor": key}
+            else:
+                entry[name] = schema.encode_value(v, f"state[{pid}].{name}")
+        state[str(pid)] = entry
+        info = params[str(pid)]
+        info["compressed"] = _moment_formats(pstate, sd["param_groups"][info["group"]])
+        if info["shape"] is None:
+            for name in ("exp_avg_codes", "exp_avg"):
+                if isinstance(pstate.get(name), torch.Tensor):
+                    info["shape"] = list(pstate[name].shape)
+                    break
+    model_keys = None
+    if model_sd is not None:
+        model_keys = []
+        for name, v in model_sd.items():
+            if not isinstance(v, torch.Tensor):
+                raise TypeError(f"model state dict entry {name!r} is a {type(v).__name__}, not a tensor")
+            tensors[schema.model_key(name)] = _cpu(v)
+            model_keys.append(name)
+    compressed = any(p.get("compressed") for p in params.values())
+    header = {
+        "format": schema.FORMAT_NAME,
+        "format_version": schema.FORMAT_VERSION,
+        "library_version": _library_version(),
+        "created_unix": round(time.time(), 3),
+        "optimizer": {"class": None, "variant": "compressed" if compressed else "full"},
+        "param_groups": groups,
+        "params": params,
+        "state": state,
+        "model": model_keys,
+        "checksum": schema.CHECKSUM_ALGORITHM,
+        "compression": None,
+        "shards": None,
+        "tensors": {
+            k: {"dtype": schema.dtype_name(t.dtype), "shape": list(t.shape), "checksum": schema.tensor_checksum(t)}
+            for k, t in tensors.items()
+        },
+    }
+    return tensors, header
+
+
+def _encode_zstd(tensors: dict[str, torch.Tensor], header: dict[str, Any]) -> dict[str, torch.Tensor]:
+    stored = {}
+    for key, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if nbytes >= cio.ZSTD_MIN_BYTES:
+            blob = cio.zstd_compress(schema.tensor_bytes(t))
+            if len(blob) < nbytes:
+                stored[key] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+                header["tensors"][key].update(encoding="zstd", stored_bytes=len(blob))
+                continue
+        stored[key] = t
+    header["compression"] = "zstd"
+    return stored
+
+
+class _Hashing:
+    def __init__(self, f: BinaryIO):
+        self.f, self.h = f, hashlib.sha256()
+
+    def write(self, b) -> int:
+        self.h.update(b)
+        return self.f.write(b)
+
+
+def _metadata(header: Mapping[str, Any]) -> dict[str, str]:
+    text = schema.dump_header(header)
+    return {"format": "pt", schema.METADATA_KEY: text, schema.HEADER_CHECKSUM_KEY: schema.header_checksum(text)}
+
+
+def _sibling_url(url: str, name: str) -> str:
+    """The URL of file `name` in the directory of `url` (same scheme and filesystem)."""
+    return url[: len(url) - len(os.path.basename(url))] + name
+
+
+def _plan_shards(stored: Mapping[str, torch.Tensor], shard_size: int) -> list[list[str]]:
+    shards, current, size = [], [], 0
+    for key, t in stored.items():
+        nbytes = t.numel() * t.element_size()
+        if current and size + nbytes > shard_size:
+            shards.append(current)
+            current, size = [], 0
+        current.append(key)
+        size += nbytes
+    return shards + [current] if current else shards
+
+
+def _old_shards(url: str) -> list[str]:
+    try:
+        _, _, st_header = cio.read_head(url, url)
+        return [s["file"] for s in cio.coatstate_header(st_header, url).get("shards") or []]
+    except Exception:  # no previous checkpoint, or not one of ours: nothing to clean up
+        return []
+
+
+def save(
+    optimizer_or_state_dict: torch.optim.Optimizer | Mapping[str, Any],
+    url: str | os.PathLike,
+    *,
+    model: torch.nn.Module | Mapping[str, torch.Tensor] | None = None,
+    compress: str | None = None,
+    shard_size: int | None = DEFAULT_SHARD_SIZE,
+    param_names: Mapping[int, str] | list[str] | None = None,
+) -> None:
+    """Write an optimizer (CompressedAdamW or any torch optimizer) to `url`, atomically.
+
+    model: an nn.Module or a model state dict stored in the same file, so one file resumes a run;
+    with an nn.Module the parameter names are also recorded. compress: None or "zstd" (per
+    tensor, frame checksums on; measured ~1.1x on FP8 states, so off by default). Above
+    `shard_size` bytes the tensors go to shard files next to `url` and `url` holds the index.
+    """
+    if compress not in (None, "zstd"):
+        raise ValueError(f"compress must be None or 'zstd'; got {compress!r}")
+    if shard_size is not None and (not isinstance(shard_size, int) or shard_size < 1):
+        raise ValueError(f"shard_size must be a positive int (bytes) or None; got {shard_size!r}")
+    url = os.fspath(url)
+    sd, shapes, names, kind = _source(optimizer_or_state_dict, model, param_names)
+    model_sd = model.state_dict() if isinstance(model, torch.nn.Module) else model
+    tensors, header = _flatten(sd, shapes, names, model_sd)
+    header["optimizer"]["class"] = kind
+    stored = _encode_zstd(tensors, header) if compress == "zstd" else tensors
+    total = sum(t.numel() * t.element_size() for t in stored.values())
+    old = _old_shards(url)  # shards of a previous sharded save at url, removed after the commit
+    if shard_size is None or total <= shard_size:
+        meta = _metadata(header)
+        cio.atomic_write(url, lambda f: cio.write_safetensors(f, stored, meta), total)
+        cio.remove_quietly(url, old)
+        return
+    _save_sharded(url, stored, header, shard_size, old)
+
+
+def _save_sharded(url: str, stored, header, shard_size: int, old: list[str]) -> None:
+    stem = os.path.basename(url.rstrip("/")).removesuffix(".safetensors")
+    save_id = uuid.uuid4().hex[:8]
+    plan = _plan_shards(stored, shard_size)
+    shards = []
+    for i, keys in enumerate(plan, 1):
+        name = f"{stem}-{save_id}-{i:05d}-of-{len(plan):05d}.safetensors"
+        shard_url = _sibling_url(url, name)
+        part = {k: stored[k] for k in keys}
+        meta = {"format": "pt", "coatstate.shard": f'{{"save_id":"{save_id}","index":{i},"of":{len(plan)}}}'}
+        box = {}
+
+        def write(f, part=part, meta=meta, box=box):
+            hashing = _Hashing(f)
+            box["bytes"] = cio.write_safetensors(hashing, part, meta)
+            box["sha256"] = hashing.h.hexdigest()
+
+        cio.atomic_write(shard_url, write, sum(t.numel() * t.element_size() for t in part.values()))
+        shards.append({"file": name, "sha256": box["sha256"], "bytes": box["bytes"], "tensors": keys})
+    header["shards"] = shards
+    meta = _metadata(header)
+    cio.atomic_write(url, lambda f: cio.write_safetensors(f, {}, meta))  # the commit point
+    cio.remove_quietly(url, [n for n in old if n not in {s["file"] for s in shards}])
+
+
+# ----------------------------------------------------------------------------------- reading
+def read_header(url: str | os.PathLike) -> dict[str, Any]:
+    """The JSON header of a checkpoint, reading only the first bytes of the file."""
+    url = os.fspath(url)
+    _, _, st_header = cio.read_head(url, url)
+    return cio.coatstate_header(st_header, url)
+
+
+def _decode(stored: Mapping[str, torch.Tensor], header: Mapping[str, Any], where: str, verify: bool):
+    infos = header["tensors"]
+    extra = sorted(set(stored) - set(infos))
+    if extra:
+        raise CheckpointError(f"{where}: tensors {extra[:5]} are in the file but not in its header")
+    out = {}
+    for key, info in infos.items():
+        if key not in stored:
+            raise CheckpointError(f"{where}: tensor {key!r} is listed in the header but missing from the file")
+        t = stored[key]
+        try:
+            dtype, shape = schema.torch_dtype(info["dtype"]), [int(s) for s in info["shape"]]
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{where}: corrupt header entry for {key!r} ({e!r})") from None
+        if info.get("encoding") == "zstd":
+            nbytes = dtype.itemsize * int(torch.Size(shape).numel())
+            raw = cio.zstd_decompress(schema.tensor_bytes(t), nbytes, f"{where}: {key}")
+            t = torch.frombuffer(bytearray(raw), dtype=dtype) if nbytes else torch.empty(0, dtype=dtype)
+            t = t.reshape(shape)
+        if t.dtype != dtype or list(t.shape) != shape:
+            raise CheckpointError(
+                f"{where}: tensor {key!r} is {t.dtype} {list(t.shape)} in the file but "
+                f"{info['dtype']} {shape} in the header"
+            )
+        if verify and schema.tensor_checksum(t) != info.get("checksum"):
+            raise CheckpointError(f"{where}: checksum mismatch for tensor {key!r}: the file is corrupt")
+        out[key] = t
+    return out
+
+
+def _read_shards(url: str, header: Mapping[str, Any], verify: bool) -> dict[str, torch.Tensor]:
+    stored = {}
+    for shard in header["shards"]:
+        shard_url = _sibling_url(url, shard["file"])
+        try:
+            data = cio.read_bytes(shard_url)
+        except FileNotFoundError:
+            raise CheckpointError(f"{url}: shard {shard['file']} is missing") from None
+        if verify and hashlib.sha256(data).hexdigest() != shard["sha256"]:
+            raise CheckpointError(f"{url}: checksum mismatch for shard {shard['file']}: the file is corrupt")
+        part = cio.load_tensors(data, shard_url)
+        if sorted(part) != sorted(shard["tensors"]):
+            raise CheckpointError(f"{url}: shard {shard['file']} does not hold the tensors its index lists")
+        stored.update(part)
+    return stored
+
+
+def _read_pt(data: bytes, where: str) -> Checkpoint:
+    try:
+        obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as e:  # weights_only refuses anything that would need unpickling code
+        raise CheckpointError(f"{where}: cannot read as a torch.save file with weights_only=True ({e})") from None
+    if not (isinstance(obj, dict) and isinstance(obj.get("state"), dict) and isinstance(obj.get("param_groups"), list)):
+        raise CheckpointError(f"{where}: not an optimizer state dict (expected a dict with 'state' and 'param_groups')")
+    return Checkpoint(optimizer=obj, model=None, header={})
+
+
+def read(url: str | os.PathLike, *, verify: bool = True) -> Checkpoint:
+    """Everything in a checkpoint, checksums verified (no optimizer needed).
+
+    Also reads a torch.save'd optimizer state dict (.pt) with torch.load(weights_only=True).
+    """
+    url = os.fspath(url)
+    data = cio.read_bytes(url)
+    if data[:4] == b"PK\x03\x04":
+        return _read_pt(data, url)
+    _, st_header = cio.parse_header(data, url)
+    header = cio.coatstate_header(st_header, url)
+    try:
+        stored = _read_shards(url, header, verify) if header.get("shards") else cio.load_tensors(data, url)
+        tensors = _decode(stored, header, url, verify)
+        groups = [schema.decode_value(g, tensors) for g in header["param_groups"]]
+        state = {int(pid): schema.decode_value(s, tensors) for pid, s in header["state"].items()}
+        model = None
+        if header.get("model") is not None:
+            model = {name: tensors[schema.model_key(name)] for name in header["model"]}
+    except CheckpointError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"{url}: malformed header ({e!r})") from None
+    return Checkpoint(optimizer={"state": state, "param_groups": groups}, model=model, header=header)
+
+
+def read_state_dict(url: str | os.PathLike) -> dict[str, Any]:
+    """The optimizer state dict stored at `url` (checksums verified)."""
+    return read(url).optimizer
+
+
+# ----------------------------------------------------------------------------------- loading
+def _expected_shape(pid: int, header: Mapping[str, Any], state: Mapping[int, Any]) -> list[int] | None:
+    info = header.get("params", {}).get(str(pid)) or {}
+    if info.get("shape") is not None:
+        return list(info["shape"])
+    for name in ("exp_avg_codes", *_MOMENT_KEYS):
+        t = state.get(pid, {}).get(name)
+        if isinstance(t, torch.Tensor):
+            return list(t.shape)
+    return None
+
+
+def _check_optimizer(optimizer, ckpt: Checkpoint, names: Mapping[int, str], where: str) -> None:
+    file_groups = ckpt.optimizer["param_groups"]
+    ours = [len(g["params"]) for g in optimizer.param_groups]
+    theirs = [len(g["params"]) for g in file_groups]
+    if ours != theirs:
+        raise CheckpointError(
+            f"{where}: the file has {len(theirs)} param group(s) with {theirs} params; the optimizer has "
+            f"{len(ours)} with {ours}"
+        )
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    ids = [pid for g in file_groups for pid in g["params"]]
+    for index, (pid, p) in enumerate(zip(ids, params)):
+        shape = _expected_shape(pid, ckpt.header, ckpt.optimizer["state"])
+        if shape is not None and list(p.shape) != shape:
+            info = ckpt.header.get("params", {}).get(str(pid)) or {}
+            name = info.get("name") or names.get(index) or f"#{index}"
+            raise CheckpointError(
+                f"{where}: parameter {name} (index {index}) has shape {list(p.shape)} in the optimizer "
+                f"but {shape} in the checkpoint"
+            )
+
+
+def _check_model(model: torch.nn.Module, saved: Mapping[str, torch.Tensor] | None, where: str) -> None:
+    if saved is None:
+        raise CheckpointError(f"{where}: holds no model state dict (save it with save(..., model=model))")
+    current = model.state_dict()
+    missing, unexpected = sorted(set(current) - set(saved)), sorted(set(saved) - set(current))
+    if missing or unexpected:
+        raise CheckpointError(f"{where}: model keys differ: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    for name, t in current.items():
+        if t.shape != saved[name].shape:
+            raise CheckpointError(
+                f"{where}: model tensor {name} has shape {list(t.shape)} in the model but "
+                f"{list(saved[name].shape)} in the checkpoint"
+            )
+
+
+def _is_compressed_optimizer(optimizer) -> bool:
+    try:
+        from coatstate.optim import CompressedAdamW
+    except ImportError:
+        return False
+    return isinstance(optimizer, CompressedAdamW)
+
+
+def load(
+    optimizer: torch.optim.Optimizer,
+    url: str | os.PathLike,
+    *,
+    model: torch.nn.Module | None = None,
+) -> Checkpoint:
+    """Restore `optimizer` (and `model`) from `url`; bit-exact for the optimizer that saved it.
+
+    Everything is checked (checksums, param counts, shapes, model keys) before anything is
+    modified. A compressed checkpoint loaded into a plain torch optimizer is decompressed first
+    (the values CompressedAdamW used, in fp32).
+    """
+    url = os.fspath(url)
+    ckpt = read(url)
+    names = {}
+    if model is not None:
+        by_obj = {id(p): n for n, p in model.named_parameters()}
+        flat = [p for g in optimizer.param_groups for p in g["params"]]
+        names = {i: by_obj[id(p)] for i, p in enumerate(flat) if id(p) in by_obj}
+    _check_optimizer(optimizer, ckpt, names, url)
+    if model is not None:
+        _check_model(model, ckpt.model, url)
+    sd = ckpt.optimizer
+    has_codes = any(k.endswith("_codes") for s in sd["state"].values() for k in s)
+    if has_codes and not _is_compressed_optimizer(optimizer):
+        from coatstate.optim import to_adamw_state_dict
+
+        sd = to_adamw_state_dict(sd)
+    if model is not None:
+        model.load_state_dict(ckpt.model)
+    try:
+        optimizer.load_state_dict(sd)
+    except (ValueError, KeyError, RuntimeError) as e:
+        raise CheckpointError(f"{url}: the optimizer refused the state dict ({e})") from e
+    return ckpt

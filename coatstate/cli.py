@@ -1,0 +1,276 @@
+"""The `coatstate` command: `inspect` a checkpoint, `convert` between torch AdamW and compressed.
+
+Exit codes: 0 success, 1 a checkpoint problem (unreadable, corrupt, mismatched: one line on
+stderr), 2 a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import math
+import os
+import sys
+import time
+from typing import Any
+
+from coatstate import checkpoint_io as cio
+from coatstate.formats import schema
+from coatstate.formats.schema import CheckpointError
+
+PT_EXTENSIONS = (".pt", ".pth", ".bin")
+ST_EXTENSIONS = (".safetensors",)
+
+
+class UsageError(Exception):
+    """Bad command-line arguments: exit code 2."""
+
+
+# ----------------------------------------------------------------------------------- inspect
+def _numel(shape) -> int:
+    return math.prod(shape) if shape is not None else 0
+
+
+def _nbytes(info: dict[str, Any]) -> int:
+    return _numel(info["shape"]) * schema.DTYPES[info["dtype"]][1]
+
+
+def _first_step(url: str, header: dict[str, Any]) -> float | None:
+    """The step of the first parameter with state, reading only its 4 bytes."""
+    for pstate in header["state"].values():
+        ref = pstate.get("step")
+        if isinstance(ref, (int, float)):
+            return float(ref)
+        if not (isinstance(ref, dict) and "$tensor" in ref):
+            continue
+        key, file_url = ref["$tensor"], url
+        for shard in header.get("shards") or []:
+            if key in shard["tensors"]:
+                file_url = url[: len(url) - len(os.path.basename(url))] + shard["file"]
+        _, start, st_header = cio.read_head(file_url, file_url)
+        begin, end = st_header[key]["data_offsets"]
+        fs, path = cio.url_to_fs(file_url)
+        with fs.open(path, "rb") as f:
+            f.seek(start + begin)
+            raw = f.read(end - begin)
+        import torch
+
+        dtype = schema.torch_dtype(header["tensors"][key]["dtype"])
+        return float(torch.frombuffer(bytearray(raw), dtype=dtype)[0]) if raw else None
+    return None
+
+
+def summarize(header: dict[str, Any], *, file_bytes: int, step: float | None) -> dict[str, Any]:
+    """What `inspect` reports, as a JSON-able dict."""
+    tensors = header["tensors"]
+    state_raw = sum(_nbytes(i) for k, i in tensors.items() if k.startswith(schema.STATE_PREFIX + "/"))
+    model_raw = sum(_nbytes(i) for k, i in tensors.items() if k.startswith(schema.MODEL_PREFIX + "/"))
+    params, compressed, full, fp32_adamw = [], 0, 0, 0
+    amsgrad = any(bool(g.get("amsgrad")) for g in header["param_groups"])
+    for pid, info in header["params"].items():
+        pstate = header["state"].get(pid, {})
+        numel = _numel(info.get("shape"))
+        pbytes = sum(_nbytes(tensors[v["$tensor"]]) for v in pstate.values() if isinstance(v, dict) and "$tensor" in v)
+        formats = info.get("compressed") or {}
+        if pstate:
+            fp32_adamw += 4 + numel * (12 if amsgrad else 8)
+            compressed, full = compressed + (numel if formats else 0), full + (0 if formats else numel)
+        fmt = ", ".join(
+            f"{m}={f['format']}{'+exp' if f['expand'] else ''}/g{f['group_size']}" for m, f in formats.items()
+        )
+        params.append({
+            "id": int(pid), "name": info.get("name"), "shape": info.get("shape"), "state_bytes": pbytes,
+            "format": fmt or ("fp32" if pstate else "no state"),
+        })
+    elements = compressed + full
+    return {
+        "format_version": header["format_version"],
+        "library_version": header.get("library_version"),
+        "optimizer": header.get("optimizer"),
+        "step": step,
+        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in header["param_groups"]],
+        "params": params,
+        "compressed_elements": compressed,
+        "full_precision_elements": full,
+        "tensors": len(tensors),
+        "optimizer_state_bytes": state_raw,
+        "model_bytes": model_raw,
+        "file_bytes": file_bytes,
+        "compression": header.get("compression"),
+        "shards": len(header.get("shards") or []) or None,
+        "state_bytes_per_param": state_raw / elements if elements else None,
+        "ratio_vs_fp32_adamw": state_raw / fp32_adamw if fp32_adamw else None,
+    }
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.1f} MB"
+
+
+def _print_summary(url: str, s: dict[str, Any], verified: bool | None, show_all: bool) -> None:
+    opt = s["optimizer"] or {}
+    print(f"{url}: coatstate checkpoint v{s['format_version']} (written by coatstate {s['library_version']})")
+    print(f"optimizer: {opt.get('class') or 'state dict'} ({opt.get('variant')} states), step {s['step']}")
+    for i, g in enumerate(s["param_groups"]):
+        keys = ("lr", "betas", "eps", "weight_decay", "amsgrad", "group_size", "exp_avg_format", "exp_avg_sq_format")
+        print(f"group {i}: " + ", ".join(f"{k}={g[k]}" for k in keys if k in g))
+    print(f"params: {len(s['params'])}; elements {s['compressed_elements']:,} in FP8, "
+          f"{s['full_precision_elements']:,} in fp32")
+    shown = s["params"] if show_all else s["params"][:20]
+    width = max([len(str(p["name"] or p["id"])) for p in shown] + [4])
+    for p in shown:
+        print(f"  {str(p['name'] or p['id']):<{width}}  {str(p['shape']):<18} {_mb(p['state_bytes']):>12}  {p['format']}")
+    if len(shown) < len(s["params"]):
+        print(f"  ... {len(s['params']) - len(shown)} more (--all lists them)")
+    bpp = s["state_bytes_per_param"]
+    print(f"optimizer state: {_mb(s['optimizer_state_bytes'])}"
+          + (f", {bpp:.3f} bytes/param" if bpp is not None else "")
+          + (f", {s['ratio_vs_fp32_adamw']:.3f}x of fp32 AdamW" if s["ratio_vs_fp32_adamw"] else ""))
+    print(f"model: {_mb(s['model_bytes'])}; file: {_mb(s['file_bytes'])} "
+          f"({s['tensors']} tensors, compression {s['compression']}, shards {s['shards'] or 1})")
+    print("checksums: " + {True: "all verified", None: "not verified (--verify reads and checks every tensor)"}[verified])
+
+
+def _file_bytes(url: str, header: dict[str, Any]) -> int:
+    fs, path = cio.url_to_fs(url)
+    return fs.size(path) + sum(s["bytes"] for s in header.get("shards") or [])
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from coatstate import checkpoint
+
+    url = args.file
+    head = cio.read_bytes(url, length=4)
+    if head == b"PK\x03\x04":  # a torch.save file: read it (weights_only) and describe it
+        ckpt = checkpoint.read(url)
+        _, header = checkpoint._flatten(ckpt.optimizer, {}, {}, None)
+        header["optimizer"]["class"] = "torch.save state dict"
+        s = summarize(header, file_bytes=cio.url_to_fs(url)[0].size(cio.url_to_fs(url)[1]), step=None)
+        s["step"] = _first_step_from(ckpt.optimizer)
+        verified = None
+    else:
+        header = checkpoint.read_header(url)
+        if args.verify:
+            checkpoint.read(url, verify=True)
+        s = summarize(header, file_bytes=_file_bytes(url, header), step=_first_step(url, header))
+        verified = True if args.verify else None
+    if args.json:
+        print(json.dumps({**s, "checksums_verified": bool(verified)}, indent=1))
+    else:
+        _print_summary(url, s, verified, args.all)
+    return 0
+
+
+def _first_step_from(sd: dict[str, Any]) -> float | None:
+    for pstate in sd["state"].values():
+        if "step" in pstate:
+            return float(pstate["step"])
+    return None
+
+
+# ----------------------------------------------------------------------------------- convert
+def _ext(path: str) -> str:
+    return os.path.splitext(path.rstrip("/"))[1].lower()
+
+
+def _direction(args: argparse.Namespace) -> str:
+    if args.to:
+        return args.to
+    src, dst = _ext(args.src), _ext(args.dst)
+    if src in PT_EXTENSIONS and dst in ST_EXTENSIONS:
+        return "compressed"
+    if src in ST_EXTENSIONS and dst in PT_EXTENSIONS:
+        return "adamw"
+    raise UsageError(f"cannot infer the direction from {args.src!r} -> {args.dst!r}: pass --to compressed or --to adamw")
+
+
+def _write_pt(obj: Any, url: str) -> None:
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    view = buf.getbuffer()
+    cio.atomic_write(url, lambda f: f.write(view), len(view))
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from coatstate import checkpoint
+
+    direction = _direction(args)
+    if _ext(args.dst) not in PT_EXTENSIONS + ST_EXTENSIONS:
+        raise UsageError(f"DST {args.dst!r} must end in one of {PT_EXTENSIONS + ST_EXTENSIONS}")
+    if os.path.isdir(args.src):
+        raise CheckpointError(
+            f"{args.src} is a directory: torch.distributed.checkpoint directories are not read (their "
+            ".metadata is a pickle); for a trusted one, run torch.distributed.checkpoint.format_utils."
+            "dcp_to_torch_save first"
+        )
+    t0 = time.perf_counter()
+    ckpt = checkpoint.read(args.src)
+    sd = ckpt.optimizer
+    has_codes = any(k.endswith("_codes") for s in sd["state"].values() for k in s)
+    if direction == "compressed":
+        if has_codes:
+            raise CheckpointError(f"{args.src} already holds compressed states (convert --to adamw first)")
+        from coatstate.optim import compress_adamw_state_dict
+
+        sd = compress_adamw_state_dict(
+            sd, group_size=args.group_size, exp_avg_format=args.exp_avg_format,
+            exp_avg_sq_format=args.exp_avg_sq_format, exp_avg_expand=not args.no_expand,
+            exp_avg_sq_expand=not args.no_expand, min_numel=args.min_numel,
+        )
+    elif has_codes:
+        from coatstate.optim import to_adamw_state_dict
+
+        sd = to_adamw_state_dict(sd)
+    if _ext(args.dst) in ST_EXTENSIONS:
+        checkpoint.save(sd, args.dst, model=ckpt.model, compress="zstd" if args.zstd else None)
+    else:
+        if ckpt.model is not None:
+            print("coatstate: note: the model state dict in SRC is not written to a .pt DST", file=sys.stderr)
+        _write_pt(sd, args.dst)
+    src_size, dst_size = (cio.url_to_fs(u)[0].size(cio.url_to_fs(u)[1]) for u in (args.src, args.dst))
+    print(f"{args.src} ({_mb(src_size)}) -> {args.dst} ({_mb(dst_size)}, {dst_size / src_size:.3f}x, "
+          f"{direction}) in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return 0
+
+
+# -------------------------------------------------------------------------------------- main
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="coatstate", description="Inspect and convert coatstate checkpoints.")
+    sub = p.add_subparsers(dest="command", required=True)
+    i = sub.add_parser("inspect", help="what a checkpoint holds (reads the header only unless --verify)")
+    i.add_argument("file", help="a .safetensors checkpoint (local path or fsspec URL) or a torch .pt")
+    i.add_argument("--verify", action="store_true", help="read every tensor and check its checksum")
+    i.add_argument("--json", action="store_true", help="print JSON for scripts")
+    i.add_argument("--all", action="store_true", help="list every parameter")
+    i.set_defaults(run=cmd_inspect)
+    c = sub.add_parser("convert", help="torch AdamW .pt <-> compressed .safetensors")
+    c.add_argument("src")
+    c.add_argument("dst")
+    c.add_argument("--to", choices=("compressed", "adamw"), help="default: from the extensions (.pt -> .safetensors: compressed)")
+    c.add_argument("--group-size", type=int, default=128)
+    c.add_argument("--exp-avg-format", choices=("e4m3", "e5m2"), default="e4m3")
+    c.add_argument("--exp-avg-sq-format", choices=("e4m3", "e5m2"), default="e4m3")
+    c.add_argument("--no-expand", action="store_true", help="no dynamic range expansion")
+    c.add_argument("--min-numel", type=int, default=4096, help="smaller params keep fp32 states")
+    c.add_argument("--zstd", action="store_true", help="zstandard-compress the tensors")
+    c.set_defaults(run=cmd_convert)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse already printed the usage message
+        return int(e.code or 0)
+    try:
+        return args.run(args)
+    except UsageError as e:
+        print(f"coatstate: usage error: {e}", file=sys.stderr)
+        return 2
+    except (CheckpointError, FileNotFoundError, ImportError, ValueError, TypeError, OSError) as e:
+        print(f"coatstate: error: {e}", file=sys.stderr)
+        return 1

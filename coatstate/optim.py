@@ -1,0 +1,436 @@
+"""CompressedAdamW: torch.optim.AdamW with its moments in the FP8 group format (COAT).
+
+Bookkeeping lives here (param groups, lazy state, GradScaler, state dicts, reporting); the update
+math lives in kernels.adamw_twin (pure torch, the CPU path) and kernels.adamw_fused (Triton, CUDA).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from coatstate.formats import FP8Format
+from coatstate.kernels.adamw_twin import (
+    MOMENTS,
+    MomentFormat,
+    adamw_step_reference,
+    init_moment,
+    is_compressed,
+    read_moment,
+    write_moment,
+)
+
+logger = logging.getLogger("coatstate")
+
+FORMAT_DEFAULTS: dict[str, Any] = {
+    "compress": True,
+    "group_size": 128,
+    "exp_avg_format": "e4m3",
+    "exp_avg_sq_format": "e4m3",
+    "exp_avg_expand": True,
+    "exp_avg_sq_expand": True,
+    "min_numel": 4096,
+    "compress_1d": False,
+}
+"""coatstate's own param-group keys (beside torch.optim.AdamW's) and their defaults."""
+
+
+def global_shape(p: torch.Tensor) -> torch.Size:
+    """The full shape of a parameter: a DTensor's global shape, never its local shard's."""
+    return p.shape  # DTensor.shape is the global shape
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def moment_formats(group: dict, shape: torch.Size) -> dict[str, MomentFormat | None]:
+    """How each moment of a parameter of global `shape` is stored (None: float32)."""
+    numel = math.prod(shape)
+    compress = (
+        group.get("compress", True)
+        and numel >= group.get("min_numel", FORMAT_DEFAULTS["min_numel"])
+        and (len(shape) >= 2 or group.get("compress_1d", False))
+    )
+    if not compress:
+        return dict.fromkeys(MOMENTS)
+    g = group.get("group_size", 128)
+    first = MomentFormat(FP8Format.parse(group.get("exp_avg_format", "e4m3")), group.get("exp_avg_expand", True), g)
+    second = MomentFormat(
+        FP8Format.parse(group.get("exp_avg_sq_format", "e4m3")), group.get("exp_avg_sq_expand", True), g
+    )
+    return {"exp_avg": first, "exp_avg_sq": second, "max_exp_avg_sq": second}
+
+
+def _why_uncompressed(group: dict, shape: torch.Size) -> str:
+    if not group.get("compress", True):
+        return "compression is off for its param group"
+    if len(shape) < 2 and not group.get("compress_1d", False):
+        return "1-D parameter (norm weight or bias)"
+    return f"{math.prod(shape)} elements < min_numel={group.get('min_numel')}"
+
+
+class CompressedAdamW(torch.optim.Optimizer):
+    """AdamW with FP8 (COAT) first and second moments.
+
+    Takes every argument of torch.optim.AdamW with the same defaults and meaning, plus:
+      compress: store moments in FP8 (False: exactly torch.optim.AdamW).
+      group_size: elements per quantization group along a row (128).
+      exp_avg_format / exp_avg_sq_format: "e4m3" or "e5m2".
+      exp_avg_expand / exp_avg_sq_expand: dynamic range expansion per moment.
+      min_numel: parameters with fewer elements keep float32 moments (4096).
+      compress_1d: also compress 1-D parameters (off: norm weights and biases stay float32).
+    The decision uses each parameter's global shape, so sharding never changes precision.
+    `fused=None/True` runs the Triton step on CUDA; `fused=False` forces the pure-torch step.
+    """
+
+    _step_supports_amp_scaling = True  # GradScaler hands us grad_scale/found_inf, as to fused AdamW
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
+        compress: bool = True,
+        group_size: int = 128,
+        exp_avg_format: str = "e4m3",
+        exp_avg_sq_format: str = "e4m3",
+        exp_avg_expand: bool = True,
+        exp_avg_sq_expand: bool = True,
+        min_numel: int = 4096,
+        compress_1d: bool = False,
+    ) -> None:
+        if isinstance(lr, torch.Tensor):
+            if lr.numel() != 1:
+                raise ValueError(f"Tensor lr must be 1-element; got shape {tuple(lr.shape)}")
+        elif not 0.0 <= lr:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not 0.0 <= eps:
+            raise ValueError(f"Invalid epsilon value: {eps}")
+        for i, b in enumerate(betas):
+            if isinstance(b, torch.Tensor):
+                raise ValueError("tensor betas are not supported by CompressedAdamW; pass floats")
+            if not 0.0 <= b < 1.0:
+                raise ValueError(f"Invalid beta parameter at index {i}: {b}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        if capturable or differentiable:
+            raise ValueError(
+                "CompressedAdamW does not support capturable=True or differentiable=True: its "
+                "states are requantized in place each step; use torch.optim.AdamW for those modes"
+            )
+        if not isinstance(group_size, int) or group_size < 1:
+            raise ValueError(f"group_size must be a positive int; got {group_size!r}")
+        for name, value in (("exp_avg_format", exp_avg_format), ("exp_avg_sq_format", exp_avg_sq_format)):
+            try:
+                FP8Format.parse(value)
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from None
+        defaults = dict(
+            lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+            maximize=maximize, foreach=foreach, capturable=False, differentiable=False, fused=fused,
+            decoupled_weight_decay=True, compress=compress, group_size=group_size,
+            exp_avg_format=FP8Format.parse(exp_avg_format).value,
+            exp_avg_sq_format=FP8Format.parse(exp_avg_sq_format).value,
+            exp_avg_expand=exp_avg_expand, exp_avg_sq_expand=exp_avg_sq_expand,
+            min_numel=min_numel, compress_1d=compress_1d,
+        )
+        super().__init__(params, defaults)
+        self._reported: set[int] = set()
+        self._fused_cache: dict = {}
+        self._twin_nonfinite: dict = {}
+
+    # ---- reporting -------------------------------------------------------------------------
+
+    def uncompressed_parameters(self) -> list[dict[str, Any]]:
+        """Parameters whose moments are kept in float32, with the reason for each."""
+        out = []
+        for gi, group in enumerate(self.param_groups):
+            names = group.get("param_names")
+            for i, p in enumerate(group["params"]):
+                shape = global_shape(p)
+                if moment_formats(group, shape)["exp_avg"] is None:
+                    out.append({
+                        "name": names[i] if names else f"group{gi}.param{i}",
+                        "shape": tuple(shape), "numel": math.prod(shape),
+                        "reason": _why_uncompressed(group, shape),
+                    })
+        return out
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state held on this process (codes, scales, exponents, fp32 moments)."""
+        total = 0
+        for state in self.state.values():
+            for key, t in state.items():
+                if key != "step" and isinstance(t, torch.Tensor):
+                    lt = local_tensor(t)
+                    total += lt.numel() * lt.element_size()
+        return total
+
+    def _report_once(self) -> None:
+        kept = self.uncompressed_parameters()
+        key = len(kept)
+        if key in self._reported:
+            return
+        self._reported.add(key)
+        if kept:
+            n = sum(k["numel"] for k in kept)
+            total = sum(math.prod(global_shape(p)) for g in self.param_groups for p in g["params"])
+            reasons = sorted({k["reason"].split(" <")[0] if "<" in k["reason"] else k["reason"] for k in kept})
+            logger.info(
+                "coatstate: %d of %d parameters (%.2f%% of elements) keep float32 moments (%s); "
+                "see CompressedAdamW.uncompressed_parameters()",
+                len(kept), sum(len(g["params"]) for g in self.param_groups),
+                100.0 * n / max(total, 1), "; ".join(reasons),
+            )
+
+    # ---- the step --------------------------------------------------------------------------
+
+    def _init_state(self, p: torch.Tensor, group: dict, on_device: bool) -> dict:
+        state = self.state[p]
+        if not state:
+            local = local_tensor(p)
+            formats = moment_formats(group, global_shape(p))
+            state["step"] = torch.tensor(0.0, dtype=torch.float32, device=local.device if on_device else "cpu")
+            names = MOMENTS if group["amsgrad"] else MOMENTS[:2]
+            for name in names:
+                init_moment(state, name, local, formats[name])
+        elif group["amsgrad"] and "max_exp_avg_sq" not in state and "max_exp_avg_sq_codes" not in state:
+            init_moment(state, "max_exp_avg_sq", local_tensor(p), moment_formats(group, global_shape(p))["max_exp_avg_sq"])
+        return state
+
+    @staticmethod
+    def _use_fused(group: dict, p: torch.Tensor) -> bool:
+        """fused=None: the Triton step on CUDA. fused=True: required (CUDA, or Triton's CPU
+        interpreter when TRITON_INTERPRET=1, for tests). fused=False: the pure-torch step."""
+        if group.get("fused") is False:
+            return False
+        from coatstate.kernels import adamw_fused
+
+        device = local_tensor(p).device
+        if group.get("fused") is None:
+            return device.type == "cuda" and adamw_fused.available()
+        if not adamw_fused.usable(device):
+            raise ValueError(
+                f"fused=True needs CUDA tensors with Triton (got a parameter on {device}); "
+                "pass fused=None to fall back to the pure-torch step"
+            )
+        return True
+
+    def nonfinite_parameters(self) -> list[dict[str, Any]]:
+        """Parameters whose moments have held NaN/Inf since the last call (then reset).
+
+        Counted on the device without synchronising; this call synchronises once. A NaN or Inf
+        gradient that GradScaler did not catch shows up here instead of silently in a state.
+        """
+        out = []
+        for plan in self._fused_cache.values():
+            counts = plan.nonfinite.tolist()
+            plan.nonfinite.zero_()
+            out += [{"shape": tuple(p.shape), "count": c, "param": p} for p, c in zip(plan.params, counts) if c]
+        for p, count in self._twin_nonfinite.items():
+            if count:
+                out.append({"shape": tuple(p.shape), "count": count, "param": p})
+        self._twin_nonfinite.clear()
+        return out
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grad_scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        self._report_once()
+        for group in self.param_groups:
+            fused_params, twin_params = [], []
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse or p.is_sparse:
+                    raise TypeError("CompressedAdamW does not support sparse gradients; use torch.optim.SparseAdam")
+                if torch.is_complex(p):
+                    raise TypeError(
+                        "CompressedAdamW does not support complex parameters; view them as real "
+                        "(torch.view_as_real) or use torch.optim.AdamW"
+                    )
+                (fused_params if self._use_fused(group, p) else twin_params).append(p)
+            if fused_params:
+                from coatstate.kernels import adamw_fused
+
+                states = [self._init_state(p, group, on_device=True) for p in fused_params]
+                adamw_fused.step(self, group, fused_params, states, moment_formats, grad_scale, found_inf)
+            if twin_params:
+                self._twin_step(group, twin_params, grad_scale, found_inf)
+        return loss
+
+    def _twin_step(self, group, params, grad_scale, found_inf) -> None:
+        if found_inf is not None and bool(found_inf.item()):
+            return  # GradScaler found Inf/NaN in the gradients: skip, as torch does
+        inv_scale = None
+        if grad_scale is not None:
+            inv_scale = grad_scale.double().reciprocal().float()  # exactly GradScaler.unscale_'s
+        beta1, beta2 = group["betas"]
+        lr = group["lr"].item() if isinstance(group["lr"], torch.Tensor) else group["lr"]
+        for p in params:
+            state = self._init_state(p, group, on_device=False)
+            state["step"] += 1
+            g = local_tensor(p.grad)
+            bad = adamw_step_reference(
+                local_tensor(p), g, state,
+                moment_formats(group, global_shape(p)),
+                lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                maximize=group["maximize"], amsgrad=group["amsgrad"], step=state["step"].item(),
+                inv_grad_scale=None if inv_scale is None else inv_scale.to(g.device),
+            )
+            if bad:
+                self._twin_nonfinite[p] = self._twin_nonfinite.get(p, 0) + bad
+
+    # ---- state dicts -----------------------------------------------------------------------
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a CompressedAdamW or a torch.optim.AdamW state dict (compressing it as configured).
+
+        Hyperparameters come from the loaded dict; coatstate's format keys that it lacks (an
+        AdamW dict) keep this optimizer's values. Moments are converted to this optimizer's
+        format for each parameter; states are never cast to the parameter's dtype.
+        """
+        groups = state_dict.get("param_groups")
+        if not isinstance(groups, list) or "state" not in state_dict:
+            raise ValueError("not an optimizer state dict: expected keys 'state' and 'param_groups'")
+        if len(groups) != len(self.param_groups):
+            raise ValueError(
+                f"loaded state dict has {len(groups)} param groups, this optimizer has {len(self.param_groups)}"
+            )
+        id_to_param: dict[Any, torch.Tensor] = {}
+        new_groups = []
+        for gi, (mine, saved) in enumerate(zip(self.param_groups, groups)):
+            if len(mine["params"]) != len(saved["params"]):
+                raise ValueError(
+                    f"param group {gi}: loaded state has {len(saved['params'])} parameters, this "
+                    f"optimizer has {len(mine['params'])}"
+                )
+            id_to_param.update(zip(saved["params"], mine["params"]))
+            merged = {k: v for k, v in saved.items() if k != "params"}
+            for key, default in FORMAT_DEFAULTS.items():
+                merged.setdefault(key, mine.get(key, default))
+            merged.setdefault("decoupled_weight_decay", True)
+            merged["params"] = mine["params"]
+            new_groups.append(merged)
+        self.param_groups = new_groups
+        self.state.clear()
+        self._fused_cache.clear()
+        param_group = {id(p): g for g in new_groups for p in g["params"]}
+        for pid, saved_state in state_dict["state"].items():
+            if pid not in id_to_param:
+                raise ValueError(f"loaded state refers to parameter id {pid!r}, not in any param group")
+            p = id_to_param[pid]
+            self.state[p] = convert_param_state(saved_state, p, param_group[id(p)])
+
+
+def convert_param_state(saved: dict, p: torch.Tensor, group: dict) -> dict:
+    """One parameter's saved state, in this group's format for `p`, on p's device."""
+    local = local_tensor(p)
+    formats = moment_formats(group, global_shape(p))
+    saved_group_size = group.get("group_size", 128)
+    out: dict[str, Any] = {}
+    for key, value in saved.items():
+        if key == "step":
+            step = value if isinstance(value, torch.Tensor) else torch.tensor(float(value))
+            on_device = local.is_cuda and group.get("fused") is not False
+            out["step"] = step.detach().to(dtype=torch.float32, device=local.device if on_device else "cpu").clone()
+    for name in MOMENTS:
+        if name not in saved and f"{name}_codes" not in saved:
+            continue
+        src = {k: (local_tensor(v).to(local.device) if isinstance(v, torch.Tensor) else v) for k, v in saved.items()}
+        if not is_compressed(src, name) and tuple(src[name].shape) != tuple(local.shape):
+            raise ValueError(
+                f"state {name!r} has shape {tuple(src[name].shape)} but its parameter has shape {tuple(local.shape)}"
+            )
+        if is_compressed(src, name) and tuple(src[f"{name}_codes"].shape) != tuple(local.shape):
+            raise ValueError(
+                f"state {name}_codes has shape {tuple(src[f'{name}_codes'].shape)} but its parameter has "
+                f"shape {tuple(local.shape)}"
+            )
+        value = read_moment(src, name, saved_group_size).float()
+        init_moment(out, name, local, formats[name])
+        if formats[name] is None:
+            out[name].copy_(value)
+        else:
+            same = (
+                is_compressed(src, name)
+                and src[f"{name}_codes"].dtype == formats[name].fmt.dtype
+                and (f"{name}_exponents" in src) == formats[name].expand
+                and src[f"{name}_scales"].shape == out[f"{name}_scales"].shape
+            )
+            if same:  # already in this format: copy the bits, never requantize (bit-exact resume)
+                for k in (f"{name}_codes", f"{name}_scales", f"{name}_exponents"):
+                    if k in src:
+                        out[k].copy_(src[k])
+            else:
+                write_moment(out, name, value, formats[name])
+    if "step" not in out:
+        raise ValueError("parameter state has no 'step'")
+    return out
+
+
+def _format_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    unknown = set(kwargs) - set(FORMAT_DEFAULTS)
+    if unknown:
+        raise TypeError(f"unknown format option(s) {sorted(unknown)}; allowed: {sorted(FORMAT_DEFAULTS)}")
+    return {**FORMAT_DEFAULTS, **kwargs}
+
+
+def compress_adamw_state_dict(state_dict: dict[str, Any], **format_options: Any) -> dict[str, Any]:
+    """A torch.optim.AdamW state dict -> a CompressedAdamW one (format options as its constructor's)."""
+    options = _format_kwargs(format_options)
+    groups, state = [], {}
+    for saved in state_dict["param_groups"]:
+        group = {**saved, **options}
+        groups.append(group)
+        for pid in saved["params"]:
+            if pid not in state_dict["state"]:
+                continue
+            s = state_dict["state"][pid]
+            ref = s["exp_avg"]
+            fake = torch.empty(ref.shape, device="meta")
+            formats = moment_formats(group, ref.shape)
+            out = {"step": s["step"].clone() if isinstance(s["step"], torch.Tensor) else torch.tensor(float(s["step"]))}
+            for name in MOMENTS:
+                if name in s:
+                    init_moment(out, name, torch.empty(fake.shape, device=s[name].device), formats[name])
+                    write_moment(out, name, s[name].float(), formats[name])
+            state[pid] = out
+    return {"state": state, "param_groups": groups}
+
+
+def to_adamw_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """A CompressedAdamW state dict -> one torch.optim.AdamW loads (moments decompressed to fp32)."""
+    groups, state = [], {}
+    for saved in state_dict["param_groups"]:
+        groups.append({k: v for k, v in saved.items() if k not in FORMAT_DEFAULTS})
+        g = saved.get("group_size", 128)
+        for pid in saved["params"]:
+            if pid not in state_dict["state"]:
+                continue
+            s = state_dict["state"][pid]
+            out = {"step": s["step"]}
+            for name in MOMENTS:
+                if name in s or f"{name}_codes" in s:
+                    out[name] = read_moment(s, name, g).float().clone()
+            state[pid] = out
+    return {"state": state, "param_groups": groups}

@@ -1,0 +1,182 @@
+"""The on-disk schema of coatstate checkpoints (docs/CHECKPOINT.md is the prose spec).
+
+Pure bookkeeping: tensor key naming, the JSON header that travels in the safetensors metadata,
+version constants, the tagged JSON encoding of non-tensor values, and checksum helpers.
+Nothing here knows about optimizers or files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+FORMAT_NAME = "coatstate.checkpoint"
+"""The magic: the `format` field of every header."""
+FORMAT_VERSION = 1
+"""Bumped on any change an older reader would misread; readers refuse newer versions."""
+METADATA_KEY = "coatstate"
+"""safetensors metadata key holding the JSON header."""
+HEADER_CHECKSUM_KEY = "coatstate.header_sha256"
+"""safetensors metadata key holding sha256 (hex) of the JSON header string."""
+CHECKSUM_ALGORITHM = "sha256"
+"""Per-tensor checksum: sha256 over the tensor's raw little-endian bytes (before any zstd)."""
+MAX_HEADER_BYTES = 100 * 2**20
+"""safetensors' own limit on the JSON header."""
+
+STATE_PREFIX = "state"
+MODEL_PREFIX = "model"
+GROUPS_PREFIX = "param_groups"
+COMPRESSED_SUFFIXES = ("_codes", "_scales", "_exponents")
+"""A compressed moment N is stored as N_codes, N_scales and (expanded only) N_exponents."""
+
+# torch dtype name <-> safetensors dtype string, and bytes per element
+DTYPES: dict[str, tuple[str, int]] = {
+    "float64": ("F64", 8),
+    "float32": ("F32", 4),
+    "float16": ("F16", 2),
+    "bfloat16": ("BF16", 2),
+    "int64": ("I64", 8),
+    "int32": ("I32", 4),
+    "int16": ("I16", 2),
+    "int8": ("I8", 1),
+    "uint8": ("U8", 1),
+    "bool": ("BOOL", 1),
+    "float8_e4m3fn": ("F8_E4M3", 1),
+    "float8_e5m2": ("F8_E5M2", 1),
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read or does not fit: truncated, corrupt, wrong magic or
+    version, missing tensors, or a mismatch with the optimizer/model it is loaded into."""
+
+
+# ---------------------------------------------------------------------------------------- keys
+def state_key(param_id: int, name: str) -> str:
+    """'state/{param_id}/{name}': one per-parameter optimizer state tensor."""
+    return f"{STATE_PREFIX}/{int(param_id)}/{name}"
+
+
+def model_key(name: str) -> str:
+    """'model/{name}': one tensor of the model's state dict."""
+    return f"{MODEL_PREFIX}/{name}"
+
+
+def group_key(group_index: int, name: str) -> str:
+    """'param_groups/{index}/{name}': a tensor-valued hyperparameter (e.g. a tensor lr)."""
+    return f"{GROUPS_PREFIX}/{int(group_index)}/{name}"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """'float32' for torch.float32; raises for dtypes safetensors cannot hold."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise TypeError(f"cannot store a {dtype} tensor in a checkpoint; supported: {sorted(DTYPES)}")
+    return name
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise CheckpointError(f"unknown dtype {name!r} in the header")
+    return getattr(torch, name)
+
+
+def moment_of(state_name: str) -> tuple[str, str] | None:
+    """('exp_avg', '_codes') for 'exp_avg_codes'; None for a tensor that is not a compressed part."""
+    for suffix in COMPRESSED_SUFFIXES:
+        if state_name.endswith(suffix) and len(state_name) > len(suffix):
+            return state_name[: -len(suffix)], suffix
+    return None
+
+
+# ------------------------------------------------------------------------------------ checksums
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw bytes of a CPU tensor (contiguous, any dtype), without a copy when possible."""
+    flat = t.detach().reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+
+
+def checksum(data: bytes | memoryview) -> str:
+    """'sha256:<hex>' of `data` (measured here at ~2 GB/s, faster than blake2b's ~1.4 GB/s)."""
+    return f"{CHECKSUM_ALGORITHM}:{hashlib.sha256(data).hexdigest()}"
+
+
+def tensor_checksum(t: torch.Tensor) -> str:
+    return checksum(tensor_bytes(t))
+
+
+def header_checksum(header_json: str) -> str:
+    return hashlib.sha256(header_json.encode("utf-8")).hexdigest()
+
+
+# ------------------------------------------------------------------------- tagged JSON values
+def encode_value(value: Any, where: str) -> Any:
+    """JSON for a hyperparameter or non-tensor state value; tuples and non-finite floats tagged.
+
+    Tensors are not handled here (the caller stores them as tensors and writes {"$tensor": key}).
+    """
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else {"$float": repr(value)}
+    if isinstance(value, tuple):
+        return {"$tuple": [encode_value(v, where) for v in value]}
+    if isinstance(value, list):
+        return [encode_value(v, where) for v in value]
+    if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
+        if any(k.startswith("$") for k in value):
+            raise TypeError(f"{where}: dict keys starting with '$' are reserved; got {sorted(value)}")
+        return {k: encode_value(v, f"{where}.{k}") for k, v in value.items()}
+    raise TypeError(
+        f"{where}: cannot store a value of type {type(value).__name__} ({value!r:.80}) in a "
+        "checkpoint header; only None, bool, int, float, str, tuples, lists, str-keyed dicts "
+        "and tensors are stored"
+    )
+
+
+def decode_value(value: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    """Inverse of `encode_value`; {"$tensor": key} is looked up in `tensors`."""
+    if isinstance(value, list):
+        return [decode_value(v, tensors) for v in value]
+    if isinstance(value, dict):
+        if "$tuple" in value:
+            return tuple(decode_value(v, tensors) for v in value["$tuple"])
+        if "$float" in value:
+            return float(value["$float"])
+        if "$tensor" in value:
+            key = value["$tensor"]
+            if key not in tensors:
+                raise CheckpointError(f"tensor {key!r} named in the header is missing from the file")
+            return tensors[key]
+        return {k: decode_value(v, tensors) for k, v in value.items()}
+    return value
+
+
+def dump_header(header: Mapping[str, Any]) -> str:
+    """Strict JSON (no NaN/Infinity literals), compact."""
+    return json.dumps(header, separators=(",", ":"), allow_nan=False)
+
+
+def check_header(header: Any, where: str) -> dict[str, Any]:
+    """Validate the magic, the version and the field types a reader relies on."""
+    if not isinstance(header, dict) or header.get("format") != FORMAT_NAME:
+        found = header.get("format") if isinstance(header, dict) else type(header).__name__
+        raise CheckpointError(f"{where}: not a coatstate checkpoint (format {found!r}, expected {FORMAT_NAME!r})")
+    version = header.get("format_version")
+    if not isinstance(version, int) or version < 1 or version > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{where}: format version {version!r} is not supported by this coatstate (reads versions "
+            f"1..{FORMAT_VERSION}); upgrade coatstate to read it"
+        )
+    expected = {"tensors": dict, "param_groups": list, "state": dict, "params": dict}
+    for field, kind in expected.items():
+        if not isinstance(header.get(field), kind):
+            raise CheckpointError(f"{where}: header field {field!r} is missing or not a {kind.__name__}")
+    return header

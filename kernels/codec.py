@@ -1,0 +1,107 @@
+"""Triton FP8 group codec: quantize / dequantize a tensor in the group format.
+
+Twin: coatstate.formats.quantize / dequantize. Plain mode is bit-exact against it (the rounding
+is done in float32 before the cast, see kernels/fp8_triton.py); with expansion the codes may
+differ by one FP8 step (GPU log2/exp2 approximations), the values stay within the error bound.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..formats.fp8 import FP8Format
+from ..formats.group import GroupQuantized, group_layout
+from .fp8_triton import decode, encode, fp8_constants, from_fp8_bits, group_params, to_fp8_bits
+
+GROUPS_PER_PROGRAM = 8
+
+
+@triton.jit
+def _group_offsets(pid, n_groups, cols, groups_per_row, GROUP: tl.constexpr, GPP: tl.constexpr):
+    """Element offsets [GPP, GROUP] of this program's groups, their mask, and the group ids."""
+    gid = pid.to(tl.int64) * GPP + tl.arange(0, GPP)
+    row = gid // groups_per_row
+    col0 = (gid - row * groups_per_row) * GROUP
+    lane = tl.arange(0, GROUP)
+    cols_in_row = col0[:, None] + lane[None, :]
+    mask = (gid < n_groups)[:, None] & (cols_in_row < cols)
+    return row[:, None] * cols + cols_in_row, mask, gid
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, exps_ptr, n_groups, cols, groups_per_row,
+                     EXPAND: tl.constexpr, GROUP: tl.constexpr, GPP: tl.constexpr,
+                     FP8_MAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr,
+                     LOG2_MAX: tl.constexpr, K_NUMERATOR: tl.constexpr, IS_E4M3: tl.constexpr):
+    offs, mask, gid = _group_offsets(tl.program_id(0), n_groups, cols, groups_per_row, GROUP, GPP)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    mag = tl.abs(x)
+    a, k16, p0, p1 = group_params(mag, EXPAND, FP8_MAX, LOG2_MAX, K_NUMERATOR)
+    y = encode(x, mag, p0, p1, EXPAND)
+    tl.store(codes_ptr + offs, to_fp8_bits(y, FP8_MAX, MBITS, EMIN, IS_E4M3), mask=mask)
+    gmask = gid < n_groups
+    tl.store(scales_ptr + gid, a, mask=gmask)
+    if EXPAND:
+        tl.store(exps_ptr + gid, k16.to(tl.uint8), mask=gmask)
+
+
+@triton.jit
+def _dequantize_kernel(codes_ptr, scales_ptr, exps_ptr, out_ptr, n_groups, cols, groups_per_row,
+                       EXPAND: tl.constexpr, GROUP: tl.constexpr, GPP: tl.constexpr, IS_E4M3: tl.constexpr):
+    offs, mask, gid = _group_offsets(tl.program_id(0), n_groups, cols, groups_per_row, GROUP, GPP)
+    gmask = gid < n_groups
+    q = from_fp8_bits(tl.load(codes_ptr + offs, mask=mask, other=0), IS_E4M3)
+    scale = tl.load(scales_ptr + gid, mask=gmask, other=0.0)
+    k16 = tl.load(exps_ptr + gid, mask=gmask, other=16).to(tl.float32) if EXPAND else scale
+    x = decode(q, scale, k16, EXPAND)
+    tl.store(out_ptr + offs, x.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_group_size(group_size: int) -> None:
+    if group_size < 2 or group_size & (group_size - 1):
+        raise ValueError(
+            f"the Triton codec needs a power-of-two group_size >= 2; got {group_size}. "
+            "Use coatstate.formats.quantize (pure torch) for other sizes"
+        )
+
+
+def quantize(x: torch.Tensor, *, group_size: int = 128, fmt: FP8Format | str = "e4m3",
+             expand: bool = True) -> GroupQuantized:
+    """Triton twin of coatstate.formats.quantize (no finiteness check: it would synchronise)."""
+    fmt = FP8Format.parse(fmt)
+    _check_group_size(group_size)
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"quantize takes float32, bfloat16 or float16 tensors; got {x.dtype}")
+    x = x.contiguous()
+    rows, cols, groups = group_layout(x.shape, group_size)
+    codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    scales = torch.empty((rows, groups), dtype=torch.float32, device=x.device)
+    exps = torch.empty((rows, groups), dtype=torch.uint8, device=x.device) if expand else scales
+    n_groups = rows * groups
+    if n_groups and x.numel():
+        grid = (triton.cdiv(n_groups, GROUPS_PER_PROGRAM),)
+        _quantize_kernel[grid](x, codes, scales, exps, n_groups, cols, groups, EXPAND=expand,
+                               GROUP=group_size, GPP=GROUPS_PER_PROGRAM, **fp8_constants(fmt))
+    elif n_groups:
+        scales.zero_()
+        if expand:
+            exps.fill_(16)
+    return GroupQuantized(codes.view(fmt.dtype), scales, exps if expand else None, group_size)
+
+
+def dequantize(q: GroupQuantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Triton twin of coatstate.formats.dequantize."""
+    _check_group_size(q.group_size)
+    rows, cols, groups = group_layout(q.shape, q.group_size)
+    out = torch.empty(q.shape, dtype=dtype, device=q.codes.device)
+    n_groups = rows * groups
+    if n_groups and out.numel():
+        codes = q.codes.contiguous().view(torch.uint8)
+        exps = q.exponents if q.exponents is not None else q.scales
+        grid = (triton.cdiv(n_groups, GROUPS_PER_PROGRAM),)
+        _dequantize_kernel[grid](codes, q.scales.contiguous(), exps.contiguous(), out, n_groups, cols, groups,
+                                 EXPAND=q.expanded, GROUP=q.group_size, GPP=GROUPS_PER_PROGRAM,
+                                 IS_E4M3=q.fmt is FP8Format.E4M3)
+    return out

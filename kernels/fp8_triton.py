@@ -1,0 +1,116 @@
+"""Triton device functions shared by the kernels: FP8 rounding and the group codec math.
+
+Each mirrors a function of coatstate.formats operation for operation (same float32 ops in the
+same order), so plain quantization is bit-exact against the torch twin on the GPU and in
+Triton's interpreter. With expansion, log2/exp2 are the GPU's approximations (lg2/ex2.approx):
+codes may then differ from the twin by one FP8 step, the dequantized values stay within the
+format's error bound (formats.error_bound).
+"""
+
+from __future__ import annotations
+
+import math
+
+import triton
+import triton.language as tl
+
+from ..formats.fp8 import FP8Format
+from ..formats.group import EXPONENT_DENOMINATOR, MAX_EXPONENT_CODE, MIN_EXPONENT_CODE, MIN_SCALE
+
+
+def fp8_constants(fmt: FP8Format) -> dict:
+    """constexpr arguments describing `fmt` for the functions below."""
+    return dict(
+        FP8_MAX=fmt.max,
+        MBITS=fmt.mantissa_bits,
+        EMIN=fmt.min_normal_exponent,
+        LOG2_MAX=math.log2(fmt.max),
+        K_NUMERATOR=EXPONENT_DENOMINATOR * math.log2(fmt.expansion_range),
+        IS_E4M3=fmt is FP8Format.E4M3,
+    )
+
+
+@triton.jit
+def copysign(mag, sign_of):
+    """|mag| with the sign bit of `sign_of` (as torch.copysign: -0.0 stays -0.0)."""
+    bits = (mag.to(tl.int32, bitcast=True) & 0x7FFFFFFF) | (sign_of.to(tl.int32, bitcast=True) & -2147483648)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def round_to_fp8_grid(y, FP8_MAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr):
+    """RNE onto the FP8 grid in float32, saturating; keeps the sign of zero (formats.round_to_fp8_grid)."""
+    y = tl.minimum(tl.maximum(y, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_MAX,
+                   propagate_nan=tl.PropagateNan.ALL)
+    mag = tl.abs(y)
+    e = ((mag.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    e = tl.maximum(e, EMIN)
+    inv_ulp = ((MBITS - e + 127) << 23).to(tl.float32, bitcast=True)
+    ulp = ((e - MBITS + 127) << 23).to(tl.float32, bitcast=True)
+    r = ((mag * inv_ulp + 12582912.0) - 12582912.0) * ulp
+    return copysign(r, y)
+
+
+@triton.jit
+def to_fp8_bits(y, FP8_MAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, IS_E4M3: tl.constexpr):
+    """float32 -> FP8 code as uint8 (exact cast of an on-grid value)."""
+    r = round_to_fp8_grid(y, FP8_MAX, MBITS, EMIN)
+    if IS_E4M3:
+        return r.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        return r.to(tl.float8e5).to(tl.uint8, bitcast=True)
+
+
+@triton.jit
+def from_fp8_bits(b, IS_E4M3: tl.constexpr):
+    """FP8 code stored as uint8 -> float32."""
+    if IS_E4M3:
+        return b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        return b.to(tl.float8e5, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def group_params(mag, EXPAND: tl.constexpr, FP8_MAX: tl.constexpr, LOG2_MAX: tl.constexpr,
+                 K_NUMERATOR: tl.constexpr):
+    """Per-group (scale a, exponent code 16k, k, 1/a) of a [groups, G] tile of magnitudes."""
+    mx = tl.max(mag, axis=1)
+    if EXPAND:
+        mn = tl.min(tl.where(mag > 0, mag, float("inf")), axis=1)
+        log_mx = tl.log2(mx)
+        log_range = log_mx - tl.log2(mn)
+        k16 = tl.math.floor(tl.math.div_rn(tl.full(log_range.shape, K_NUMERATOR, tl.float32), log_range))
+        k16 = tl.minimum(tl.maximum(k16, MIN_EXPONENT_CODE), MAX_EXPONENT_CODE)
+        k16 = tl.where(mx > 0, k16, EXPONENT_DENOMINATOR)
+        inv_k = tl.math.div_rn(tl.full(k16.shape, EXPONENT_DENOMINATOR, tl.float32), k16)
+        a = tl.exp2(log_mx - LOG2_MAX * inv_k)
+        a = tl.where(mx > 0, tl.maximum(a, MIN_SCALE), 0.0)
+        k = k16 * (1.0 / EXPONENT_DENOMINATOR)
+        return a, k16, k, tl.log2(a)
+    else:
+        a = tl.where(mx > 0, tl.maximum(tl.math.div_rn(mx, tl.full(mx.shape, FP8_MAX, tl.float32)),
+                                        MIN_SCALE), 0.0)
+        inv = tl.where(a > 0, tl.math.div_rn(tl.full(a.shape, 1.0, tl.float32), a), 0.0)
+        return a, a, inv, a
+
+
+@triton.jit
+def encode(x, mag, p0, p1, EXPAND: tl.constexpr):
+    """Codes (float32, before rounding) of a [groups, G] tile; p0/p1 from group_params: (k, log2 a)
+    with expansion, (1/a, unused) without."""
+    if EXPAND:
+        y = tl.exp2(p0[:, None] * (tl.log2(mag) - p1[:, None]))
+        return copysign(tl.where(mag > 0, y, 0.0), x)
+    else:
+        return x * p0[:, None]
+
+
+@triton.jit
+def decode(q, scale, k16, EXPAND: tl.constexpr):
+    """float32 values of a [groups, G] tile of codes q (float32) with per-group scale (and 16k)."""
+    if EXPAND:
+        inv_k = tl.math.div_rn(tl.full(k16.shape, EXPONENT_DENOMINATOR, tl.float32), k16)
+        x = tl.exp2(tl.log2(tl.abs(q)) * inv_k[:, None] + tl.log2(scale)[:, None])
+        return copysign(tl.where(q != 0, x, 0.0), q)
+    else:
+        return q * scale[:, None]
