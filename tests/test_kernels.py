@@ -1,0 +1,173 @@
+"""Triton kernels against their torch twins.
+
+On CPU they run under Triton's interpreter (conftest sets TRITON_INTERPRET=1 without CUDA), on
+small shapes; on a GPU the same tests run compiled, plus larger ones marked `gpu`.
+Plain quantization is compared bit for bit: both sides round in float32 onto the FP8 grid
+before an exact cast (NOTES: the interpreter's own fp32->fp8 cast is not RNE, we never rely on
+it). With expansion, log2/exp2 differ in the last float32 bits (numpy's or the GPU's approximate
+ones vs torch's), so codes may differ by one FP8 step and values are checked against the format's
+error bound instead.
+"""
+
+import pytest
+import torch
+
+import coatstate
+from coatstate import formats
+from coatstate.kernels import codec
+
+from conftest import requires_cuda
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SMALL_SHAPES = [(), (1,), (5,), (3, 129), (7, 300), (2, 3, 4, 5), (0, 8)]
+
+
+def _random(shape, dtype=torch.float32, device=DEVICE):
+    x = torch.randn(shape) * torch.exp(torch.randn(shape) * 3)
+    if x.dim():
+        x[torch.rand(shape) < 0.1] = 0
+    return x.clamp(-6e4, 6e4).to(dtype).to(device)
+
+
+def _code_distance(a, b):
+    """Largest difference in FP8 steps between two code tensors of one format (same sign)."""
+    ia, ib = a.view(torch.uint8).int(), b.view(torch.uint8).int()
+    return (ia - ib).abs().max().item() if ia.numel() else 0
+
+
+def _compare_codec(x, fmt, expand, group_size):
+    ours = codec.quantize(x, group_size=group_size, fmt=fmt, expand=expand)
+    twin = formats.quantize(x, group_size=group_size, fmt=fmt, expand=expand)
+    if not expand:
+        assert _code_distance(ours.codes, twin.codes) == 0, "plain codes must be bit-exact"
+        assert torch.equal(ours.scales, twin.scales)
+        assert torch.equal(codec.dequantize(ours), formats.dequantize(twin))
+    else:
+        dist = _code_distance(ours.codes, twin.codes)
+        assert dist <= 1, f"codes differ by {dist} FP8 steps"
+        got = codec.dequantize(ours)
+        err = (got - x.float()).abs()
+        excess = (err - formats.error_bound(ours, x.float())).max().item() if err.numel() else -1
+        assert excess <= 0, f"values exceed the error bound by {excess:.3e}"
+        if got.numel():
+            dq = (got - formats.dequantize(ours)).abs().max().item()
+            assert dq <= 1e-5 * max(1.0, x.abs().max().item()), f"kernel vs twin dequantize differ by {dq}"
+
+
+@pytest.mark.parametrize("shape", SMALL_SHAPES, ids=str)
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("expand", [False, True], ids=["plain", "expand"])
+def test_codec_matches_twin_small(shape, fmt, expand):
+    _compare_codec(_random(shape), fmt, expand, 64)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_codec_input_dtypes(dtype):
+    _compare_codec(_random((4, 200), dtype), "e4m3", False, 128)
+
+
+def _models(seed=0, device=DEVICE):
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(96, 160), torch.nn.GELU(), torch.nn.Linear(160, 72))
+    return m.to(device)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(), dict(exp_avg_expand=False, exp_avg_sq_expand=False),
+     dict(amsgrad=True, maximize=True, exp_avg_format="e5m2", weight_decay=0.3)],
+    ids=["expand", "plain", "amsgrad-maximize-e5m2"],
+)
+def test_fused_step_tracks_twin(options, steps=6):
+    a, b = _models(), _models()
+    opt_twin = coatstate.CompressedAdamW(a.parameters(), lr=1e-2, min_numel=1, fused=False, **options)
+    opt_fused = coatstate.CompressedAdamW(b.parameters(), lr=1e-2, min_numel=1, fused=True, **options)
+    _track(a, b, opt_twin, opt_fused, steps, in_dim=96)
+
+
+def _assert_tracks(a, b, lr, i):
+    """Fused and twin agree up to FP8 code flips. A last-bit difference in log2/exp2 can move a
+    code by one FP8 step (1/8 of the value at most for E4M3), which moves that element's update
+    (|m/denom| * lr, at most about lr for Adam) by at most lr/8 per step. So: every element within
+    0.2 * lr per step taken, and the median element within 1e-3 * lr (almost no flips; float32
+    rounding differences of the update itself are far below that)."""
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        diff = (pa.float() - pb.float()).abs()
+        assert diff.max().item() <= 0.2 * lr * (i + 1), f"step {i}: max difference {diff.max().item():.2e}"
+        median = diff.median().item()
+        assert median <= 1e-3 * lr, f"step {i}: median difference {median:.2e} > 1e-3 * lr"
+
+
+def _track(a, b, opt_twin, opt_fused, steps, in_dim, lr=1e-2):
+    for i in range(steps):
+        x = torch.randn(32, in_dim, device=DEVICE)
+        for model, opt in ((a, opt_twin), (b, opt_fused)):
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+        _assert_tracks(a, b, lr, i)
+    st, sf = opt_twin.state_dict()["state"][0], opt_fused.state_dict()["state"][0]
+    assert st["step"].item() == sf["step"].item() == steps
+    assert opt_fused.nonfinite_parameters() == []
+
+
+def test_fused_step_reports_nonfinite_gradients():
+    model = _models()
+    opt = coatstate.CompressedAdamW(model.parameters(), min_numel=1, fused=True)
+    model(torch.randn(4, 96, device=DEVICE)).sum().backward()
+    model[0].weight.grad[0, 0] = float("nan")
+    opt.step()
+    bad = opt.nonfinite_parameters()
+    assert [b["shape"] for b in bad] == [(160, 96)] and bad[0]["count"] >= 1
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1,), (3, 129), (257, 1000), (64, 4096), (2, 3, 77, 5), (1_000_003,)], ids=str)
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("expand", [False, True], ids=["plain", "expand"])
+def test_codec_matches_twin_gpu(shape, fmt, expand):
+    _compare_codec(_random(shape), fmt, expand, 128)
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_100_steps_track_twin_gpu(dtype):
+    a, b = _models().to(dtype), _models().to(dtype)
+    opt_twin = coatstate.CompressedAdamW(a.parameters(), lr=1e-3, min_numel=1, fused=False)
+    opt_fused = coatstate.CompressedAdamW(b.parameters(), lr=1e-3, min_numel=1)
+    for i in range(100):
+        x = torch.randn(32, 96, device=DEVICE, dtype=dtype)
+        for model, opt in ((a, opt_twin), (b, opt_fused)):
+            opt.zero_grad()
+            model(x).float().pow(2).mean().backward()
+            opt.step()
+        if dtype == torch.float32:
+            _assert_tracks(a, b, 1e-3, i)
+    worst = max((pa.float() - pb.float()).abs().max().item() for pa, pb in zip(a.parameters(), b.parameters()))
+    # bf16 params: a one-ulp rounding difference of p (2**-8 relative) may appear at any step
+    bound = 0.2 * 1e-3 * 100 if dtype == torch.float32 else 0.2 * 1e-3 * 100 + 2**-7
+    print(f"\n100 steps {dtype}: largest parameter difference {worst:.2e} (bound {bound:.1e})")
+    assert worst <= bound
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_fused_grad_scaler_and_tensor_lr_gpu():
+    a, b = _models(), _models()
+    lr = torch.tensor(1e-3, device=DEVICE)
+    opt_twin = coatstate.CompressedAdamW(a.parameters(), lr=lr.clone(), min_numel=1, fused=False)
+    opt_fused = coatstate.CompressedAdamW(b.parameters(), lr=lr.clone(), min_numel=1)
+    scalers = [torch.amp.GradScaler("cuda", init_scale=2.0**20) for _ in range(2)]
+    for i in range(20):
+        x = torch.randn(32, 96, device=DEVICE)
+        if i == 5:
+            x[0, 0] = float("inf")  # GradScaler must skip this step on both
+        for model, opt, sc in ((a, opt_twin, scalers[0]), (b, opt_fused, scalers[1])):
+            opt.zero_grad()
+            sc.scale(model(x).pow(2).mean()).backward()
+            sc.step(opt)
+            sc.update()
+    assert opt_twin.state_dict()["state"][0]["step"].item() == opt_fused.state_dict()["state"][0]["step"].item() == 19
+    _assert_tracks(a, b, 1e-3, 19)
