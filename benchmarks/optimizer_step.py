@@ -55,11 +55,13 @@ def state_bytes(opt) -> int:
     total = 0
     for s in opt.state.values():
         for k, v in s.items():
-            if isinstance(v, torch.Tensor) and k != "step":
-                total += v.numel() * v.element_size()
-            elif hasattr(v, "__tensor_flatten__"):  # torchao subclasses
+            if k == "step" or not isinstance(v, torch.Tensor):
+                continue
+            if type(v) is not torch.Tensor and hasattr(v, "__tensor_flatten__"):  # torchao subclasses
                 names, _ = v.__tensor_flatten__()
                 total += sum(getattr(v, n).numel() * getattr(v, n).element_size() for n in names)
+            else:
+                total += v.numel() * v.element_size()
     return total
 
 
@@ -85,6 +87,32 @@ def make_optimizers(which):
         out["coatstate CompressedAdamW (expansion on)"] = lambda ps: coatstate.CompressedAdamW(ps, lr=1e-3)
         out["coatstate CompressedAdamW (expansion off)"] = lambda ps: coatstate.CompressedAdamW(
             ps, lr=1e-3, exp_avg_expand=False, exp_avg_sq_expand=False)
+    return out
+
+
+def with_launch_config(name, factory, gpp, warps):
+    """A factory that sets the fused kernel's groups per program and warps before building."""
+    from coatstate.kernels import adamw_fused
+
+    def build(ps):
+        adamw_fused.GROUPS_PER_PROGRAM, adamw_fused.NUM_WARPS = gpp, warps
+        return factory(ps)
+
+    return f"{name} [{gpp}g/{warps}w]", build
+
+
+def expand_configs(optimizers, configs):
+    if not configs:
+        return optimizers
+    out = {}
+    for name, factory in optimizers.items():
+        if "coatstate" not in name:
+            out[name] = factory
+            continue
+        for c in configs.split(","):
+            gpp, warps = (int(v) for v in c.split("x"))
+            n, f = with_launch_config(name, factory, gpp, warps)
+            out[n] = f
     return out
 
 
@@ -147,6 +175,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--which", default="torch,bnb,torchao,coat")
+    ap.add_argument("--configs", default="", help="fused kernel launch configs to sweep, e.g. 8x4,32x8")
     ap.add_argument("--out", default="benchmarks/results/optimizer_step.json")
     args = ap.parse_args()
     device = torch.device("cuda")
@@ -155,7 +184,7 @@ def main():
     rows = []
     for dt in args.dtypes.split(","):
         dtype = getattr(torch, dt)
-        for name, factory in make_optimizers(args.which.split(",")).items():
+        for name, factory in expand_configs(make_optimizers(args.which.split(",")), args.configs).items():
             try:
                 r = run_one(name, factory, shapes, dtype, args.steps, args.warmup, device)
             except Exception as e:  # noqa: BLE001 - a peer failing is a result to report, not a crash
@@ -167,10 +196,10 @@ def main():
             print(f"  {name} [{dt}]: {r['step_ms']:.2f} ms", flush=True)
     n = rows[0]["params"] if rows else 0
     print(f"\n{n / 1e9:.3f}B params, copy bandwidth {bw / 1e12:.2f} TB/s, {torch.cuda.get_device_name()}")
-    print(f"{'optimizer':44s} {'dtype':9s} {'state B/param':>13s} {'step ms':>8s} {'floor ms':>8s} "
+    print(f"{'optimizer':56s} {'dtype':9s} {'state B/param':>13s} {'step ms':>8s} {'floor ms':>8s} "
           f"{'TB/s':>6s} {'first s':>7s} {'peak extra MB':>13s}")
     for r in rows:
-        print(f"{r['name']:44s} {r['dtype']:9s} {r['state_bytes_per_param']:13.3f} {r['step_ms']:8.2f} "
+        print(f"{r['name']:56s} {r['dtype']:9s} {r['state_bytes_per_param']:13.3f} {r['step_ms']:8.2f} "
               f"{r['floor_ms']:8.2f} {r['achieved_TBps']:6.2f} {r['first_step_s']:7.2f} {r['peak_extra_bytes'] / 2**20:13.1f}")
     meta = dict(date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name(),
                 torch=torch.__version__, copy_bandwidth_Bps=bw, host=platform.node(), scale=args.scale)

@@ -57,7 +57,9 @@ def _cpu(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
-def _source(obj: Any, model: Any, param_names: Any) -> tuple[dict, dict[int, list[int]], dict[int, str], str | None]:
+def _source(
+    obj: Any, model: Any, param_names: Any
+) -> tuple[dict, dict[int, list[int]], dict[int, str], str | None]:
     """(state dict, {pid: shape}, {pid: name}, optimizer class name) from what save() was given."""
     shapes: dict[int, list[int]] = {}
     names: dict[int, str] = {}
@@ -82,7 +84,7 @@ def _source(obj: Any, model: Any, param_names: Any) -> tuple[dict, dict[int, lis
             f"and 'param_groups'); got {type(obj).__name__}"
         )
     for group in sd["param_groups"]:  # torch >= 2.6 optimizers built from named_parameters()
-        for pid, name in zip(group["params"], group.get("param_names", ())):
+        for pid, name in zip(group["params"], group.get("param_names", ()), strict=False):
             names.setdefault(pid, name)
     if param_names is not None:
         items = param_names.items() if isinstance(param_names, Mapping) else enumerate(param_names)
@@ -104,7 +106,9 @@ def _moment_formats(state: Mapping[str, Any], group: Mapping[str, Any]) -> dict[
     return out
 
 
-def _flatten(sd: Mapping[str, Any], shapes, names, model_sd) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def _flatten(
+    sd: Mapping[str, Any], shapes, names, model_sd
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     tensors: dict[str, torch.Tensor] = {}
     groups, params = [], {}
     for g, group in enumerate(sd["param_groups"]):
@@ -161,10 +165,11 @@ def _flatten(sd: Mapping[str, Any], shapes, names, model_sd) -> tuple[dict[str, 
         "compression": None,
         "shards": None,
         "tensors": {
-            k: {"dtype": schema.dtype_name(t.dtype), "shape": list(t.shape), "checksum": schema.tensor_checksum(t)}
-            for k, t in tensors.items()
+            k: {"dtype": schema.dtype_name(t.dtype), "shape": list(t.shape)} for k, t in tensors.items()
         },
     }
+    for key, digest in schema.tensor_checksums(tensors).items():
+        header["tensors"][key]["checksum"] = digest
     return tensors, header
 
 
@@ -194,7 +199,11 @@ class _Hashing:
 
 def _metadata(header: Mapping[str, Any]) -> dict[str, str]:
     text = schema.dump_header(header)
-    return {"format": "pt", schema.METADATA_KEY: text, schema.HEADER_CHECKSUM_KEY: schema.header_checksum(text)}
+    return {
+        "format": "pt",
+        schema.METADATA_KEY: text,
+        schema.HEADER_CHECKSUM_KEY: schema.header_checksum(text),
+    }
 
 
 def _sibling_url(url: str, name: str) -> str:
@@ -299,7 +308,9 @@ def _decode(stored: Mapping[str, torch.Tensor], header: Mapping[str, Any], where
     out = {}
     for key, info in infos.items():
         if key not in stored:
-            raise CheckpointError(f"{where}: tensor {key!r} is listed in the header but missing from the file")
+            raise CheckpointError(
+                f"{where}: tensor {key!r} is listed in the header but missing from the file"
+            )
         t = stored[key]
         try:
             dtype, shape = schema.torch_dtype(info["dtype"]), [int(s) for s in info["shape"]]
@@ -315,9 +326,11 @@ def _decode(stored: Mapping[str, torch.Tensor], header: Mapping[str, Any], where
                 f"{where}: tensor {key!r} is {t.dtype} {list(t.shape)} in the file but "
                 f"{info['dtype']} {shape} in the header"
             )
-        if verify and schema.tensor_checksum(t) != info.get("checksum"):
-            raise CheckpointError(f"{where}: checksum mismatch for tensor {key!r}: the file is corrupt")
         out[key] = t
+    if verify:
+        for key, digest in schema.tensor_checksums(out).items():
+            if digest != infos[key].get("checksum"):
+                raise CheckpointError(f"{where}: checksum mismatch for tensor {key!r}: the file is corrupt")
     return out
 
 
@@ -342,9 +355,17 @@ def _read_pt(data: bytes, where: str) -> Checkpoint:
     try:
         obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:  # weights_only refuses anything that would need unpickling code
-        raise CheckpointError(f"{where}: cannot read as a torch.save file with weights_only=True ({e})") from None
-    if not (isinstance(obj, dict) and isinstance(obj.get("state"), dict) and isinstance(obj.get("param_groups"), list)):
-        raise CheckpointError(f"{where}: not an optimizer state dict (expected a dict with 'state' and 'param_groups')")
+        raise CheckpointError(
+            f"{where}: cannot read as a torch.save file with weights_only=True ({e})"
+        ) from None
+    if not (
+        isinstance(obj, dict)
+        and isinstance(obj.get("state"), dict)
+        and isinstance(obj.get("param_groups"), list)
+    ):
+        raise CheckpointError(
+            f"{where}: not an optimizer state dict (expected a dict with 'state' and 'param_groups')"
+        )
     return Checkpoint(optimizer=obj, model=None, header={})
 
 
@@ -402,7 +423,7 @@ def _check_optimizer(optimizer, ckpt: Checkpoint, names: Mapping[int, str], wher
         )
     params = [p for g in optimizer.param_groups for p in g["params"]]
     ids = [pid for g in file_groups for pid in g["params"]]
-    for index, (pid, p) in enumerate(zip(ids, params)):
+    for index, (pid, p) in enumerate(zip(ids, params, strict=False)):
         shape = _expected_shape(pid, ckpt.header, ckpt.optimizer["state"])
         if shape is not None and list(p.shape) != shape:
             info = ckpt.header.get("params", {}).get(str(pid)) or {}
@@ -419,7 +440,9 @@ def _check_model(model: torch.nn.Module, saved: Mapping[str, torch.Tensor] | Non
     current = model.state_dict()
     missing, unexpected = sorted(set(current) - set(saved)), sorted(set(saved) - set(current))
     if missing or unexpected:
-        raise CheckpointError(f"{where}: model keys differ: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise CheckpointError(
+            f"{where}: model keys differ: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
     for name, t in current.items():
         if t.shape != saved[name].shape:
             raise CheckpointError(

@@ -77,7 +77,9 @@ def parse_header(head: bytes, where: str) -> tuple[int, dict[str, Any]]:
         raise CheckpointError(f"{where}: file is {len(head)} bytes, too short for a safetensors header")
     (n,) = struct.unpack("<Q", head[:8])
     if n > schema.MAX_HEADER_BYTES or 8 + n > len(head):
-        raise CheckpointError(f"{where}: truncated or corrupt: header length {n} but only {len(head)} bytes read")
+        raise CheckpointError(
+            f"{where}: truncated or corrupt: header length {n} but only {len(head)} bytes read"
+        )
     try:
         header = json.loads(head[8 : 8 + n].decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -129,7 +131,9 @@ def _zstd():
 
 def zstd_compress(data: memoryview, level: int = ZSTD_LEVEL) -> bytes:
     z = _zstd()
-    return z.ZstdCompressor(level=level, write_checksum=True, write_content_size=True, threads=-1).compress(data)
+    return z.ZstdCompressor(level=level, write_checksum=True, write_content_size=True, threads=-1).compress(
+        data
+    )
 
 
 def zstd_decompress(blob: memoryview | bytes, expected_size: int, where: str) -> bytes:

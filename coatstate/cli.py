@@ -71,7 +71,9 @@ def summarize(header: dict[str, Any], *, file_bytes: int, step: float | None) ->
     for pid, info in header["params"].items():
         pstate = header["state"].get(pid, {})
         numel = _numel(info.get("shape"))
-        pbytes = sum(_nbytes(tensors[v["$tensor"]]) for v in pstate.values() if isinstance(v, dict) and "$tensor" in v)
+        pbytes = sum(
+            _nbytes(tensors[v["$tensor"]]) for v in pstate.values() if isinstance(v, dict) and "$tensor" in v
+        )
         formats = info.get("compressed") or {}
         if pstate:
             fp32_adamw += 4 + numel * (12 if amsgrad else 8)
@@ -79,17 +81,24 @@ def summarize(header: dict[str, Any], *, file_bytes: int, step: float | None) ->
         fmt = ", ".join(
             f"{m}={f['format']}{'+exp' if f['expand'] else ''}/g{f['group_size']}" for m, f in formats.items()
         )
-        params.append({
-            "id": int(pid), "name": info.get("name"), "shape": info.get("shape"), "state_bytes": pbytes,
-            "format": fmt or ("fp32" if pstate else "no state"),
-        })
+        params.append(
+            {
+                "id": int(pid),
+                "name": info.get("name"),
+                "shape": info.get("shape"),
+                "state_bytes": pbytes,
+                "format": fmt or ("fp32" if pstate else "no state"),
+            }
+        )
     elements = compressed + full
     return {
         "format_version": header["format_version"],
         "library_version": header.get("library_version"),
         "optimizer": header.get("optimizer"),
         "step": step,
-        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in header["param_groups"]],
+        "param_groups": [
+            {k: _plain(v) for k, v in g.items() if k != "params"} for g in header["param_groups"]
+        ],
         "params": params,
         "compressed_elements": compressed,
         "full_precision_elements": full,
@@ -105,31 +114,72 @@ def summarize(header: dict[str, Any], *, file_bytes: int, step: float | None) ->
 
 
 def _mb(n: int) -> str:
-    return f"{n / 1e6:,.1f} MB"
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:,.2f} {unit}"
+    return f"{n} B"
+
+
+def _plain(value: Any) -> Any:
+    """A header value for display: tuples and floats decoded, tensor references named."""
+    if isinstance(value, dict) and "$tensor" in value:
+        return f"<tensor {value['$tensor']}>"
+    if isinstance(value, dict) and "$tuple" in value:
+        return tuple(_plain(v) for v in value["$tuple"])
+    if isinstance(value, dict) and "$float" in value:
+        return float(value["$float"])
+    return value
 
 
 def _print_summary(url: str, s: dict[str, Any], verified: bool | None, show_all: bool) -> None:
     opt = s["optimizer"] or {}
-    print(f"{url}: coatstate checkpoint v{s['format_version']} (written by coatstate {s['library_version']})")
+    if s["format_version"] is None:
+        print(f"{url}: torch.save optimizer state dict (read with weights_only=True)")
+    else:
+        print(
+            f"{url}: coatstate checkpoint v{s['format_version']} "
+            f"(written by coatstate {s['library_version']})"
+        )
     print(f"optimizer: {opt.get('class') or 'state dict'} ({opt.get('variant')} states), step {s['step']}")
     for i, g in enumerate(s["param_groups"]):
-        keys = ("lr", "betas", "eps", "weight_decay", "amsgrad", "group_size", "exp_avg_format", "exp_avg_sq_format")
+        keys = (
+            "lr",
+            "betas",
+            "eps",
+            "weight_decay",
+            "amsgrad",
+            "group_size",
+            "exp_avg_format",
+            "exp_avg_sq_format",
+        )
         print(f"group {i}: " + ", ".join(f"{k}={g[k]}" for k in keys if k in g))
-    print(f"params: {len(s['params'])}; elements {s['compressed_elements']:,} in FP8, "
-          f"{s['full_precision_elements']:,} in fp32")
+    print(
+        f"params: {len(s['params'])}; elements {s['compressed_elements']:,} in FP8, "
+        f"{s['full_precision_elements']:,} in fp32"
+    )
     shown = s["params"] if show_all else s["params"][:20]
     width = max([len(str(p["name"] or p["id"])) for p in shown] + [4])
     for p in shown:
-        print(f"  {str(p['name'] or p['id']):<{width}}  {str(p['shape']):<18} {_mb(p['state_bytes']):>12}  {p['format']}")
+        print(
+            f"  {str(p['name'] or p['id']):<{width}}  {str(p['shape']):<18} "
+            f"{_mb(p['state_bytes']):>12}  {p['format']}"
+        )
     if len(shown) < len(s["params"]):
         print(f"  ... {len(s['params']) - len(shown)} more (--all lists them)")
     bpp = s["state_bytes_per_param"]
-    print(f"optimizer state: {_mb(s['optimizer_state_bytes'])}"
-          + (f", {bpp:.3f} bytes/param" if bpp is not None else "")
-          + (f", {s['ratio_vs_fp32_adamw']:.3f}x of fp32 AdamW" if s["ratio_vs_fp32_adamw"] else ""))
-    print(f"model: {_mb(s['model_bytes'])}; file: {_mb(s['file_bytes'])} "
-          f"({s['tensors']} tensors, compression {s['compression']}, shards {s['shards'] or 1})")
-    print("checksums: " + {True: "all verified", None: "not verified (--verify reads and checks every tensor)"}[verified])
+    print(
+        f"optimizer state: {_mb(s['optimizer_state_bytes'])}"
+        + (f", {bpp:.3f} bytes/param" if bpp is not None else "")
+        + (f", {s['ratio_vs_fp32_adamw']:.3f}x of fp32 AdamW" if s["ratio_vs_fp32_adamw"] else "")
+    )
+    print(
+        f"model: {_mb(s['model_bytes'])}; file: {_mb(s['file_bytes'])} "
+        f"({s['tensors']} tensors, compression {s['compression']}, shards {s['shards'] or 1})"
+    )
+    print(
+        "checksums: "
+        + {True: "all verified", None: "not verified (--verify reads and checks every tensor)"}[verified]
+    )
 
 
 def _file_bytes(url: str, header: dict[str, Any]) -> int:
@@ -145,9 +195,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if head == b"PK\x03\x04":  # a torch.save file: read it (weights_only) and describe it
         ckpt = checkpoint.read(url)
         _, header = checkpoint._flatten(ckpt.optimizer, {}, {}, None)
-        header["optimizer"]["class"] = "torch.save state dict"
+        header["optimizer"]["class"] = "torch optimizer"
         s = summarize(header, file_bytes=cio.url_to_fs(url)[0].size(cio.url_to_fs(url)[1]), step=None)
-        s["step"] = _first_step_from(ckpt.optimizer)
+        s.update(step=_first_step_from(ckpt.optimizer), format_version=None, library_version=None)
         verified = None
     else:
         header = checkpoint.read_header(url)
@@ -182,7 +232,9 @@ def _direction(args: argparse.Namespace) -> str:
         return "compressed"
     if src in ST_EXTENSIONS and dst in PT_EXTENSIONS:
         return "adamw"
-    raise UsageError(f"cannot infer the direction from {args.src!r} -> {args.dst!r}: pass --to compressed or --to adamw")
+    raise UsageError(
+        f"cannot infer the direction from {args.src!r} -> {args.dst!r}: pass --to compressed or --to adamw"
+    )
 
 
 def _write_pt(obj: Any, url: str) -> None:
@@ -197,15 +249,15 @@ def _write_pt(obj: Any, url: str) -> None:
 def cmd_convert(args: argparse.Namespace) -> int:
     from coatstate import checkpoint
 
-    direction = _direction(args)
-    if _ext(args.dst) not in PT_EXTENSIONS + ST_EXTENSIONS:
-        raise UsageError(f"DST {args.dst!r} must end in one of {PT_EXTENSIONS + ST_EXTENSIONS}")
     if os.path.isdir(args.src):
         raise CheckpointError(
             f"{args.src} is a directory: torch.distributed.checkpoint directories are not read (their "
             ".metadata is a pickle); for a trusted one, run torch.distributed.checkpoint.format_utils."
             "dcp_to_torch_save first"
         )
+    direction = _direction(args)
+    if _ext(args.dst) not in PT_EXTENSIONS + ST_EXTENSIONS:
+        raise UsageError(f"DST {args.dst!r} must end in one of {PT_EXTENSIONS + ST_EXTENSIONS}")
     t0 = time.perf_counter()
     ckpt = checkpoint.read(args.src)
     sd = ckpt.optimizer
@@ -216,9 +268,13 @@ def cmd_convert(args: argparse.Namespace) -> int:
         from coatstate.optim import compress_adamw_state_dict
 
         sd = compress_adamw_state_dict(
-            sd, group_size=args.group_size, exp_avg_format=args.exp_avg_format,
-            exp_avg_sq_format=args.exp_avg_sq_format, exp_avg_expand=not args.no_expand,
-            exp_avg_sq_expand=not args.no_expand, min_numel=args.min_numel,
+            sd,
+            group_size=args.group_size,
+            exp_avg_format=args.exp_avg_format,
+            exp_avg_sq_format=args.exp_avg_sq_format,
+            exp_avg_expand=not args.no_expand,
+            exp_avg_sq_expand=not args.no_expand,
+            min_numel=args.min_numel,
         )
     elif has_codes:
         from coatstate.optim import to_adamw_state_dict
@@ -231,8 +287,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
             print("coatstate: note: the model state dict in SRC is not written to a .pt DST", file=sys.stderr)
         _write_pt(sd, args.dst)
     src_size, dst_size = (cio.url_to_fs(u)[0].size(cio.url_to_fs(u)[1]) for u in (args.src, args.dst))
-    print(f"{args.src} ({_mb(src_size)}) -> {args.dst} ({_mb(dst_size)}, {dst_size / src_size:.3f}x, "
-          f"{direction}) in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    print(
+        f"{args.src} ({_mb(src_size)}) -> {args.dst} ({_mb(dst_size)}, {dst_size / src_size:.3f}x, "
+        f"{direction}) in {time.perf_counter() - t0:.1f} s",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -249,7 +308,11 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("convert", help="torch AdamW .pt <-> compressed .safetensors")
     c.add_argument("src")
     c.add_argument("dst")
-    c.add_argument("--to", choices=("compressed", "adamw"), help="default: from the extensions (.pt -> .safetensors: compressed)")
+    c.add_argument(
+        "--to",
+        choices=("compressed", "adamw"),
+        help="default: from the extensions (.pt -> .safetensors: compressed)",
+    )
     c.add_argument("--group-size", type=int, default=128)
     c.add_argument("--exp-avg-format", choices=("e4m3", "e5m2"), default="e4m3")
     c.add_argument("--exp-avg-sq-format", choices=("e4m3", "e5m2"), default="e4m3")

@@ -220,7 +220,12 @@ class CompressedAdamW(torch.optim.Optimizer):
             return False
         from coatstate.kernels import adamw_fused
 
-        device = local_tensor(p).device
+        local = local_tensor(p)
+        device = local.device
+        if not local.is_contiguous() or local.data_ptr() % 16:
+            if group.get("fused"):
+                raise ValueError("fused=True needs contiguous, 16-byte aligned parameters; pass fused=None")
+            return False  # a strided or oddly offset view: the pure-torch step handles it
         if group.get("fused") is None:
             return device.type == "cuda" and adamw_fused.available()
         if not adamw_fused.usable(device):

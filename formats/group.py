@@ -31,6 +31,9 @@ MIN_SCALE = 2.0**-126
 """Scales are kept normal float32 numbers: a group whose max is below FP8_MAX * 2**-126 loses
 relative precision (its absolute error stays below 2**-130), never produces Inf or NaN."""
 
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+"""Dequantized magnitudes are clamped here: scale * FP8_MAX may round past float32's range."""
+
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -188,7 +191,8 @@ def quantize_groups(
         y = torch.where(mag > 0, y, 0.0).copysign(x)
         exponents = k16.to(torch.uint8)
     else:
-        scales = (mx / fp8_max).clamp(min=MIN_SCALE)
+        # the upper clamp keeps FP8_MAX * scale finite for groups whose max is near float32's max
+        scales = (mx / fp8_max).clamp(min=MIN_SCALE, max=FLOAT32_MAX / fp8_max * (1 - 2.0**-20))
         scales = torch.where(mx > 0, scales, 0.0)
         inv = torch.where(scales > 0, 1.0 / scales, 0.0)
         y = x * inv.unsqueeze(-1)
@@ -209,7 +213,7 @@ def dequantize_groups(
     else:
         inv_k = (EXPONENT_DENOMINATOR / exponents.float()).unsqueeze(-1)
         log_scale = torch.log2(scales).unsqueeze(-1)
-        x = torch.exp2(torch.log2(q.abs()) * inv_k + log_scale)
+        x = torch.exp2(torch.log2(q.abs()) * inv_k + log_scale).clamp(max=FLOAT32_MAX)
         x = torch.where(q != 0, x, 0.0).copysign(q)
     return x.reshape(rows, q.shape[1] * group_size)[:, :cols]
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -112,6 +113,17 @@ def tensor_checksum(t: torch.Tensor) -> str:
     return checksum(tensor_bytes(t))
 
 
+def tensor_checksums(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """{key: checksum} computed on a thread pool (hashlib releases the GIL on large buffers)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    keys = list(tensors)
+    if len(keys) < 2:
+        return {k: tensor_checksum(tensors[k]) for k in keys}
+    with ThreadPoolExecutor(max_workers=min(len(keys), os.cpu_count() or 1)) as pool:
+        return dict(zip(keys, pool.map(lambda k: tensor_checksum(tensors[k]), keys), strict=True))
+
+
 def header_checksum(header_json: str) -> str:
     return hashlib.sha256(header_json.encode("utf-8")).hexdigest()
 
@@ -168,7 +180,9 @@ def check_header(header: Any, where: str) -> dict[str, Any]:
     """Validate the magic, the version and the field types a reader relies on."""
     if not isinstance(header, dict) or header.get("format") != FORMAT_NAME:
         found = header.get("format") if isinstance(header, dict) else type(header).__name__
-        raise CheckpointError(f"{where}: not a coatstate checkpoint (format {found!r}, expected {FORMAT_NAME!r})")
+        raise CheckpointError(
+            f"{where}: not a coatstate checkpoint (format {found!r}, expected {FORMAT_NAME!r})"
+        )
     version = header.get("format_version")
     if not isinstance(version, int) or version < 1 or version > FORMAT_VERSION:
         raise CheckpointError(

@@ -21,7 +21,8 @@ scale and reciprocal use `tl.div_rn` (IEEE division, as torch's); x * inv is one
 multiply; `_round_to_fp8` puts the value on the FP8 grid with float32 adds that round to
 nearest even (as formats.fp8.round_to_fp8_grid does), so the final cast to float8 is exact
 (the interpreter's own float32 -> float8 cast does not round to nearest even, see NOTES.md);
-unpacking is one float32 multiply and a cast. FMA contraction is switched off at launch.
+unpacking is one float32 multiply, then (for bfloat16 outputs) an integer round to nearest
+even onto the bfloat16 grid, then an exact cast. FMA contraction is switched off at launch.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
 from coatstate.formats.fp8 import FP8Format
 from coatstate.formats.group import MIN_SCALE
 from coatstate.formats.tensorwise import AMAX_BLOCK
@@ -50,6 +50,15 @@ def _round_to_fp8(y, FP8_MAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constex
     magnitude = ((tl.abs(y) * inv_ulp + 12582912.0) - 12582912.0) * ulp
     sign = (bits >> 31) << 31
     return (magnitude.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _round_to_bf16(x):
+    """Round float32 x to the nearest bfloat16 (ties to even) in integer arithmetic, so the cast
+    to bfloat16 that follows is exact (the interpreter's own cast truncates)."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -90,13 +99,16 @@ def _pack_tensor_kernel(
 
 
 @triton.jit
-def _unpack_tensor_kernel(codes_ptr, scale_ptr, out_ptr, n, BLOCK: tl.constexpr):
+def _unpack_tensor_kernel(codes_ptr, scale_ptr, out_ptr, n, BF16: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     scale = tl.load(scale_ptr)
     q = tl.load(codes_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, (q * scale).to(out_ptr.dtype.element_ty), mask=mask)
+    x = q * scale
+    if BF16:
+        x = _round_to_bf16(x)
+    tl.store(out_ptr + offs, x.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -127,7 +139,7 @@ def _pack_groups_kernel(
 
 @triton.jit
 def _unpack_groups_kernel(
-    codes_ptr, scales_ptr, out_ptr, rows, cols, groups_per_row,
+    codes_ptr, scales_ptr, out_ptr, rows, cols, groups_per_row, BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr,
 ):
     GROUPS: tl.constexpr = BLOCK_N // G
@@ -140,6 +152,8 @@ def _unpack_groups_kernel(
     smask = (r[:, None] < rows) & (g[None, :] < groups_per_row)
     scale = tl.load(scales_ptr + r[:, None] * groups_per_row + g[None, :], mask=smask, other=0.0)
     x = tl.reshape(tl.reshape(q, [BLOCK_M, GROUPS, G]) * scale[:, :, None], [BLOCK_M, BLOCK_N])
+    if BF16:
+        x = _round_to_bf16(x)
     tl.store(out_ptr + offs, x.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -189,7 +203,9 @@ def unpack_tensorwise(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dty
     out = torch.empty(codes.shape, dtype=dtype, device=codes.device)
     n = codes.numel()
     grid = (max(1, triton.cdiv(n, AMAX_BLOCK)),)
-    _unpack_tensor_kernel[grid](codes, scale.float(), out, n, BLOCK=AMAX_BLOCK, **_launch_options())
+    _unpack_tensor_kernel[grid](
+        codes, scale.float(), out, n, BF16=dtype == torch.bfloat16, BLOCK=AMAX_BLOCK, **_launch_options()
+    )
     return out
 
 
@@ -240,7 +256,7 @@ def unpack_groups(codes2d: torch.Tensor, scales: torch.Tensor, group_size: int, 
     if rows and cols:
         grid = (triton.cdiv(rows, block_m), triton.cdiv(cols, block_n))
         _unpack_groups_kernel[grid](
-            codes2d, scales, out, rows, cols, groups,
+            codes2d, scales, out, rows, cols, groups, BF16=dtype == torch.bfloat16,
             BLOCK_M=block_m, BLOCK_N=block_n, G=group_size, **_launch_options(),
         )
     return out

@@ -31,7 +31,8 @@ P, G, M_CODES, M_SCALES, M_EXPS, V_CODES, V_SCALES, V_EXPS, X_CODES, X_SCALES, X
 NPTR = 12
 GROUPS_PER_PROGRAM = 8
 NUM_WARPS = 4
-_DTYPE_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+DATA_COLUMNS = (P, G, M_CODES, V_CODES, X_CODES)
+"""columns holding element offsets from the launch's base tensor; the others hold addresses"""
 
 
 def usable(device: torch.device) -> bool:
@@ -50,22 +51,19 @@ def available() -> bool:
 
 
 @triton.jit
-def _typed(addr, KIND: tl.constexpr):
-    if KIND == 0:
-        return addr.to(tl.pointer_type(tl.float32))
-    elif KIND == 1:
-        return addr.to(tl.pointer_type(tl.bfloat16))
-    else:
-        return addr.to(tl.pointer_type(tl.float16))
+def _data(base_ptr, row_ptr, COL: tl.constexpr, offs):
+    """Pointers to a tensor's elements: a typed base pointer plus the tensor's element offset
+    from it (a multiple of 16 bytes, so the compiler may use 16-byte vector loads)."""
+    delta = tl.multiple_of(tl.load(row_ptr + COL), 128 // base_ptr.dtype.element_ty.primitive_bitwidth)
+    return base_ptr + delta + offs
 
 
 @triton.jit
-def _load_moment(row_ptr, COL: tl.constexpr, offs, mask, gid, gmask, COMPRESSED: tl.constexpr,
+def _load_moment(base_ptr, row_ptr, COL: tl.constexpr, offs, mask, gid, gmask, COMPRESSED: tl.constexpr,
                  EXPAND: tl.constexpr, IS_E4M3: tl.constexpr):
     if COMPRESSED:
-        codes = tl.load(row_ptr + COL).to(tl.pointer_type(tl.uint8))
         scales = tl.load(row_ptr + COL + 1).to(tl.pointer_type(tl.float32))
-        q = from_fp8_bits(tl.load(codes + offs, mask=mask, other=0), IS_E4M3)
+        q = from_fp8_bits(tl.load(_data(base_ptr, row_ptr, COL, offs), mask=mask, other=0), IS_E4M3)
         scale = tl.load(scales + gid, mask=gmask, other=0.0)
         if EXPAND:
             exps = tl.load(row_ptr + COL + 2).to(tl.pointer_type(tl.uint8))
@@ -74,36 +72,33 @@ def _load_moment(row_ptr, COL: tl.constexpr, offs, mask, gid, gmask, COMPRESSED:
             k16 = scale
         return decode(q, scale, k16, EXPAND)
     else:
-        values = tl.load(row_ptr + COL).to(tl.pointer_type(tl.float32))
-        return tl.load(values + offs, mask=mask, other=0.0)
+        return tl.load(_data(base_ptr, row_ptr, COL, offs), mask=mask, other=0.0)
 
 
 @triton.jit
-def _store_moment(x, row_ptr, COL: tl.constexpr, offs, mask, gid, gmask, COMPRESSED: tl.constexpr,
+def _store_moment(x, base_ptr, row_ptr, COL: tl.constexpr, offs, mask, gid, gmask, COMPRESSED: tl.constexpr,
                   EXPAND: tl.constexpr, FP8_MAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr,
                   LOG2_MAX: tl.constexpr, K_NUMERATOR: tl.constexpr, IS_E4M3: tl.constexpr):
     if COMPRESSED:
         mag = tl.abs(x)
         a, k16, p0, p1 = group_params(mag, EXPAND, FP8_MAX, LOG2_MAX, K_NUMERATOR)
         y = encode(x, mag, p0, p1, EXPAND)
-        codes = tl.load(row_ptr + COL).to(tl.pointer_type(tl.uint8))
         scales = tl.load(row_ptr + COL + 1).to(tl.pointer_type(tl.float32))
-        tl.store(codes + offs, to_fp8_bits(y, FP8_MAX, MBITS, EMIN, IS_E4M3), mask=mask)
+        tl.store(_data(base_ptr, row_ptr, COL, offs), to_fp8_bits(y, FP8_MAX, MBITS, EMIN, IS_E4M3), mask=mask)
         tl.store(scales + gid, a, mask=gmask)
         if EXPAND:
             exps = tl.load(row_ptr + COL + 2).to(tl.pointer_type(tl.uint8))
             tl.store(exps + gid, k16.to(tl.uint8), mask=gmask)
     else:
-        values = tl.load(row_ptr + COL).to(tl.pointer_type(tl.float32))
-        tl.store(values + offs, x, mask=mask)
+        tl.store(_data(base_ptr, row_ptr, COL, offs), x, mask=mask)
 
 
 @triton.jit
 def _adamw_kernel(
-    table_ptr, meta_ptr, blocks_ptr, hyper_ptr, found_inf_ptr, grad_scale_ptr, nonfinite_ptr,
-    P_KIND: tl.constexpr, G_KIND: tl.constexpr, COMPRESSED: tl.constexpr, AMSGRAD: tl.constexpr,
+    p_base, g_base, m_base, v_base, x_base, table_ptr, meta_ptr, blocks_ptr, hyper_ptr, scalars_ptr, found_inf_ptr, grad_scale_ptr, nonfinite_ptr,
+    COMPRESSED: tl.constexpr, AMSGRAD: tl.constexpr,
     MAXIMIZE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr,
-    GROUP: tl.constexpr, GPP: tl.constexpr,
+    GROUP: tl.constexpr, GPP: tl.constexpr, EVEN: tl.constexpr,
     M_EXPAND: tl.constexpr, M_MAX: tl.constexpr, M_MBITS: tl.constexpr, M_EMIN: tl.constexpr,
     M_LOG2_MAX: tl.constexpr, M_KNUM: tl.constexpr, M_E4M3: tl.constexpr,
     V_EXPAND: tl.constexpr, V_MAX: tl.constexpr, V_MBITS: tl.constexpr, V_EMIN: tl.constexpr,
@@ -121,39 +116,36 @@ def _adamw_kernel(
     n_groups = tl.load(meta_ptr + 3 * t + 2)
 
     gid = local_block.to(tl.int64) * GPP + tl.arange(0, GPP)
-    row = gid // groups_per_row
-    col0 = (gid - row * groups_per_row) * GROUP
-    cols_in_row = col0[:, None] + tl.arange(0, GROUP)[None, :]
     gmask = gid < n_groups
-    mask = gmask[:, None] & (cols_in_row < cols)
-    offs = row[:, None] * cols + cols_in_row
+    if EVEN:  # every row is whole groups: groups are consecutive GROUP-element runs
+        offs = gid[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+        offs = tl.max_contiguous(tl.multiple_of(offs, [GROUP, GROUP]), [1, GROUP])
+        mask = gmask[:, None]
+    else:
+        row = gid // groups_per_row
+        col0 = (gid - row * groups_per_row) * GROUP
+        cols_in_row = col0[:, None] + tl.arange(0, GROUP)[None, :]
+        mask = gmask[:, None] & (cols_in_row < cols)
+        offs = row[:, None] * cols + cols_in_row
 
-    # scalars: bias corrections and step size in float64 from the device step count, as torch's
-    lr = tl.load(hyper_ptr)
-    weight_decay = tl.load(hyper_ptr + 1)
-    beta1 = tl.load(hyper_ptr + 2)
-    beta2 = tl.load(hyper_ptr + 3)
-    eps = tl.load(hyper_ptr + 4).to(tl.float32)
-    step = tl.load(tl.load(row_ptr + 11).to(tl.pointer_type(tl.float32))).to(tl.float64)
-    bias_correction1 = 1.0 - tl.exp(step * tl.log(beta1))
-    bias_correction2 = 1.0 - tl.exp(step * tl.log(beta2))
-    step_size = (lr / bias_correction1).to(tl.float32)
-    bc2_sqrt = tl.sqrt(bias_correction2).to(tl.float32)
-    decay = (1.0 - lr * weight_decay).to(tl.float32)
-    w1 = (1.0 - beta1).to(tl.float32)
-    b2 = beta2.to(tl.float32)
-    w2 = (1.0 - beta2).to(tl.float32)
+    # per-launch hyperparameters and per-tensor step size / bias correction (see _scalars)
+    decay = tl.load(hyper_ptr)
+    w1 = tl.load(hyper_ptr + 1)
+    b2 = tl.load(hyper_ptr + 2)
+    w2 = tl.load(hyper_ptr + 3)
+    eps = tl.load(hyper_ptr + 4)
+    step_size = tl.load(scalars_ptr + 2 * t)
+    inv_bc2_sqrt = tl.load(scalars_ptr + 2 * t + 1)
 
-    p_ptr = _typed(tl.load(row_ptr + 0), P_KIND)
-    g_ptr = _typed(tl.load(row_ptr + 1), G_KIND)
-    p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    p_ptrs = _data(p_base, row_ptr, 0, offs)
+    p = tl.load(p_ptrs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(_data(g_base, row_ptr, 1, offs), mask=mask, other=0.0).to(tl.float32)
     if HAS_SCALE:
         g = g * tl.load(grad_scale_ptr)
     if MAXIMIZE:
         g = -g
-    m = _load_moment(row_ptr, 2, offs, mask, gid, gmask, COMPRESSED, M_EXPAND, M_E4M3)
-    v = _load_moment(row_ptr, 5, offs, mask, gid, gmask, COMPRESSED, V_EXPAND, V_E4M3)
+    m = _load_moment(m_base, row_ptr, 2, offs, mask, gid, gmask, COMPRESSED, M_EXPAND, M_E4M3)
+    v = _load_moment(v_base, row_ptr, 5, offs, mask, gid, gmask, COMPRESSED, V_EXPAND, V_E4M3)
 
     p = p * decay
     if w1 < 0.5:  # torch.lerp's two formulas
@@ -162,20 +154,20 @@ def _adamw_kernel(
         m = g - (g - m) * (1.0 - w1)
     v = v * b2 + w2 * g * g
     if AMSGRAD:
-        vmax = _load_moment(row_ptr, 8, offs, mask, gid, gmask, COMPRESSED, V_EXPAND, V_E4M3)
+        vmax = _load_moment(x_base, row_ptr, 8, offs, mask, gid, gmask, COMPRESSED, V_EXPAND, V_E4M3)
         vmax = tl.maximum(vmax, v)
-        denom = tl.sqrt(vmax) / bc2_sqrt + eps
+        denom = tl.sqrt(vmax) * inv_bc2_sqrt + eps
     else:
-        denom = tl.sqrt(v) / bc2_sqrt + eps
-    p = p - step_size * (m / denom)
+        denom = tl.sqrt(v) * inv_bc2_sqrt + eps
+    p = p - step_size * tl.math.fdiv(m, denom)  # approximate division (div.full): 2 ulp
 
-    tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
-    _store_moment(m, row_ptr, 2, offs, mask, gid, gmask, COMPRESSED, M_EXPAND, M_MAX, M_MBITS, M_EMIN,
+    tl.store(p_ptrs, p.to(p_base.dtype.element_ty), mask=mask)
+    _store_moment(m, m_base, row_ptr, 2, offs, mask, gid, gmask, COMPRESSED, M_EXPAND, M_MAX, M_MBITS, M_EMIN,
                   M_LOG2_MAX, M_KNUM, M_E4M3)
-    _store_moment(v, row_ptr, 5, offs, mask, gid, gmask, COMPRESSED, V_EXPAND, V_MAX, V_MBITS, V_EMIN,
+    _store_moment(v, v_base, row_ptr, 5, offs, mask, gid, gmask, COMPRESSED, V_EXPAND, V_MAX, V_MBITS, V_EMIN,
                   V_LOG2_MAX, V_KNUM, V_E4M3)
     if AMSGRAD:
-        _store_moment(vmax, row_ptr, 8, offs, mask, gid, gmask, COMPRESSED, V_EXPAND, V_MAX, V_MBITS,
+        _store_moment(vmax, x_base, row_ptr, 8, offs, mask, gid, gmask, COMPRESSED, V_EXPAND, V_MAX, V_MBITS,
                       V_EMIN, V_LOG2_MAX, V_KNUM, V_E4M3)
     # count non-finite moments (a NaN/Inf gradient): reported by CompressedAdamW, never hidden
     s = m + v
@@ -199,34 +191,62 @@ class _Plan:
 
     def __init__(self, params, states, formats, group_size, device):
         self.key = _plan_key(params, states)
+        self.gpp = GROUPS_PER_PROGRAM
         n = len(params)
         table = torch.zeros((n, NPTR), dtype=torch.int64)
+        self.bases = {P: params[0]}
         meta = torch.zeros((n, 3), dtype=torch.int64)
         blocks = []
         for i, (p, s) in enumerate(zip(params, states)):
-            table[i, P] = p.data_ptr()
-            for base, name in ((M_CODES, "exp_avg"), (V_CODES, "exp_avg_sq"), (X_CODES, "max_exp_avg_sq")):
+            table[i, P] = _offset(p, self.bases[P])
+            for col, name in ((M_CODES, "exp_avg"), (V_CODES, "exp_avg_sq"), (X_CODES, "max_exp_avg_sq")):
+                data = s.get(f"{name}_codes", s.get(name))
+                if data is None:
+                    continue
+                self.bases.setdefault(col, data)
+                table[i, col] = _offset(data, self.bases[col])
                 if f"{name}_codes" in s:
-                    table[i, base] = s[f"{name}_codes"].data_ptr()
-                    table[i, base + 1] = s[f"{name}_scales"].data_ptr()
+                    table[i, col + 1] = s[f"{name}_scales"].data_ptr()
                     if f"{name}_exponents" in s:
-                        table[i, base + 2] = s[f"{name}_exponents"].data_ptr()
-                elif name in s:
-                    table[i, base] = s[name].data_ptr()
+                        table[i, col + 2] = s[f"{name}_exponents"].data_ptr()
             table[i, STEP] = s["step"].data_ptr()
             rows, cols, gpr = group_layout(p.shape, group_size)
             n_groups = rows * gpr if p.numel() else 0
             meta[i] = torch.tensor([cols, gpr, n_groups])
-            nb = triton.cdiv(n_groups, GROUPS_PER_PROGRAM)
+            nb = triton.cdiv(n_groups, self.gpp)
             blocks.append(torch.stack([torch.full((nb,), i, dtype=torch.int32), torch.arange(nb, dtype=torch.int32)], 1))
         self.table = table
         self.meta = meta.to(device)
         self.blocks = torch.cat(blocks).to(device)
         self.n_blocks = self.blocks.shape[0]
+        self.even = all(int(m[0]) % group_size == 0 for m in meta)
         self.steps = [s["step"] for s in states]
         self.params = list(params)
         self.nonfinite = torch.zeros(n, dtype=torch.int32, device=device)
         """per tensor: how many moment values came out NaN/Inf (counted on the device)"""
+
+
+def _scalars(group: dict, steps: list, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Device tensors: hyper = float32 [1 - lr*wd, 1 - b1, b2, 1 - b2, eps] and, per tensor,
+    [lr / (1 - b1**t), 1 / sqrt(1 - b2**t)] from the device step counts t, in float64 as torch
+    computes them, then rounded to float32. A few tiny launches, no host synchronisation."""
+    beta1, beta2 = group["betas"]
+    lr = group["lr"]
+    lr = lr.detach().to(device, torch.float64).reshape(()) if isinstance(lr, torch.Tensor) else float(lr)
+    t = torch.stack(steps).double()
+    bias_correction1 = 1 - torch.pow(beta1, t)
+    bias_correction2 = 1 - torch.pow(beta2, t)
+    scalars = torch.stack([lr / bias_correction1, bias_correction2.rsqrt()], 1).float()
+    rest = _to_device(torch.tensor([1 - beta1, beta2, 1 - beta2, group["eps"]], dtype=torch.float32), device)
+    decay = (1 - lr * group["weight_decay"]) if not isinstance(lr, float) else torch.tensor(
+        [1 - lr * group["weight_decay"]], dtype=torch.float64)
+    hyper = torch.cat([_to_device(decay.reshape(1), device).float(), rest])
+    return hyper, scalars
+
+
+def _offset(t: torch.Tensor, base: torch.Tensor) -> int:
+    """Elements from `base` to `t` (same dtype; both 16-byte aligned, checked by the caller)."""
+    return (t.data_ptr() - base.data_ptr()) // t.element_size()
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -267,36 +287,33 @@ def _launch(optimizer, group, params, grads, states, fm, fv, p_dtype, g_dtype, d
     plan = cache.get(ckey)
     if plan is None or plan.key != _plan_key(params, states):
         plan = cache[ckey] = _Plan(params, states, (fm, fv), group_size, device)
-    grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
-    for p in params:
-        if not p.is_contiguous():
-            raise ValueError("the fused CompressedAdamW step needs contiguous parameters; use fused=False")
+    grads = [g if g.is_contiguous() and g.data_ptr() % 16 == 0 else g.clone(memory_format=torch.contiguous_format)
+             for g in grads]
     table = plan.table.clone()
-    table[:, G] = torch.tensor([g.data_ptr() for g in grads], dtype=torch.int64)
+    table[:, G] = torch.tensor([_offset(g, grads[0]) for g in grads], dtype=torch.int64)
     table = _to_device(table, device)
 
-    beta1, beta2 = group["betas"]
-    lr = group["lr"]
-    host = [0.0 if isinstance(lr, torch.Tensor) else float(lr), group["weight_decay"], beta1, beta2, group["eps"]]
-    hyper = _to_device(torch.tensor(host, dtype=torch.float64), device)
-    if isinstance(lr, torch.Tensor):
-        hyper[0:1].copy_(lr.detach().reshape(1))
+    torch._foreach_add_(plan.steps, 1.0)
+    hyper, scalars = _scalars(group, plan.steps, device)
     inv_scale = None
     if grad_scale is not None:
         inv_scale = grad_scale.to(device).double().reciprocal().float()  # GradScaler.unscale_'s arithmetic
     if found_inf is not None:
         found_inf = found_inf.to(device)
 
-    torch._foreach_add_(plan.steps, 1.0)
     if plan.n_blocks:
+        bases = plan.bases
         _adamw_kernel[(plan.n_blocks,)](
-            table, plan.meta, plan.blocks, hyper,
+            bases[P], grads[0], bases[M_CODES].view(torch.uint8) if compressed else bases[M_CODES],
+            bases[V_CODES].view(torch.uint8) if compressed else bases[V_CODES],
+            (bases.get(X_CODES, bases[M_CODES]).view(torch.uint8) if compressed else bases.get(X_CODES, bases[M_CODES])),
+            table, plan.meta, plan.blocks, hyper, scalars,
             found_inf if found_inf is not None else hyper, inv_scale if inv_scale is not None else hyper,
             plan.nonfinite,
-            P_KIND=_DTYPE_KIND[p_dtype], G_KIND=_DTYPE_KIND[g_dtype], COMPRESSED=compressed,
+            COMPRESSED=compressed, EVEN=plan.even,
             AMSGRAD=bool(group["amsgrad"]), MAXIMIZE=bool(group["maximize"]),
             HAS_SCALE=inv_scale is not None, HAS_INF=found_inf is not None,
-            GROUP=group_size, GPP=GROUPS_PER_PROGRAM, num_warps=NUM_WARPS,
+            GROUP=group_size, GPP=plan.gpp, num_warps=NUM_WARPS,
             **_constants("M", fm), **_constants("V", fv),
         )
     if found_inf is not None:

@@ -2,7 +2,8 @@
 
 Each mirrors a function of coatstate.formats operation for operation (same float32 ops in the
 same order), so plain quantization is bit-exact against the torch twin on the GPU and in
-Triton's interpreter. With expansion, log2/exp2 are the GPU's approximations (lg2/ex2.approx):
+Triton's interpreter. With expansion, log2/exp2 are the GPU's approximations (lg2/ex2.approx.ftz, so float32
+subnormal magnitudes, below 2**-126, count as zero there) and 16/k is an approximate division:
 codes may then differ from the twin by one FP8 step, the dequantized values stay within the
 format's error bound (formats.error_bound).
 """
@@ -10,12 +11,32 @@ format's error bound (formats.error_bound).
 from __future__ import annotations
 
 import math
+import os
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from ..formats.fp8 import FP8Format
-from ..formats.group import EXPONENT_DENOMINATOR, MAX_EXPONENT_CODE, MIN_EXPONENT_CODE, MIN_SCALE
+from ..formats import group as _group
+
+# module constants must be constexpr to be read inside @triton.jit functions
+EXPONENT_DENOMINATOR = tl.constexpr(_group.EXPONENT_DENOMINATOR)
+MIN_EXPONENT_CODE = tl.constexpr(_group.MIN_EXPONENT_CODE)
+MAX_EXPONENT_CODE = tl.constexpr(_group.MAX_EXPONENT_CODE)
+MIN_SCALE = tl.constexpr(_group.MIN_SCALE)
+FLOAT32_MAX = tl.constexpr(_group.FLOAT32_MAX)
+# On the GPU, log2 is the hardware's lg2.approx (tl.log2 would be libdevice's exact, branchy
+# log2f: 4x the instructions); the interpreter has no libdevice, so it uses numpy's log2.
+FAST_MATH = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+
+
+@triton.jit
+def log2(x):
+    if FAST_MATH:
+        return libdevice.fast_log2f(x)
+    else:
+        return tl.log2(x)
 
 
 def fp8_constants(fmt: FP8Format) -> dict:
@@ -77,19 +98,22 @@ def group_params(mag, EXPAND: tl.constexpr, FP8_MAX: tl.constexpr, LOG2_MAX: tl.
     mx = tl.max(mag, axis=1)
     if EXPAND:
         mn = tl.min(tl.where(mag > 0, mag, float("inf")), axis=1)
-        log_mx = tl.log2(mx)
-        log_range = log_mx - tl.log2(mn)
-        k16 = tl.math.floor(tl.math.div_rn(tl.full(log_range.shape, K_NUMERATOR, tl.float32), log_range))
+        log_mx = log2(mx)
+        log_range = log_mx - log2(mn)
+        # approximate division: k is stored, so a kernel/twin difference in k only picks another
+        # valid exponent for the group
+        k16 = tl.math.floor(tl.math.fdiv(tl.full(log_range.shape, K_NUMERATOR, tl.float32), log_range))
         k16 = tl.minimum(tl.maximum(k16, MIN_EXPONENT_CODE), MAX_EXPONENT_CODE)
         k16 = tl.where(mx > 0, k16, EXPONENT_DENOMINATOR)
-        inv_k = tl.math.div_rn(tl.full(k16.shape, EXPONENT_DENOMINATOR, tl.float32), k16)
+        inv_k = tl.math.fdiv(tl.full(k16.shape, EXPONENT_DENOMINATOR, tl.float32), k16)
         a = tl.exp2(log_mx - LOG2_MAX * inv_k)
         a = tl.where(mx > 0, tl.maximum(a, MIN_SCALE), 0.0)
-        k = k16 * (1.0 / EXPONENT_DENOMINATOR)
-        return a, k16, k, tl.log2(a)
+        k = k16 * (1.0 / EXPONENT_DENOMINATOR)  # exact: a power of two
+        return a, k16, k, log2(a)
     else:
-        a = tl.where(mx > 0, tl.maximum(tl.math.div_rn(mx, tl.full(mx.shape, FP8_MAX, tl.float32)),
-                                        MIN_SCALE), 0.0)
+        a = tl.math.div_rn(mx, tl.full(mx.shape, FP8_MAX, tl.float32))
+        a = tl.minimum(a, FLOAT32_MAX / FP8_MAX * (1 - 2.0**-20))  # as the twin: FP8_MAX * a stays finite
+        a = tl.where(mx > 0, tl.maximum(a, MIN_SCALE), 0.0)
         inv = tl.where(a > 0, tl.math.div_rn(tl.full(a.shape, 1.0, tl.float32), a), 0.0)
         return a, a, inv, a
 
@@ -99,7 +123,7 @@ def encode(x, mag, p0, p1, EXPAND: tl.constexpr):
     """Codes (float32, before rounding) of a [groups, G] tile; p0/p1 from group_params: (k, log2 a)
     with expansion, (1/a, unused) without."""
     if EXPAND:
-        y = tl.exp2(p0[:, None] * (tl.log2(mag) - p1[:, None]))
+        y = tl.exp2(p0[:, None] * (log2(mag) - p1[:, None]))
         return copysign(tl.where(mag > 0, y, 0.0), x)
     else:
         return x * p0[:, None]
@@ -109,8 +133,8 @@ def encode(x, mag, p0, p1, EXPAND: tl.constexpr):
 def decode(q, scale, k16, EXPAND: tl.constexpr):
     """float32 values of a [groups, G] tile of codes q (float32) with per-group scale (and 16k)."""
     if EXPAND:
-        inv_k = tl.math.div_rn(tl.full(k16.shape, EXPONENT_DENOMINATOR, tl.float32), k16)
-        x = tl.exp2(tl.log2(tl.abs(q)) * inv_k[:, None] + tl.log2(scale)[:, None])
+        inv_k = tl.math.fdiv(tl.full(k16.shape, EXPONENT_DENOMINATOR, tl.float32), k16)
+        x = tl.minimum(tl.exp2(log2(tl.abs(q)) * inv_k[:, None] + log2(scale)[:, None]), FLOAT32_MAX)
         return copysign(tl.where(q != 0, x, 0.0), q)
     else:
         return q * scale[:, None]

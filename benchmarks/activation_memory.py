@@ -1,0 +1,146 @@
+"""Activation memory and step time: no compression vs compress_activations vs save_on_cpu.
+
+    python benchmarks/activation_memory.py                 # H200: GPT-2-medium shape, bf16 autocast
+    python benchmarks/activation_memory.py --device cpu --layers 2 --seq 128 --batch 2   # smoke test
+
+Activation memory = peak allocated during a training step minus what is allocated before it
+(params, grads kept allocated by zero_grad(set_to_none=False), AdamW state), from
+torch.cuda.max_memory_allocated after reset_peak_memory_stats. Step time = median of --steps
+steps after --warmup, timed with CUDA events. On CPU there is no allocator peak: the table shows
+the saved-activation bytes compress_activations reports instead.
+
+The head and loss run over --loss-chunks chunks of tokens under non-reentrant checkpointing in
+every variant (benchmarks/models.py), so the (tokens x 50304) fp32 logits do not dominate the
+activation memory of all three; --loss-chunks 1 measures the plain full-logits loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from models import MODELS, ModelConfig  # noqa: E402
+
+from coatstate.activations import compress_activations  # noqa: E402
+
+
+def _parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--arch", choices=sorted(MODELS), default="gpt")
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--dim", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=50304)
+    p.add_argument("--loss-chunks", type=int, default=8)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--no-autocast", action="store_true", help="fp32 instead of bf16 autocast")
+    p.add_argument("--out", default="benchmarks/results/activation_memory.json")
+    return p.parse_args()
+
+
+def _contexts():
+    return {
+        "none": lambda: contextlib.nullcontext(),
+        "compress_activations": lambda: compress_activations(),
+        "save_on_cpu": lambda: torch.autograd.graph.save_on_cpu(pin_memory=True),
+    }
+
+
+def _step(model, opt, batch, make_ctx, autocast: bool, device: str):
+    idx, tgt = batch
+    ctx = make_ctx()
+    with ctx, torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+        loss = model(idx, tgt)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    return loss, ctx
+
+
+def _measure(name, make_ctx, model, opt, batches, args, device):
+    cuda = device == "cuda"
+    autocast = not args.no_autocast
+    for i in range(args.warmup):
+        _step(model, opt, batches[i % len(batches)], make_ctx, autocast, device)
+    if cuda:
+        torch.cuda.synchronize()
+        static = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    times, ctx, loss = [], None, None
+    for i in range(args.steps):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.perf_counter()
+        loss, ctx = _step(model, opt, batches[i % len(batches)], make_ctx, autocast, device)
+        if cuda:
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            times.append((time.perf_counter() - t0) * 1e3)
+    row = {"variant": name, "step_ms": statistics.median(times), "loss": float(loss.detach())}
+    if cuda:
+        row["activation_bytes"] = torch.cuda.max_memory_allocated() - static
+        row["static_bytes"] = static
+    stats = getattr(ctx, "stats", None)
+    if stats is not None:
+        row["saved_bytes_original"] = stats.activation_bytes_original
+        row["saved_bytes_held"] = stats.activation_bytes_held
+        row["kept"] = dict(stats.kept_reasons)
+        row["packed_by_kind"] = dict(stats.packed_by_kind)
+    return row
+
+
+def main() -> None:
+    args = _parse()
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda but CUDA is not available; use --device cpu for a smoke test")
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab=args.vocab, layers=args.layers, dim=args.dim, heads=args.heads, seq=args.seq,
+                      loss_chunks=args.loss_chunks)
+    model = MODELS[args.arch](cfg).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
+    batches = [
+        (torch.randint(0, cfg.vocab, (args.batch, cfg.seq), device=device),
+         torch.randint(0, cfg.vocab, (args.batch, cfg.seq), device=device))
+        for _ in range(4)
+    ]
+    rows = [_measure(name, make, model, opt, batches, args, device) for name, make in _contexts().items()]
+    base = rows[0]
+    print(f"{args.arch}: {args.layers} layers, d={args.dim}, seq {args.seq}, batch {args.batch}, "
+          f"vocab {args.vocab}, {'fp32' if args.no_autocast else 'bf16 autocast'}, loss chunks "
+          f"{args.loss_chunks}, {device}")
+    header = f"{'variant':<22} {'act. MiB':>10} {'x none':>8} {'step ms':>9} {'x none':>8}"
+    print(header + "  saved MiB orig->held")
+    for r in rows:
+        act = r.get("activation_bytes")
+        if act is not None:
+            act_s = f"{act / 2**20:10.1f} {act / base['activation_bytes']:8.3f}"
+        else:
+            act_s = f"{'n/a':>10} {'':>8}"
+        saved = ""
+        if "saved_bytes_held" in r:
+            saved = f"  {r['saved_bytes_original'] / 2**20:.1f} -> {r['saved_bytes_held'] / 2**20:.1f}"
+        print(f"{r['variant']:<22} {act_s} {r['step_ms']:9.2f} {r['step_ms'] / base['step_ms']:8.3f}{saved}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "torch": torch.__version__, "rows": rows}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
