@@ -192,7 +192,9 @@ def quantize_groups(
         exponents = k16.to(torch.uint8)
     else:
         # the upper clamp keeps FP8_MAX * scale finite for groups whose max is near float32's max
-        scales = (mx / fp8_max).clamp(min=MIN_SCALE, max=FLOAT32_MAX / fp8_max * (1 - 2.0**-20))
+        # a tensor divisor: CUDA torch turns `tensor / python_float` into a multiply by the
+        # reciprocal, which would round differently from the kernels' (and the CPU's) true division
+        scales = (mx / torch.full_like(mx, fp8_max)).clamp(min=MIN_SCALE, max=FLOAT32_MAX / fp8_max * (1 - 2.0**-20))
         scales = torch.where(mx > 0, scales, 0.0)
         inv = torch.where(scales > 0, 1.0 / scales, 0.0)
         y = x * inv.unsqueeze(-1)
