@@ -238,9 +238,11 @@ def _scalars(group: dict, steps: list, device) -> tuple[torch.Tensor, torch.Tens
     bias_correction2 = 1 - torch.pow(beta2, t)
     scalars = torch.stack([lr / bias_correction1, bias_correction2.rsqrt()], 1).float()
     rest = _to_device(torch.tensor([1 - beta1, beta2, 1 - beta2, group["eps"]], dtype=torch.float32), device)
-    decay = (1 - lr * group["weight_decay"]) if not isinstance(lr, float) else torch.tensor(
-        [1 - lr * group["weight_decay"]], dtype=torch.float64)
-    hyper = torch.cat([_to_device(decay.reshape(1), device).float(), rest])
+    if isinstance(lr, float):
+        decay = _to_device(torch.tensor([1 - lr * group["weight_decay"]], dtype=torch.float32), device)
+    else:
+        decay = (1 - lr * group["weight_decay"]).reshape(1).float()
+    hyper = torch.cat([decay, rest])
     return hyper, scalars
 
 

@@ -135,22 +135,33 @@ def test_codec_matches_twin_gpu(shape, fmt, expand):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_100_steps_track_twin_gpu(dtype):
-    a, b = _models().to(dtype), _models().to(dtype)
-    opt_twin = coatstate.CompressedAdamW(a.parameters(), lr=1e-3, min_numel=1, fused=False)
-    opt_fused = coatstate.CompressedAdamW(b.parameters(), lr=1e-3, min_numel=1)
+    """Each of 100 fused steps against one twin step taken from the same parameters, state and
+    gradients (copied over first), so deviations cannot compound through the model. Per step:
+    every element within lr/8 (one FP8 code flip, see _assert_tracks), the median within
+    1e-3 * lr, plus one bf16 rounding step of the parameter for bf16."""
+    lr = 1e-3
+    model, shadow = _models().to(dtype), _models().to(dtype)
+    fused = coatstate.CompressedAdamW(model.parameters(), lr=lr, min_numel=1)
+    twin = coatstate.CompressedAdamW(shadow.parameters(), lr=lr, min_numel=1, fused=False)
+    worst = 0.0
     for i in range(100):
         x = torch.randn(32, 96, device=DEVICE, dtype=dtype)
-        for model, opt in ((a, opt_twin), (b, opt_fused)):
-            opt.zero_grad()
-            model(x).float().pow(2).mean().backward()
-            opt.step()
-        if dtype == torch.float32:
-            _assert_tracks(a, b, 1e-3, i)
-    worst = max((pa.float() - pb.float()).abs().max().item() for pa, pb in zip(a.parameters(), b.parameters()))
-    # bf16 params: a one-ulp rounding difference of p (2**-8 relative) may appear at any step
-    bound = 0.2 * 1e-3 * 100 if dtype == torch.float32 else 0.2 * 1e-3 * 100 + 2**-7
-    print(f"\n100 steps {dtype}: largest parameter difference {worst:.2e} (bound {bound:.1e})")
-    assert worst <= bound
+        fused.zero_grad()
+        model(x).float().pow(2).mean().backward()
+        with torch.no_grad():
+            for ps, pm in zip(shadow.parameters(), model.parameters()):
+                ps.copy_(pm)
+                ps.grad = pm.grad.clone()
+        twin.load_state_dict(fused.state_dict())
+        fused.step()
+        twin.step()
+        for pm, ps in zip(model.parameters(), shadow.parameters()):
+            diff = (pm.float() - ps.float()).abs()
+            slack = 0.0 if dtype == torch.float32 else 2.0**-8 * pm.float().abs().max().item()
+            assert diff.max().item() <= lr / 8 + slack, f"step {i}: {diff.max().item():.2e}"
+            assert diff.median().item() <= 1e-3 * lr + slack / 4, f"step {i}: median {diff.median().item():.2e}"
+            worst = max(worst, diff.max().item())
+    print(f"\n100 steps {dtype}: largest single-step parameter difference {worst:.2e} (lr {lr})")
 
 
 @requires_cuda
