@@ -2,12 +2,27 @@
 
 from coatstate import formats
 from coatstate.formats import FP8Format, GroupQuantized, dequantize, quantize
+from coatstate.activation_policy import ActivationPolicy, ActivationStats, Granularity, OpKind
+from coatstate.activations import compress_activations
+from coatstate.checkpoint import Checkpoint, CheckpointError, load, read, read_header, read_state_dict, save
 from coatstate.optim import CompressedAdamW, compress_adamw_state_dict, to_adamw_state_dict
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ActivationPolicy",
+    "ActivationStats",
+    "Checkpoint",
+    "CheckpointError",
     "CompressedAdamW",
+    "Granularity",
+    "OpKind",
+    "compress_activations",
+    "load",
+    "read",
+    "read_header",
+    "read_state_dict",
+    "save",
     "FP8Format",
     "GroupQuantized",
     "__version__",
