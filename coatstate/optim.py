@@ -278,7 +278,11 @@ class CompressedAdamW(torch.optim.Optimizer):
                 from coatstate.kernels import adamw_fused
 
                 states = [self._init_state(p, group, on_device=True) for p in fused_params]
-                adamw_fused.step(self, group, fused_params, states, moment_formats, grad_scale, found_inf)
+                adamw_fused.step(
+                    self._fused_cache, group, [local_tensor(p) for p in fused_params],
+                    [local_tensor(p.grad) for p in fused_params], states,
+                    [moment_formats(group, global_shape(p)) for p in fused_params], grad_scale, found_inf,
+                )
             if twin_params:
                 self._twin_step(group, twin_params, grad_scale, found_inf)
         return loss
@@ -411,13 +415,11 @@ def compress_adamw_state_dict(state_dict: dict[str, Any], **format_options: Any)
             if pid not in state_dict["state"]:
                 continue
             s = state_dict["state"][pid]
-            ref = s["exp_avg"]
-            fake = torch.empty(ref.shape, device="meta")
-            formats = moment_formats(group, ref.shape)
+            formats = moment_formats(group, s["exp_avg"].shape)
             out = {"step": s["step"].clone() if isinstance(s["step"], torch.Tensor) else torch.tensor(float(s["step"]))}
             for name in MOMENTS:
                 if name in s:
-                    init_moment(out, name, torch.empty(fake.shape, device=s[name].device), formats[name])
+                    init_moment(out, name, s[name], formats[name])
                     write_moment(out, name, s[name].float(), formats[name])
             state[pid] = out
     return {"state": state, "param_groups": groups}

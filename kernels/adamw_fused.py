@@ -24,7 +24,7 @@ import triton.language as tl
 from ..formats.fp8 import FP8Format
 from ..formats.group import group_layout
 from .adamw_twin import MomentFormat
-from .fp8_triton import decode, encode, fp8_constants, from_fp8_bits, group_params, to_fp8_bits
+from .fp8_triton import decode, encode, fp8_constants, from_fp8_bits, group_offsets, group_params, to_fp8_bits
 
 # columns of the address table
 P, G, M_CODES, M_SCALES, M_EXPS, V_CODES, V_SCALES, V_EXPS, X_CODES, X_SCALES, X_EXPS, STEP = range(12)
@@ -117,16 +117,7 @@ def _adamw_kernel(
 
     gid = local_block.to(tl.int64) * GPP + tl.arange(0, GPP)
     gmask = gid < n_groups
-    if EVEN:  # every row is whole groups: groups are consecutive GROUP-element runs
-        offs = gid[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-        offs = tl.max_contiguous(tl.multiple_of(offs, [GROUP, GROUP]), [1, GROUP])
-        mask = gmask[:, None]
-    else:
-        row = gid // groups_per_row
-        col0 = (gid - row * groups_per_row) * GROUP
-        cols_in_row = col0[:, None] + tl.arange(0, GROUP)[None, :]
-        mask = gmask[:, None] & (cols_in_row < cols)
-        offs = row[:, None] * cols + cols_in_row
+    offs, mask = group_offsets(gid, n_groups, cols, groups_per_row, GROUP, EVEN)
 
     # per-launch hyperparameters and per-tensor step size / bias correction (see _scalars)
     decay = tl.load(hyper_ptr)
@@ -189,7 +180,7 @@ def _constants(prefix: str, f: MomentFormat | None) -> dict:
 class _Plan:
     """Everything about a launch that stays fixed from step to step (rebuilt when params/states change)."""
 
-    def __init__(self, params, states, formats, group_size, device):
+    def __init__(self, params, states, group_size, device):
         self.key = _plan_key(params, states)
         self.gpp = GROUPS_PER_PROGRAM
         n = len(params)
@@ -263,32 +254,28 @@ def _plan_key(params, states) -> tuple:
     return tuple((p.data_ptr(), s["step"].data_ptr()) for p, s in zip(params, states))
 
 
-def step(optimizer, group: dict, params: list, states: list, moment_formats, grad_scale, found_inf) -> None:
-    """One fused step over `params` (CUDA tensors of one param group) with their `states`."""
-    from coatstate.optim import local_tensor  # noqa: PLC0415 - only for DTensor unwrapping
-
+def step(cache: dict, group: dict, params: list, grads: list, states: list, formats: list,
+         grad_scale, found_inf) -> None:
+    """One fused step over local CUDA tensors `params`/`grads` of one param group, with their
+    `states` and moment formats (decided by the caller from the global shapes). `cache` keeps
+    the launch plans between steps."""
     launches: dict[tuple, list[int]] = {}
-    formats = [moment_formats(group, p.shape) for p in params]
-    for i, p in enumerate(params):
-        lp, lg = local_tensor(p), local_tensor(p.grad)
-        f = formats[i]
-        key = (lp.dtype, lg.dtype, lp.device, f["exp_avg"], f["exp_avg_sq"])
-        launches.setdefault(key, []).append(i)
+    for i, (p, g, f) in enumerate(zip(params, grads, formats)):
+        launches.setdefault((p.dtype, g.dtype, p.device, f["exp_avg"], f["exp_avg_sq"]), []).append(i)
     for (p_dtype, g_dtype, device, fm, fv), idx in launches.items():
-        _launch(optimizer, group, [local_tensor(params[i]) for i in idx], [local_tensor(params[i].grad) for i in idx],
-                [states[i] for i in idx], fm, fv, p_dtype, g_dtype, device, grad_scale, found_inf)
+        _launch(cache, group, [params[i] for i in idx], [grads[i] for i in idx], [states[i] for i in idx],
+                fm, fv, p_dtype, g_dtype, device, grad_scale, found_inf)
 
 
-def _launch(optimizer, group, params, grads, states, fm, fv, p_dtype, g_dtype, device, grad_scale, found_inf):
+def _launch(cache, group, params, grads, states, fm, fv, p_dtype, g_dtype, device, grad_scale, found_inf):
     compressed = fm is not None
     group_size = fm.group_size if compressed else group.get("group_size", 128)
     if group_size & (group_size - 1):
         raise ValueError(f"the fused step needs a power-of-two group_size; got {group_size} (use fused=False)")
-    cache = optimizer._fused_cache
     ckey = (id(group), p_dtype, g_dtype, fm, fv)
     plan = cache.get(ckey)
     if plan is None or plan.key != _plan_key(params, states):
-        plan = cache[ckey] = _Plan(params, states, (fm, fv), group_size, device)
+        plan = cache[ckey] = _Plan(params, states, group_size, device)
     grads = [g if g.is_contiguous() and g.data_ptr() % 16 == 0 else g.clone(memory_format=torch.contiguous_format)
              for g in grads]
     table = plan.table.clone()

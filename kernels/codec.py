@@ -13,29 +13,18 @@ import triton.language as tl
 
 from ..formats.fp8 import FP8Format
 from ..formats.group import GroupQuantized, group_layout
-from .fp8_triton import decode, encode, fp8_constants, from_fp8_bits, group_params, to_fp8_bits
+from .fp8_triton import decode, encode, fp8_constants, from_fp8_bits, group_offsets, group_params, to_fp8_bits
 
 GROUPS_PER_PROGRAM = 8
 
 
 @triton.jit
-def _group_offsets(pid, n_groups, cols, groups_per_row, GROUP: tl.constexpr, GPP: tl.constexpr):
-    """Element offsets [GPP, GROUP] of this program's groups, their mask, and the group ids."""
-    gid = pid.to(tl.int64) * GPP + tl.arange(0, GPP)
-    row = gid // groups_per_row
-    col0 = (gid - row * groups_per_row) * GROUP
-    lane = tl.arange(0, GROUP)
-    cols_in_row = col0[:, None] + lane[None, :]
-    mask = (gid < n_groups)[:, None] & (cols_in_row < cols)
-    return row[:, None] * cols + cols_in_row, mask, gid
-
-
-@triton.jit
 def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, exps_ptr, n_groups, cols, groups_per_row,
-                     EXPAND: tl.constexpr, GROUP: tl.constexpr, GPP: tl.constexpr,
+                     EXPAND: tl.constexpr, GROUP: tl.constexpr, GPP: tl.constexpr, EVEN: tl.constexpr,
                      FP8_MAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr,
                      LOG2_MAX: tl.constexpr, K_NUMERATOR: tl.constexpr, IS_E4M3: tl.constexpr):
-    offs, mask, gid = _group_offsets(tl.program_id(0), n_groups, cols, groups_per_row, GROUP, GPP)
+    gid = tl.program_id(0).to(tl.int64) * GPP + tl.arange(0, GPP)
+    offs, mask = group_offsets(gid, n_groups, cols, groups_per_row, GROUP, EVEN)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     mag = tl.abs(x)
     a, k16, p0, p1 = group_params(mag, EXPAND, FP8_MAX, LOG2_MAX, K_NUMERATOR)
@@ -49,8 +38,10 @@ def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, exps_ptr, n_groups, cols, gro
 
 @triton.jit
 def _dequantize_kernel(codes_ptr, scales_ptr, exps_ptr, out_ptr, n_groups, cols, groups_per_row,
-                       EXPAND: tl.constexpr, GROUP: tl.constexpr, GPP: tl.constexpr, IS_E4M3: tl.constexpr):
-    offs, mask, gid = _group_offsets(tl.program_id(0), n_groups, cols, groups_per_row, GROUP, GPP)
+                       EXPAND: tl.constexpr, GROUP: tl.constexpr, GPP: tl.constexpr, EVEN: tl.constexpr,
+                       IS_E4M3: tl.constexpr):
+    gid = tl.program_id(0).to(tl.int64) * GPP + tl.arange(0, GPP)
+    offs, mask = group_offsets(gid, n_groups, cols, groups_per_row, GROUP, EVEN)
     gmask = gid < n_groups
     q = from_fp8_bits(tl.load(codes_ptr + offs, mask=mask, other=0), IS_E4M3)
     scale = tl.load(scales_ptr + gid, mask=gmask, other=0.0)
@@ -83,7 +74,7 @@ def quantize(x: torch.Tensor, *, group_size: int = 128, fmt: FP8Format | str = "
     if n_groups and x.numel():
         grid = (triton.cdiv(n_groups, GROUPS_PER_PROGRAM),)
         _quantize_kernel[grid](x, codes, scales, exps, n_groups, cols, groups, EXPAND=expand,
-                               GROUP=group_size, GPP=GROUPS_PER_PROGRAM, **fp8_constants(fmt))
+                               GROUP=group_size, GPP=GROUPS_PER_PROGRAM, EVEN=cols % group_size == 0, **fp8_constants(fmt))
     elif n_groups:
         scales.zero_()
         if expand:
@@ -103,5 +94,6 @@ def dequantize(q: GroupQuantized, dtype: torch.dtype = torch.float32) -> torch.T
         grid = (triton.cdiv(n_groups, GROUPS_PER_PROGRAM),)
         _dequantize_kernel[grid](codes, q.scales.contiguous(), exps.contiguous(), out, n_groups, cols, groups,
                                  EXPAND=q.expanded, GROUP=q.group_size, GPP=GROUPS_PER_PROGRAM,
+                                 EVEN=cols % q.group_size == 0,
                                  IS_E4M3=q.fmt is FP8Format.E4M3)
     return out

@@ -52,6 +52,23 @@ def fp8_constants(fmt: FP8Format) -> dict:
 
 
 @triton.jit
+def group_offsets(gid, n_groups, cols, groups_per_row, GROUP: tl.constexpr, EVEN: tl.constexpr):
+    """Element offsets [len(gid), GROUP] and mask of groups `gid` of a (rows, cols) tensor viewed
+    as rows of groups. EVEN (every row is whole groups): groups are consecutive GROUP-element runs,
+    which the compiler can load with 16-byte vectors."""
+    gmask = gid < n_groups
+    if EVEN:
+        offs = gid[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+        offs = tl.max_contiguous(tl.multiple_of(offs, [GROUP, GROUP]), [1, GROUP])
+        return offs, gmask[:, None]
+    else:
+        row = gid // groups_per_row
+        col0 = (gid - row * groups_per_row) * GROUP
+        cols_in_row = col0[:, None] + tl.arange(0, GROUP)[None, :]
+        return row[:, None] * cols + cols_in_row, gmask[:, None] & (cols_in_row < cols)
+
+
+@triton.jit
 def copysign(mag, sign_of):
     """|mag| with the sign bit of `sign_of` (as torch.copysign: -0.0 stays -0.0)."""
     bits = (mag.to(tl.int32, bitcast=True) & 0x7FFFFFFF) | (sign_of.to(tl.int32, bitcast=True) & -2147483648)

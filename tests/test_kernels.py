@@ -19,7 +19,7 @@ from coatstate.kernels import codec
 from conftest import requires_cuda
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-SMALL_SHAPES = [(), (1,), (5,), (3, 129), (7, 300), (2, 3, 4, 5), (0, 8)]
+SMALL_SHAPES = [(), (1,), (5,), (3, 129), (7, 300), (4, 256), (2, 3, 4, 5), (0, 8)]
 
 
 def _random(shape, dtype=torch.float32, device=DEVICE):
