@@ -189,7 +189,8 @@ class CompressedAdamW(torch.optim.Optimizer):
         if kept:
             n = sum(k["numel"] for k in kept)
             total = sum(math.prod(global_shape(p)) for g in self.param_groups for p in g["params"])
-            reasons = sorted({k["reason"].split(" <")[0] if "<" in k["reason"] else k["reason"] for k in kept})
+            reasons = sorted({"fewer than min_numel elements" if "min_numel" in k["reason"] else k["reason"]
+                              for k in kept})
             logger.info(
                 "coatstate: %d of %d parameters (%.2f%% of elements) keep float32 moments (%s); "
                 "see CompressedAdamW.uncompressed_parameters()",

@@ -18,7 +18,7 @@ group maxima, and writes codes and float32 scales of shape (rows, groups_per_row
 
 Bit-exactness with the twin (also under TRITON_INTERPRET=1): the maximum is exact in any order;
 scale and reciprocal use `tl.div_rn` (IEEE division, as torch's); x * inv is one float32
-multiply; `_round_to_fp8` puts the value on the FP8 grid with float32 adds that round to
+multiply; `fp8_triton.round_to_fp8_grid` puts the value on the FP8 grid with float32 adds that round to
 nearest even (as formats.fp8.round_to_fp8_grid does), so the final cast to float8 is exact
 (the interpreter's own float32 -> float8 cast does not round to nearest even, see NOTES.md);
 unpacking is one float32 multiply, then (for bfloat16 outputs) an integer round to nearest
@@ -30,26 +30,14 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from coatstate.formats.fp8 import FP8Format
-from coatstate.formats.group import MIN_SCALE
-from coatstate.formats.tensorwise import AMAX_BLOCK
+from ..formats.fp8 import FP8Format
+from ..formats.group import MIN_SCALE
+from ..formats.tensorwise import AMAX_BLOCK
+from .fp8_triton import round_to_fp8_grid
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TILE = 4096  # elements per program in the per-group kernels
 _SCALE_BLOCK = 1024
-
-
-@triton.jit
-def _round_to_fp8(y, FP8_MAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr):
-    """Round float32 y to the FP8 grid (ties to even), saturating; keeps the sign of zero."""
-    y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
-    bits = y.to(tl.int32, bitcast=True)
-    exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, EMIN)
-    inv_ulp = ((MANT - exponent + 127) << 23).to(tl.float32, bitcast=True)
-    ulp = ((exponent - MANT + 127) << 23).to(tl.float32, bitcast=True)
-    magnitude = ((tl.abs(y) * inv_ulp + 12582912.0) - 12582912.0) * ulp
-    sign = (bits >> 31) << 31
-    return (magnitude.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -94,7 +82,7 @@ def _pack_tensor_kernel(
     mask = offs < n
     inv = tl.load(scale_ptr + 1)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    q = _round_to_fp8(x * inv, FP8_MAX, MANT, EMIN)
+    q = round_to_fp8_grid(x * inv, FP8_MAX, MANT, EMIN)
     tl.store(codes_ptr + offs, q.to(codes_ptr.dtype.element_ty), mask=mask)
 
 
@@ -112,16 +100,26 @@ def _unpack_tensor_kernel(codes_ptr, scale_ptr, out_ptr, n, BF16: tl.constexpr, 
 
 
 @triton.jit
+def _group_tile(rows, cols, groups_per_row, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr):
+    """This program's [BLOCK_M, BLOCK_N] tile: element offsets and mask, and the offsets and mask
+    of its [BLOCK_M, BLOCK_N // G] group scales."""
+    GROUPS: tl.constexpr = BLOCK_N // G
+    r = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (r[:, None] < rows) & (c[None, :] < cols)
+    g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    smask = (r[:, None] < rows) & (g[None, :] < groups_per_row)
+    return r[:, None] * cols + c[None, :], mask, r[:, None] * groups_per_row + g[None, :], smask
+
+
+@triton.jit
 def _pack_groups_kernel(
     x_ptr, codes_ptr, scales_ptr, rows, cols, groups_per_row, fp8_max, min_scale,
     FP8_MAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr,
 ):
     GROUPS: tl.constexpr = BLOCK_N // G
-    r = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (r[:, None] < rows) & (c[None, :] < cols)
-    offs = r[:, None] * cols + c[None, :]
+    offs, mask, soffs, smask = _group_tile(rows, cols, groups_per_row, BLOCK_M, BLOCK_N, G)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     x3 = tl.reshape(x, [BLOCK_M, GROUPS, G])
     amax = tl.max(tl.abs(x3), axis=2)
@@ -129,12 +127,10 @@ def _pack_groups_kernel(
     scale = tl.where(amax > 0, scale, 0.0)
     safe = tl.where(scale > 0, scale, 1.0)
     inv = tl.where(scale > 0, tl.div_rn(tl.full([BLOCK_M, GROUPS], 1.0, tl.float32), safe), 0.0)
-    q = _round_to_fp8(x3 * inv[:, :, None], FP8_MAX, MANT, EMIN)
+    q = round_to_fp8_grid(x3 * inv[:, :, None], FP8_MAX, MANT, EMIN)
     q = tl.reshape(q, [BLOCK_M, BLOCK_N])
     tl.store(codes_ptr + offs, q.to(codes_ptr.dtype.element_ty), mask=mask)
-    g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
-    smask = (r[:, None] < rows) & (g[None, :] < groups_per_row)
-    tl.store(scales_ptr + r[:, None] * groups_per_row + g[None, :], scale, mask=smask)
+    tl.store(scales_ptr + soffs, scale, mask=smask)
 
 
 @triton.jit
@@ -143,14 +139,9 @@ def _unpack_groups_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr,
 ):
     GROUPS: tl.constexpr = BLOCK_N // G
-    r = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (r[:, None] < rows) & (c[None, :] < cols)
-    offs = r[:, None] * cols + c[None, :]
+    offs, mask, soffs, smask = _group_tile(rows, cols, groups_per_row, BLOCK_M, BLOCK_N, G)
     q = tl.load(codes_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
-    smask = (r[:, None] < rows) & (g[None, :] < groups_per_row)
-    scale = tl.load(scales_ptr + r[:, None] * groups_per_row + g[None, :], mask=smask, other=0.0)
+    scale = tl.load(scales_ptr + soffs, mask=smask, other=0.0)
     x = tl.reshape(tl.reshape(q, [BLOCK_M, GROUPS, G]) * scale[:, :, None], [BLOCK_M, BLOCK_N])
     if BF16:
         x = _round_to_bf16(x)
