@@ -320,6 +320,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--min-numel", type=int, default=4096, help="smaller params keep fp32 states")
     c.add_argument("--zstd", action="store_true", help="zstandard-compress the tensors")
     c.set_defaults(run=cmd_convert)
+    from coatstate.planner_cli import add_plan_parser
+
+    add_plan_parser(sub)
     return p
 
 

@@ -1,0 +1,106 @@
+"""`coatstate plan`: the argument parser and the command (the work is in coatstate.planner).
+
+Kept apart from planner.py so that building the `coatstate` parser never imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+
+_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20,
+          "gib": 2**30, "tib": 2**40}
+_COUNT_SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
+
+
+def parse_bytes(text: str) -> int:
+    """'80GB', '141 GiB', '8e10' -> bytes (a bare number is bytes; GB = 1e9, GiB = 2**30)."""
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a memory size: write e.g. 80GB, 141GiB or a number of bytes"
+        )
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def parse_count(text: str) -> int:
+    """'6.7B', '355M', '7e9' -> an integer count."""
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([kKmMbBtT]?)\s*", str(text))
+    if m is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count: write e.g. 6.7B, 355M or 7e9")
+    return int(float(m.group(1)) * _COUNT_SUFFIX[m.group(2).lower()])
+
+
+def add_plan_parser(sub) -> None:
+    """Register `plan` on the `coatstate` subcommand parser."""
+    p = sub.add_parser(
+        "plan",
+        help="memory per GPU, GPUs needed and largest micro-batch: AdamW+BF16 vs compressed",
+        description="Predict training memory per GPU for torch AdamW + BF16, CompressedAdamW and "
+        "CompressedAdamW + compress_activations, from the model's real parameter shapes and a short "
+        "CPU trace of its activations (docs/planner.md).",
+    )
+    p.add_argument(
+        "model",
+        nargs="?",
+        help="a config JSON file (GPT-2 or Llama keys), a transformers config name (needs "
+        "transformers), or module:factory (a function returning an nn.Module); omit it to describe "
+        "the model with --params/--layers/--hidden",
+    )
+    m = p.add_argument_group("model from numbers")
+    m.add_argument("--arch", choices=("llama", "gpt"), default="llama", help="block layout (default llama)")
+    m.add_argument("--params", type=parse_count, help="total parameters, e.g. 6.7B (sets the vocabulary)")
+    m.add_argument("--layers", type=int)
+    m.add_argument("--hidden", type=int)
+    m.add_argument("--heads", type=int, help="attention heads (default hidden / 128, at least 1)")
+    m.add_argument("--kv-heads", type=int, help="key/value heads for grouped-query attention (llama)")
+    m.add_argument("--ffn", type=int, help="MLP width (default: llama 8/3 hidden rounded to 256, gpt 4x)")
+    m.add_argument("--vocab", type=int, help="vocabulary size (default: from --params, else 32000)")
+    j = p.add_argument_group("job")
+    j.add_argument("--seq", type=int, help="sequence length (default: the config's maximum, else 2048)")
+    j.add_argument("--batch", type=int, default=1, help="micro-batch per GPU (default 1)")
+    j.add_argument("--gpus", type=int, default=1, help="GPUs (default 1)")
+    j.add_argument("--sharding", choices=("none", "fsdp2"), default="none",
+                   help="none: every GPU holds everything; fsdp2: params, grads, master weights and "
+                   "optimizer states sharded over --gpus")
+    j.add_argument("--gpu-memory", type=parse_bytes, default=parse_bytes("80GB"),
+                   help="memory per GPU (default 80GB)")
+    j.add_argument("--param-dtype", choices=("bf16", "fp32"), default="bf16",
+                   help="bf16: bf16 params and grads (+ fp32 master weights); fp32: fp32 params and grads "
+                   "with bf16 autocast (default bf16)")
+    j.add_argument("--no-master-weights", action="store_true", help="bf16 params without an fp32 copy")
+    j.add_argument("--no-autocast", action="store_true", help="with --param-dtype fp32: run in fp32")
+    j.add_argument("--loss-chunks", type=int, default=1,
+                   help="head + loss over this many checkpointed chunks of tokens (built models only)")
+    p.add_argument("--json", action="store_true", help="print JSON for scripts")
+    p.set_defaults(run=cmd_plan)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from coatstate import planner
+
+    if args.model is None and not (args.layers and args.hidden):
+        raise ValueError(
+            "give a model: a config JSON file, a transformers config name, module:factory, or the "
+            "numbers --layers and --hidden (with --params or --vocab)"
+        )
+    spec = planner.resolve_model(
+        args.model, arch=args.arch, params=args.params, layers=args.layers, hidden=args.hidden,
+        heads=args.heads, kv_heads=args.kv_heads, ffn=args.ffn, vocab=args.vocab,
+        loss_chunks=args.loss_chunks,
+    )
+    result = planner.plan(
+        spec,
+        seq=args.seq,
+        batch=args.batch,
+        gpus=args.gpus,
+        sharding=args.sharding,
+        gpu_memory=args.gpu_memory,
+        param_dtype=args.param_dtype,
+        master_weights=None if not args.no_master_weights else False,
+        autocast=not args.no_autocast,
+    )
+    print(json.dumps(result.to_dict(), indent=1) if args.json else result.table())
+    return 0
