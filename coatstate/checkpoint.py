@@ -23,6 +23,7 @@ from coatstate.formats import schema
 from coatstate.formats.schema import CheckpointError
 
 from . import checkpoint_io as cio
+from . import distributed as dist_utils
 
 __all__ = ["Checkpoint", "CheckpointError", "load", "read", "read_header", "read_state_dict", "save"]
 
@@ -246,6 +247,9 @@ def save(
     with an nn.Module the parameter names are also recorded. compress: None or "zstd" (per
     tensor, frame checksums on; measured ~1.1x on FP8 states, so off by default). Above
     `shard_size` bytes the tensors go to shard files next to `url` and `url` holds the index.
+
+    A sharded optimizer (DTensor states, FSDP2) or model is gathered: every rank must call
+    save(); rank 0 writes one world-size-independent file (docs/CHECKPOINT.md, "Distributed").
     """
     if compress not in (None, "zstd"):
         raise ValueError(f"compress must be None or 'zstd'; got {compress!r}")
@@ -254,6 +258,25 @@ def save(
     url = os.fspath(url)
     sd, shapes, names, kind = _source(optimizer_or_state_dict, model, param_names)
     model_sd = model.state_dict() if isinstance(model, torch.nn.Module) else model
+    sharded = dist_utils.has_dtensors(sd) or any(dist_utils.is_dtensor(v) for v in (model_sd or {}).values())
+    if sharded:  # FSDP2/DTensor: gather every tensor (a collective), then rank 0 writes
+        sd = dist_utils.gather_state_dict(sd)
+        model_sd = (
+            {k: dist_utils.full_tensor(v).detach().cpu() for k, v in model_sd.items()}
+            if model_sd
+            else model_sd
+        )
+        if not dist_utils.is_main_process():
+            dist_utils.barrier()
+            return
+    try:
+        _write(url, sd, shapes, names, kind, model_sd, compress, shard_size)
+    finally:
+        if sharded:
+            dist_utils.barrier()  # the file exists (or the save failed) on every rank's return
+
+
+def _write(url, sd, shapes, names, kind, model_sd, compress, shard_size) -> None:
     tensors, header = _flatten(sd, shapes, names, model_sd)
     header["optimizer"]["class"] = kind
     stored = _encode_zstd(tensors, header) if compress == "zstd" else tensors
@@ -369,12 +392,28 @@ def _read_pt(data: bytes, where: str) -> Checkpoint:
     return Checkpoint(optimizer=obj, model=None, header={})
 
 
+def _read_dcp(path: str) -> Checkpoint:
+    optimizer, model, names = dist_utils.read_dcp(path)
+    params = {
+        str(pid): {"group": g, "name": names.get(pid), "shape": None}
+        for g, group in enumerate(optimizer["param_groups"])
+        for pid in group["params"]
+    }
+    return Checkpoint(
+        optimizer=optimizer, model=model, header={"format": "torch.distributed.checkpoint", "params": params}
+    )
+
+
 def read(url: str | os.PathLike, *, verify: bool = True) -> Checkpoint:
     """Everything in a checkpoint, checksums verified (no optimizer needed).
 
-    Also reads a torch.save'd optimizer state dict (.pt) with torch.load(weights_only=True).
+    Also reads a torch.save'd optimizer state dict (.pt) with torch.load(weights_only=True) and
+    a local torch.distributed.checkpoint directory (distributed.read_dcp: whole tensors, any
+    world size; its `header` then lists only the parameter names).
     """
     url = os.fspath(url)
+    if os.path.isdir(url):
+        return _read_dcp(url)
     data = cio.read_bytes(url)
     if data[:4] == b"PK\x03\x04":
         return _read_pt(data, url)
@@ -469,7 +508,9 @@ def load(
 
     Everything is checked (checksums, param counts, shapes, model keys) before anything is
     modified. A compressed checkpoint loaded into a plain torch optimizer is decompressed first
-    (the values CompressedAdamW used, in fp32).
+    (the values CompressedAdamW used, in fp32). With DTensor (FSDP2) parameters every rank reads
+    the file and keeps its own rows, whatever world size saved it. `url` may also be a local
+    torch.distributed.checkpoint directory.
     """
     url = os.fspath(url)
     ckpt = read(url)
@@ -488,7 +529,12 @@ def load(
 
         sd = to_adamw_state_dict(sd)
     if model is not None:
-        model.load_state_dict(ckpt.model)
+        if any(dist_utils.is_dtensor(t) for t in model.state_dict().values()):
+            dist_utils.load_model_state_dict(model, ckpt.model)
+        else:
+            model.load_state_dict(ckpt.model)
+    if not _is_compressed_optimizer(optimizer):  # CompressedAdamW cuts full tensors itself
+        sd = dist_utils.shard_like_params(sd, optimizer)
     try:
         optimizer.load_state_dict(sd)
     except (ValueError, KeyError, RuntimeError) as e:

@@ -228,6 +228,8 @@ def _direction(args: argparse.Namespace) -> str:
     if args.to:
         return args.to
     src, dst = _ext(args.src), _ext(args.dst)
+    if os.path.isdir(args.src):  # a DCP directory: to .safetensors as it is, to .pt decompressed
+        return "keep" if dst in ST_EXTENSIONS else "adamw"
     if src in PT_EXTENSIONS and dst in ST_EXTENSIONS:
         return "compressed"
     if src in ST_EXTENSIONS and dst in PT_EXTENSIONS:
@@ -249,12 +251,6 @@ def _write_pt(obj: Any, url: str) -> None:
 def cmd_convert(args: argparse.Namespace) -> int:
     from coatstate import checkpoint
 
-    if os.path.isdir(args.src):
-        raise CheckpointError(
-            f"{args.src} is a directory: torch.distributed.checkpoint directories are not read (their "
-            ".metadata is a pickle); for a trusted one, run torch.distributed.checkpoint.format_utils."
-            "dcp_to_torch_save first"
-        )
     direction = _direction(args)
     if _ext(args.dst) not in PT_EXTENSIONS + ST_EXTENSIONS:
         raise UsageError(f"DST {args.dst!r} must end in one of {PT_EXTENSIONS + ST_EXTENSIONS}")
@@ -262,7 +258,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
     ckpt = checkpoint.read(args.src)
     sd = ckpt.optimizer
     has_codes = any(k.endswith("_codes") for s in sd["state"].values() for k in s)
-    if direction == "compressed":
+    names = {int(k): v["name"] for k, v in (ckpt.header.get("params") or {}).items() if v.get("name")}
+    if direction == "keep":
+        direction = "compressed" if has_codes else "adamw"
+    elif direction == "compressed":
         if has_codes:
             raise CheckpointError(f"{args.src} already holds compressed states (convert --to adamw first)")
         from coatstate.optim import compress_adamw_state_dict
@@ -281,12 +280,14 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
         sd = to_adamw_state_dict(sd)
     if _ext(args.dst) in ST_EXTENSIONS:
-        checkpoint.save(sd, args.dst, model=ckpt.model, compress="zstd" if args.zstd else None)
+        checkpoint.save(
+            sd, args.dst, model=ckpt.model, compress="zstd" if args.zstd else None, param_names=names
+        )
     else:
         if ckpt.model is not None:
             print("coatstate: note: the model state dict in SRC is not written to a .pt DST", file=sys.stderr)
         _write_pt(sd, args.dst)
-    src_size, dst_size = (cio.url_to_fs(u)[0].size(cio.url_to_fs(u)[1]) for u in (args.src, args.dst))
+    src_size, dst_size = (cio.url_to_fs(u)[0].du(cio.url_to_fs(u)[1]) for u in (args.src, args.dst))
     print(
         f"{args.src} ({_mb(src_size)}) -> {args.dst} ({_mb(dst_size)}, {dst_size / src_size:.3f}x, "
         f"{direction}) in {time.perf_counter() - t0:.1f} s",
@@ -305,8 +306,10 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true", help="print JSON for scripts")
     i.add_argument("--all", action="store_true", help="list every parameter")
     i.set_defaults(run=cmd_inspect)
-    c = sub.add_parser("convert", help="torch AdamW .pt <-> compressed .safetensors")
-    c.add_argument("src")
+    c = sub.add_parser(
+        "convert", help="torch AdamW .pt <-> compressed .safetensors (SRC may be a DCP directory)"
+    )
+    c.add_argument("src", help="a .pt, a .safetensors, or a torch.distributed.checkpoint directory")
     c.add_argument("dst")
     c.add_argument(
         "--to",

@@ -13,6 +13,14 @@ from typing import Any
 
 import torch
 
+from coatstate.distributed import (
+    check_compressible,
+    is_dtensor,
+    local_chunk,
+    local_state,
+    local_tensor,
+    wrap_state,
+)
 from coatstate.formats import FP8Format
 from coatstate.kernels.adamw_twin import (
     MOMENTS,
@@ -44,10 +52,6 @@ def global_shape(p: torch.Tensor) -> torch.Size:
     return p.shape  # DTensor.shape is the global shape
 
 
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def moment_formats(group: dict, shape: torch.Size) -> dict[str, MomentFormat | None]:
     """How each moment of a parameter of global `shape` is stored (None: float32)."""
     numel = math.prod(shape)
@@ -59,7 +63,9 @@ def moment_formats(group: dict, shape: torch.Size) -> dict[str, MomentFormat | N
     if not compress:
         return dict.fromkeys(MOMENTS)
     g = group.get("group_size", 128)
-    first = MomentFormat(FP8Format.parse(group.get("exp_avg_format", "e4m3")), group.get("exp_avg_expand", True), g)
+    first = MomentFormat(
+        FP8Format.parse(group.get("exp_avg_format", "e4m3")), group.get("exp_avg_expand", True), g
+    )
     second = MomentFormat(
         FP8Format.parse(group.get("exp_avg_sq_format", "e4m3")), group.get("exp_avg_sq_expand", True), g
     )
@@ -140,13 +146,25 @@ class CompressedAdamW(torch.optim.Optimizer):
             except ValueError as e:
                 raise ValueError(f"{name}: {e}") from None
         defaults = dict(
-            lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-            maximize=maximize, foreach=foreach, capturable=False, differentiable=False, fused=fused,
-            decoupled_weight_decay=True, compress=compress, group_size=group_size,
+            lr=lr,
+            betas=tuple(betas),
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            maximize=maximize,
+            foreach=foreach,
+            capturable=False,
+            differentiable=False,
+            fused=fused,
+            decoupled_weight_decay=True,
+            compress=compress,
+            group_size=group_size,
             exp_avg_format=FP8Format.parse(exp_avg_format).value,
             exp_avg_sq_format=FP8Format.parse(exp_avg_sq_format).value,
-            exp_avg_expand=exp_avg_expand, exp_avg_sq_expand=exp_avg_sq_expand,
-            min_numel=min_numel, compress_1d=compress_1d,
+            exp_avg_expand=exp_avg_expand,
+            exp_avg_sq_expand=exp_avg_sq_expand,
+            min_numel=min_numel,
+            compress_1d=compress_1d,
         )
         super().__init__(params, defaults)
         self._reported: set[int] = set()
@@ -163,11 +181,14 @@ class CompressedAdamW(torch.optim.Optimizer):
             for i, p in enumerate(group["params"]):
                 shape = global_shape(p)
                 if moment_formats(group, shape)["exp_avg"] is None:
-                    out.append({
-                        "name": names[i] if names else f"group{gi}.param{i}",
-                        "shape": tuple(shape), "numel": math.prod(shape),
-                        "reason": _why_uncompressed(group, shape),
-                    })
+                    out.append(
+                        {
+                            "name": names[i] if names else f"group{gi}.param{i}",
+                            "shape": tuple(shape),
+                            "numel": math.prod(shape),
+                            "reason": _why_uncompressed(group, shape),
+                        }
+                    )
         return out
 
     def state_bytes(self) -> int:
@@ -189,29 +210,48 @@ class CompressedAdamW(torch.optim.Optimizer):
         if kept:
             n = sum(k["numel"] for k in kept)
             total = sum(math.prod(global_shape(p)) for g in self.param_groups for p in g["params"])
-            reasons = sorted({"fewer than min_numel elements" if "min_numel" in k["reason"] else k["reason"]
-                              for k in kept})
+            reasons = sorted(
+                {"fewer than min_numel elements" if "min_numel" in k["reason"] else k["reason"] for k in kept}
+            )
             logger.info(
                 "coatstate: %d of %d parameters (%.2f%% of elements) keep float32 moments (%s); "
                 "see CompressedAdamW.uncompressed_parameters()",
-                len(kept), sum(len(g["params"]) for g in self.param_groups),
-                100.0 * n / max(total, 1), "; ".join(reasons),
+                len(kept),
+                sum(len(g["params"]) for g in self.param_groups),
+                100.0 * n / max(total, 1),
+                "; ".join(reasons),
             )
 
     # ---- the step --------------------------------------------------------------------------
 
     def _init_state(self, p: torch.Tensor, group: dict, on_device: bool) -> dict:
+        """p's state, created on first use; a DTensor parameter gets DTensor moments (its local
+        rows only: see coatstate.distributed)."""
         state = self.state[p]
+        formats = moment_formats(group, global_shape(p))
         if not state:
             local = local_tensor(p)
-            formats = moment_formats(group, global_shape(p))
-            state["step"] = torch.tensor(0.0, dtype=torch.float32, device=local.device if on_device else "cpu")
+            if is_dtensor(p) and formats["exp_avg"] is not None:
+                check_compressible(p, self._param_name(p))
+            state["step"] = torch.tensor(
+                0.0, dtype=torch.float32, device=local.device if on_device else "cpu"
+            )
             names = MOMENTS if group["amsgrad"] else MOMENTS[:2]
             for name in names:
                 init_moment(state, name, local, formats[name])
         elif group["amsgrad"] and "max_exp_avg_sq" not in state and "max_exp_avg_sq_codes" not in state:
-            init_moment(state, "max_exp_avg_sq", local_tensor(p), moment_formats(group, global_shape(p))["max_exp_avg_sq"])
+            init_moment(state, "max_exp_avg_sq", local_tensor(p), formats["max_exp_avg_sq"])
+        if is_dtensor(p):
+            wrap_state(state, p)
         return state
+
+    def _param_name(self, p: torch.Tensor) -> str:
+        for gi, group in enumerate(self.param_groups):
+            for i, q in enumerate(group["params"]):
+                if q is p:
+                    names = group.get("param_names")
+                    return names[i] if names else f"group{gi}.param{i}"
+        return "<not in this optimizer>"
 
     @staticmethod
     def _use_fused(group: dict, p: torch.Tensor) -> bool:
@@ -246,7 +286,8 @@ class CompressedAdamW(torch.optim.Optimizer):
         for plan in self._fused_cache.values():
             counts = plan.nonfinite.tolist()
             plan.nonfinite.zero_()
-            out += [{"shape": tuple(p.shape), "count": c, "param": p} for p, c in zip(plan.params, counts) if c]
+            pairs = zip(plan.params, counts, strict=True)
+            out += [{"shape": tuple(p.shape), "count": c, "param": p} for p, c in pairs if c]
         for p, count in self._twin_nonfinite.items():
             if count:
                 out.append({"shape": tuple(p.shape), "count": count, "param": p})
@@ -268,7 +309,9 @@ class CompressedAdamW(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse or p.is_sparse:
-                    raise TypeError("CompressedAdamW does not support sparse gradients; use torch.optim.SparseAdam")
+                    raise TypeError(
+                        "CompressedAdamW does not support sparse gradients; use torch.optim.SparseAdam"
+                    )
                 if torch.is_complex(p):
                     raise TypeError(
                         "CompressedAdamW does not support complex parameters; view them as real "
@@ -278,11 +321,16 @@ class CompressedAdamW(torch.optim.Optimizer):
             if fused_params:
                 from coatstate.kernels import adamw_fused
 
-                states = [self._init_state(p, group, on_device=True) for p in fused_params]
+                states = [local_state(self._init_state(p, group, on_device=True)) for p in fused_params]
                 adamw_fused.step(
-                    self._fused_cache, group, [local_tensor(p) for p in fused_params],
-                    [local_tensor(p.grad) for p in fused_params], states,
-                    [moment_formats(group, global_shape(p)) for p in fused_params], grad_scale, found_inf,
+                    self._fused_cache,
+                    group,
+                    [local_tensor(p) for p in fused_params],
+                    [local_tensor(p.grad) for p in fused_params],
+                    states,
+                    [moment_formats(group, global_shape(p)) for p in fused_params],
+                    grad_scale,
+                    found_inf,
                 )
             if twin_params:
                 self._twin_step(group, twin_params, grad_scale, found_inf)
@@ -301,10 +349,18 @@ class CompressedAdamW(torch.optim.Optimizer):
             state["step"] += 1
             g = local_tensor(p.grad)
             bad = adamw_step_reference(
-                local_tensor(p), g, state,
+                local_tensor(p),
+                g,
+                local_state(state),
                 moment_formats(group, global_shape(p)),
-                lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                maximize=group["maximize"], amsgrad=group["amsgrad"], step=state["step"].item(),
+                lr=lr,
+                beta1=beta1,
+                beta2=beta2,
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+                maximize=group["maximize"],
+                amsgrad=group["amsgrad"],
+                step=state["step"].item(),
                 inv_grad_scale=None if inv_scale is None else inv_scale.to(g.device),
             )
             if bad:
@@ -324,17 +380,18 @@ class CompressedAdamW(torch.optim.Optimizer):
             raise ValueError("not an optimizer state dict: expected keys 'state' and 'param_groups'")
         if len(groups) != len(self.param_groups):
             raise ValueError(
-                f"loaded state dict has {len(groups)} param groups, this optimizer has {len(self.param_groups)}"
+                f"loaded state dict has {len(groups)} param groups, this optimizer has "
+                f"{len(self.param_groups)}"
             )
         id_to_param: dict[Any, torch.Tensor] = {}
         new_groups = []
-        for gi, (mine, saved) in enumerate(zip(self.param_groups, groups)):
+        for gi, (mine, saved) in enumerate(zip(self.param_groups, groups, strict=False)):
             if len(mine["params"]) != len(saved["params"]):
                 raise ValueError(
                     f"param group {gi}: loaded state has {len(saved['params'])} parameters, this "
                     f"optimizer has {len(mine['params'])}"
                 )
-            id_to_param.update(zip(saved["params"], mine["params"]))
+            id_to_param.update(zip(saved["params"], mine["params"], strict=False))
             merged = {k: v for k, v in saved.items() if k != "params"}
             for key, default in FORMAT_DEFAULTS.items():
                 merged.setdefault(key, mine.get(key, default))
@@ -362,14 +419,20 @@ def convert_param_state(saved: dict, p: torch.Tensor, group: dict) -> dict:
         if key == "step":
             step = value if isinstance(value, torch.Tensor) else torch.tensor(float(value))
             on_device = local.is_cuda and group.get("fused") is not False
-            out["step"] = step.detach().to(dtype=torch.float32, device=local.device if on_device else "cpu").clone()
+            out["step"] = (
+                step.detach().to(dtype=torch.float32, device=local.device if on_device else "cpu").clone()
+            )
     for name in MOMENTS:
         if name not in saved and f"{name}_codes" not in saved:
             continue
-        src = {k: (local_tensor(v).to(local.device) if isinstance(v, torch.Tensor) else v) for k, v in saved.items()}
+        src = {
+            k: (_local_part(v, p).to(local.device) if isinstance(v, torch.Tensor) else v)
+            for k, v in saved.items()
+        }
         if not is_compressed(src, name) and tuple(src[name].shape) != tuple(local.shape):
             raise ValueError(
-                f"state {name!r} has shape {tuple(src[name].shape)} but its parameter has shape {tuple(local.shape)}"
+                f"state {name!r} has shape {tuple(src[name].shape)} but its parameter has shape "
+                f"{tuple(local.shape)}"
             )
         if is_compressed(src, name) and tuple(src[f"{name}_codes"].shape) != tuple(local.shape):
             raise ValueError(
@@ -395,7 +458,21 @@ def convert_param_state(saved: dict, p: torch.Tensor, group: dict) -> dict:
                 write_moment(out, name, value, formats[name])
     if "step" not in out:
         raise ValueError("parameter state has no 'step'")
+    if is_dtensor(p):
+        if any(k.endswith("_codes") for k in out):
+            check_compressible(p, f"of global shape {tuple(p.shape)}")
+        wrap_state(out, p)
     return out
+
+
+def _local_part(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """The part of a saved state tensor that belongs to this rank's shard of `p`: a DTensor's
+    local shard, or for a DTensor `p` and a full (gathered) tensor, its rows of it."""
+    if is_dtensor(value):
+        return local_tensor(value)
+    if is_dtensor(p) and value.ndim > 0:
+        return local_chunk(value, p)
+    return value
 
 
 def _format_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -417,7 +494,11 @@ def compress_adamw_state_dict(state_dict: dict[str, Any], **format_options: Any)
                 continue
             s = state_dict["state"][pid]
             formats = moment_formats(group, s["exp_avg"].shape)
-            out = {"step": s["step"].clone() if isinstance(s["step"], torch.Tensor) else torch.tensor(float(s["step"]))}
+            out = {
+                "step": s["step"].clone()
+                if isinstance(s["step"], torch.Tensor)
+                else torch.tensor(float(s["step"]))
+            }
             for name in MOMENTS:
                 if name in s:
                     init_moment(out, name, s[name], formats[name])

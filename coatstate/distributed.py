@@ -1,0 +1,316 @@
+"""DTensor support for CompressedAdamW states and coatstate checkpoints (FSDP2, DDP, DCP).
+
+A parameter sharded on dim 0 (FSDP2's `fully_shard`) holds whole rows on each rank, and groups
+never cross a row, so its compressed moment is stored as DTensors with the parameter's mesh and
+placements: codes shaped like the parameter, scales/exponents shaped (rows, groups). Every rank
+quantizes only its own rows: step() needs no collective, and DCP reshards codes and scales like
+any other dim-0 sharded tensor. Placements other than Shard(0)/Replicate (tensor parallel's
+Shard(1), say) would cut groups, so compressed moments refuse them.
+
+Gathering (coatstate.save of a sharded optimizer) goes through uint8 views: gloo has no float8
+all-gather ("Invalid scalar type"), and the bytes are all that has to move.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from coatstate.formats import group_layout
+
+
+def is_dtensor(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and hasattr(t, "device_mesh") and hasattr(t, "to_local")
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a view sharing its storage); any other tensor unchanged."""
+    return t.to_local() if is_dtensor(t) else t
+
+
+def local_state(state: Mapping[str, Any]) -> dict[str, Any]:
+    """A parameter's state with every DTensor replaced by its local shard (same storage, so
+    in-place updates of the result update the DTensors)."""
+    return {k: local_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
+
+def check_compressible(p: torch.Tensor, name: str) -> None:
+    """Raise unless the DTensor `p` can hold compressed moments (whole rows on every rank)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    bad = [
+        pl
+        for pl in p.placements
+        if not (isinstance(pl, Replicate) or (isinstance(pl, Shard) and pl.dim == 0))
+    ]
+    if bad:
+        raise ValueError(
+            f"parameter {name} (global shape {tuple(p.shape)}) is a DTensor with placements {p.placements}: "
+            "compressed moments need Shard(0) or Replicate (a group must not cross a shard); keep this "
+            "parameter's moments in float32 with a param group with compress=False"
+        )
+    if p.ndim < 2 and any(isinstance(pl, Shard) for pl in p.placements):
+        raise ValueError(
+            f"parameter {name} is a 1-D DTensor sharded on dim 0: its single row of groups would be cut "
+            "between ranks; use compress_1d=False (the default) so 1-D parameters keep float32 moments"
+        )
+
+
+def _global_shape(key: str, local: torch.Tensor, p: torch.Tensor) -> tuple[int, ...]:
+    """The global shape of state tensor `key` (local shard `local`) of DTensor parameter `p`."""
+    if key.endswith(("_scales", "_exponents")):  # (rows, groups): rows are cut like p's
+        return (group_layout(p.shape, 1)[0], local.shape[1])
+    return tuple(p.shape)  # codes and float32 moments are shaped like their parameter
+
+
+def wrap_state(state: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
+    """Turn the plain local state tensors of DTensor parameter `p` into DTensors, in place.
+
+    `step` stays a plain scalar tensor, as in torch.optim.AdamW under FSDP2. No collective:
+    the global shape is given, so DTensor.from_local need not ask the other ranks.
+    """
+    from torch.distributed.tensor import DTensor
+
+    for key, value in list(state.items()):
+        if key == "step" or not isinstance(value, torch.Tensor) or is_dtensor(value):
+            continue
+        shape = _global_shape(key, value, p)
+        stride = torch.empty(shape, device="meta").stride()
+        state[key] = DTensor.from_local(
+            value, p.device_mesh, p.placements, run_check=False, shape=shape, stride=stride
+        )
+    return state
+
+
+def local_chunk(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `full`, a gathered state tensor of DTensor parameter `p` (codes or
+    moments shaped like p, or (rows, groups) scales), cut as p is cut. No collective."""
+    from torch.distributed.tensor import distribute_tensor
+
+    rows = group_layout(p.shape, 1)[0]
+    if tuple(full.shape) != tuple(p.shape) and (full.ndim != 2 or full.shape[0] != rows):
+        raise ValueError(
+            f"a state tensor of shape {tuple(full.shape)} does not belong to a parameter of global shape "
+            f"{tuple(p.shape)}"
+        )
+    if p.ndim < 2 and tuple(full.shape) != tuple(p.shape):
+        return full  # (1, groups) scales of an unsharded 1-D parameter (check_compressible)
+    dt = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
+    return dt.to_local()
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole of a DTensor on every rank (a collective); any other tensor unchanged."""
+    if not is_dtensor(t):
+        return t
+    if t.dtype.itemsize == 1 and t.dtype.is_floating_point:  # float8: gloo cannot all-gather it
+        from torch.distributed.tensor import DTensor
+
+        raw = DTensor.from_local(
+            t.to_local().view(torch.uint8),
+            t.device_mesh,
+            t.placements,
+            run_check=False,
+            shape=t.shape,
+            stride=t.stride(),
+        )
+        return raw.full_tensor().view(t.dtype)
+    return t.full_tensor()
+
+
+def gather_state_dict(sd: Mapping[str, Any], *, cpu: bool = True) -> dict[str, Any]:
+    """An optimizer state dict with every DTensor gathered to a full tensor (on every rank; a
+    collective: every rank must call it, in the same order). Plain tensors pass through."""
+
+    def full(v: Any) -> Any:
+        if not isinstance(v, torch.Tensor):
+            return v
+        v = full_tensor(v).detach()
+        return v.cpu() if cpu else v
+
+    state = {pid: {k: full(v) for k, v in s.items()} for pid, s in sd["state"].items()}
+    return {"state": state, "param_groups": [dict(g) for g in sd["param_groups"]]}
+
+
+def gather_model_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A model's state dict with DTensors (FSDP2 parameters) gathered, on the CPU (collective)."""
+    return {k: full_tensor(v).detach().cpu() for k, v in model.state_dict().items()}
+
+
+def load_model_state_dict(model: torch.nn.Module, full: Mapping[str, torch.Tensor]) -> None:
+    """Copy a full (gathered) model state dict into a model whose tensors may be DTensors: each
+    rank copies its own part. The caller has checked the keys and shapes."""
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            src = full[name]
+            if is_dtensor(t):
+                from torch.distributed.tensor import distribute_tensor
+
+                src = distribute_tensor(
+                    src.to(t.dtype), t.device_mesh, t.placements, src_data_rank=None
+                ).to_local()
+            local_tensor(t).copy_(src)
+
+
+def has_dtensors(sd: Mapping[str, Any]) -> bool:
+    return any(is_dtensor(v) for s in sd["state"].values() for v in s.values())
+
+
+def is_main_process() -> bool:
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def shard_like_params(sd: dict[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """A full (gathered) state dict for a torch optimizer over DTensor parameters: every state
+    tensor shaped like its parameter becomes a DTensor holding this rank's part (no collective).
+    CompressedAdamW does this itself (it also cuts scales); plain optimizers need it here."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    ids = [pid for g in sd["param_groups"] for pid in g["params"]]
+    if not any(is_dtensor(p) for p in params):
+        return sd
+    from torch.distributed.tensor import distribute_tensor
+
+    state = dict(sd["state"])
+    for pid, p in zip(ids, params, strict=False):
+        if pid not in state or not is_dtensor(p):
+            continue
+        state[pid] = {
+            k: distribute_tensor(v, p.device_mesh, p.placements, src_data_rank=None)
+            if isinstance(v, torch.Tensor) and not is_dtensor(v) and tuple(v.shape) == tuple(p.shape)
+            else v
+            for k, v in state[pid].items()
+        }
+    return {**sd, "state": state}
+
+
+# ------------------------------------------------------------- torch.distributed.checkpoint dirs
+# A DCP directory's .metadata is a pickle. It is read with an unpickler that builds only DCP's
+# own metadata dataclasses, torch.Size, dtypes, layouts and paths (anything else is refused), and
+# its tensors and small values with torch.load(weights_only=True): nothing runs code from the file.
+_DCP_GLOBALS = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+}
+
+
+def _allowed_global(module: str, name: str) -> bool:
+    import importlib
+    import inspect
+
+    if (module, name) in _DCP_GLOBALS:
+        return True
+    if module == "torch":
+        return isinstance(getattr(torch, name, None), torch.dtype)
+    if module == "torch.distributed.checkpoint.metadata":
+        obj = getattr(importlib.import_module(module), name, None)
+        return inspect.isclass(obj) and obj.__module__ == module
+    return False
+
+
+def _read_dcp_metadata(stream, where: str) -> Any:
+    import pickle
+
+    from coatstate.formats.schema import CheckpointError
+
+    class _Restricted(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            if not _allowed_global(module, name):
+                raise CheckpointError(
+                    f"{where}: .metadata refers to {module}.{name}, which is not a checkpoint metadata type; "
+                    "refusing to unpickle it"
+                )
+            return super().find_class(module, name)
+
+    return _Restricted(stream).load()
+
+
+def read_dcp(path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None, dict[str, str]]:
+    """(optimizer state dict with int param ids, model state dict or None, {param id: FQN}) from
+    a torch.distributed.checkpoint directory written at any world size (tensors come back whole).
+
+    The optimizer state dict is the entry of the saved mapping that has 'state' and
+    'param_groups' (as get_state_dict makes it, keyed by parameter name); the model state dict
+    is the entry named 'model', if any.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    from coatstate.formats.schema import CheckpointError
+
+    class _Reader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+                metadata = _read_dcp_metadata(f, path)
+            if getattr(metadata, "storage_meta", None) is not None:
+                metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    class _Planner(_EmptyStateDictLoadPlanner):
+        def load_bytes(self, read_item: Any, value: Any) -> None:  # torch's unpickles with weights_only=False
+            from torch.distributed.checkpoint._traverse import set_element
+
+            obj = torch.load(value, weights_only=True)
+            fqn = read_item.dest_index.fqn
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[fqn], obj)
+            else:
+                self.state_dict[fqn] = obj
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    meta = os.path.join(path, ".metadata")
+    if not os.path.isfile(meta):
+        raise CheckpointError(
+            f"{path}: a directory without .metadata is not a torch.distributed.checkpoint (coatstate reads "
+            "DCP directories, their .metadata pickle through a restricted unpickler)"
+        )
+    with open(meta, "rb") as f:
+        _read_dcp_metadata(f, path)  # refuse a foreign pickle before DCP's reader (and its logging) sees it
+    sd: dict[str, Any] = {}
+    try:
+        _load_state_dict(sd, storage_reader=_Reader(path), planner=_Planner(), no_dist=True)
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        raise CheckpointError(f"{path}: cannot read the DCP checkpoint ({e!r})") from e
+    if "state" in sd and "param_groups" in sd:
+        osd = sd
+    else:
+        found = [v for v in sd.values() if isinstance(v, Mapping) and "state" in v and "param_groups" in v]
+        if len(found) != 1:
+            raise CheckpointError(
+                f"{path}: expected one optimizer state dict (a mapping with 'state' and 'param_groups') in "
+                f"the DCP checkpoint; found {len(found)} among its keys {sorted(sd)[:10]}"
+            )
+        osd = found[0]
+    model = sd.get("model") if isinstance(sd.get("model"), Mapping) else None
+    optimizer, names = _by_index(osd)
+    return optimizer, (dict(model) if model is not None else None), names
+
+
+def _by_index(osd: Mapping[str, Any]) -> tuple[dict[str, Any], dict[int, str]]:
+    """An optimizer state dict keyed by parameter name (get_state_dict's) -> torch's int ids."""
+    names = [n for g in osd["param_groups"] for n in g["params"]]
+    if all(isinstance(n, int) for n in names):
+        return {"state": dict(osd["state"]), "param_groups": [dict(g) for g in osd["param_groups"]]}, {}
+    index = {n: i for i, n in enumerate(names)}
+    groups = [{**g, "params": [index[n] for n in g["params"]]} for g in osd["param_groups"]]
+    state = {index[n]: dict(s) for n, s in osd["state"].items()}
+    return {"state": state, "param_groups": groups}, {i: str(n) for n, i in index.items()}
