@@ -283,6 +283,40 @@ def test_gathered_file_and_dcp_convert_match(fsdp_run, tmp_path):
     )
 
 
+def test_dcp_directory_to_adamw_pt(fsdp_run, tmp_path):
+    out = tmp_path / "adamw.pt"
+    assert cli_main(["convert", os.path.join(fsdp_run, "dcp_ws2"), str(out)]) == 0
+    sd = torch.load(out, weights_only=True)
+    ref = torch.load(os.path.join(fsdp_run, "ws2.pt"), weights_only=True)["at_save"]["2.weight"]
+    assert set(sd["state"][2]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert torch.equal(sd["state"][2]["exp_avg"], _moment(ref, "exp_avg").reshape(131, 256))
+
+
+def test_torch_adamw_on_fsdp2_save_load(tmp_path):
+    """coatstate.save/load of a plain torch.optim.AdamW over DTensors: gathered, then resharded."""
+    _spawn(_torch_adamw_worker, 2, str(tmp_path))
+
+
+def _torch_adamw_worker(rank, world_size, port, out_dir):
+    import torch.distributed as dist
+
+    mesh = _init(rank, world_size, port)
+    runs = []
+    for _ in range(2):
+        model = _fsdp(mesh)
+        runs.append((model, torch.optim.AdamW(model.parameters(), lr=LR)))
+    _train(*runs[0], 0, 2)
+    path = os.path.join(out_dir, "adamw.safetensors")
+    coatstate.save(runs[0][1], path, model=runs[0][0])
+    coatstate.load(runs[1][1], path, model=runs[1][0])
+    for model, opt in runs:
+        _train(model, opt, 2, 1)
+    a, b = (_snapshot(model, opt) for model, opt in runs)
+    assert type(runs[1][1].state[next(runs[1][0].parameters())]["exp_avg"]).__name__ == "DTensor"
+    _check_equal(b, a, list(a), "torch AdamW after coatstate.load")
+    dist.destroy_process_group()
+
+
 def test_dcp_directory_reader_refuses_foreign_pickles(fsdp_run, tmp_path):
     import pickle
     import shutil
