@@ -3,11 +3,17 @@
     python benchmarks/activation_memory.py                 # H200: GPT-2-medium shape, bf16 autocast
     python benchmarks/activation_memory.py --device cpu --layers 2 --seq 128 --batch 2   # smoke test
 
+Variants: no hooks; compress_activations (default policy); the same without recomputing
+activation-function outputs; compress_activations with every kind kept (its hooks' own cost:
+no kernels run); torch.autograd.graph.save_on_cpu. --profile DIR also writes torch.profiler
+tables of two compress_activations steps (by CUDA and by CPU time) to DIR.
+
 Activation memory = peak allocated during a training step minus what is allocated before it
 (params, grads kept allocated by zero_grad(set_to_none=False), AdamW state), from
 torch.cuda.max_memory_allocated after reset_peak_memory_stats. Step time = median of --steps
-steps after --warmup, timed with CUDA events. On CPU there is no allocator peak: the table shows
-the saved-activation bytes compress_activations reports instead.
+steps after --warmup, timed with CUDA events; host_fwd_ms is the host time to issue the forward
+(if it is close to the step time, the step waits on Python, not on the GPU). On CPU there is no
+allocator peak: the table shows the saved-activation bytes compress_activations reports instead.
 
 The head and loss run over --loss-chunks chunks of tokens under non-reentrant checkpointing in
 every variant (benchmarks/models.py), so the (tokens x 50304) fp32 logits do not dominate the
@@ -29,7 +35,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import MODELS, ModelConfig  # noqa: E402
 
+from coatstate.activation_policy import Granularity  # noqa: E402
 from coatstate.activations import compress_activations  # noqa: E402
+
+_KEEP_ALL = {
+    k: Granularity.KEEP
+    for k in ("linear", "norm", "activation", "attention", "attention_v_out", "loss", "other")
+}
 
 
 def _parse() -> argparse.Namespace:
@@ -47,6 +59,7 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--no-autocast", action="store_true", help="fp32 instead of bf16 autocast")
     p.add_argument("--out", default="benchmarks/results/activation_memory.json")
+    p.add_argument("--profile", default=None, help="write torch.profiler tables here")
     return p.parse_args()
 
 
@@ -54,6 +67,8 @@ def _contexts():
     return {
         "none": lambda: contextlib.nullcontext(),
         "compress_activations": lambda: compress_activations(),
+        "compress, recompute=False": lambda: compress_activations(recompute=False),
+        "hooks only (all kept)": lambda: compress_activations(**_KEEP_ALL),
         "save_on_cpu": lambda: torch.autograd.graph.save_on_cpu(pin_memory=True),
     }
 
@@ -61,12 +76,14 @@ def _contexts():
 def _step(model, opt, batch, make_ctx, autocast: bool, device: str):
     idx, tgt = batch
     ctx = make_ctx()
+    t0 = time.perf_counter()
     with ctx, torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
         loss = model(idx, tgt)
+    host_fwd = time.perf_counter() - t0
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=False)
-    return loss, ctx
+    return loss, ctx, host_fwd
 
 
 def _measure(name, make_ctx, model, opt, batches, args, device):
@@ -78,20 +95,26 @@ def _measure(name, make_ctx, model, opt, batches, args, device):
         torch.cuda.synchronize()
         static = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-    times, ctx, loss = [], None, None
+    times, host, ctx, loss = [], [], None, None
     for i in range(args.steps):
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
         t0 = time.perf_counter()
-        loss, ctx = _step(model, opt, batches[i % len(batches)], make_ctx, autocast, device)
+        loss, ctx, host_fwd = _step(model, opt, batches[i % len(batches)], make_ctx, autocast, device)
+        host.append(host_fwd * 1e3)
         if cuda:
             end.record()
             torch.cuda.synchronize()
             times.append(start.elapsed_time(end))
         else:
             times.append((time.perf_counter() - t0) * 1e3)
-    row = {"variant": name, "step_ms": statistics.median(times), "loss": float(loss.detach())}
+    row = {
+        "variant": name,
+        "step_ms": statistics.median(times),
+        "host_fwd_ms": statistics.median(host),
+        "loss": float(loss.detach()),
+    }
     if cuda:
         row["activation_bytes"] = torch.cuda.max_memory_allocated() - static
         row["static_bytes"] = static
@@ -99,9 +122,45 @@ def _measure(name, make_ctx, model, opt, batches, args, device):
     if stats is not None:
         row["saved_bytes_original"] = stats.activation_bytes_original
         row["saved_bytes_held"] = stats.activation_bytes_held
+        row["recomputed"] = stats.recomputed
         row["kept"] = dict(stats.kept_reasons)
         row["packed_by_kind"] = dict(stats.packed_by_kind)
     return row
+
+
+def _profile(model, opt, batches, args, device) -> None:
+    """torch.profiler tables of two compress_activations steps, by device and by host time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out = Path(args.profile)
+    out.mkdir(parents=True, exist_ok=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    autocast = not args.no_autocast
+    for i in range(2):  # warm
+        _step(model, opt, batches[i], compress_activations, autocast, device)
+    with profile(activities=activities) as prof:
+        for i in range(2):
+            _step(model, opt, batches[i], compress_activations, autocast, device)
+        if device == "cuda":
+            torch.cuda.synchronize()
+    import cProfile
+    import io
+    import pstats
+
+    py = cProfile.Profile()  # Python-level host time (inflated by cProfile, but its split is telling)
+    py.enable()
+    for i in range(2):
+        _step(model, opt, batches[i], compress_activations, autocast, device)
+    py.disable()
+    text = io.StringIO()
+    pstats.Stats(py, stream=text).sort_stats("tottime").print_stats(45)
+    (out / "python_tottime.txt").write_text(text.getvalue())
+    averages = prof.key_averages()
+    keys = ["self_cpu_time_total", "cpu_time_total"]
+    for key in (["self_cuda_time_total"] if device == "cuda" else []) + keys:
+        table = averages.table(sort_by=key, row_limit=60, max_name_column_width=70)
+        (out / f"profile_{key}.txt").write_text(table)
+    print(f"wrote profiler tables to {out}")
 
 
 def main() -> None:
@@ -110,21 +169,33 @@ def main() -> None:
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda but CUDA is not available; use --device cpu for a smoke test")
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab=args.vocab, layers=args.layers, dim=args.dim, heads=args.heads, seq=args.seq,
-                      loss_chunks=args.loss_chunks)
+    cfg = ModelConfig(
+        vocab=args.vocab,
+        layers=args.layers,
+        dim=args.dim,
+        heads=args.heads,
+        seq=args.seq,
+        loss_chunks=args.loss_chunks,
+    )
     model = MODELS[args.arch](cfg).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
     batches = [
-        (torch.randint(0, cfg.vocab, (args.batch, cfg.seq), device=device),
-         torch.randint(0, cfg.vocab, (args.batch, cfg.seq), device=device))
+        (
+            torch.randint(0, cfg.vocab, (args.batch, cfg.seq), device=device),
+            torch.randint(0, cfg.vocab, (args.batch, cfg.seq), device=device),
+        )
         for _ in range(4)
     ]
     rows = [_measure(name, make, model, opt, batches, args, device) for name, make in _contexts().items()]
+    if args.profile:
+        _profile(model, opt, batches, args, device)
     base = rows[0]
-    print(f"{args.arch}: {args.layers} layers, d={args.dim}, seq {args.seq}, batch {args.batch}, "
-          f"vocab {args.vocab}, {'fp32' if args.no_autocast else 'bf16 autocast'}, loss chunks "
-          f"{args.loss_chunks}, {device}")
-    header = f"{'variant':<22} {'act. MiB':>10} {'x none':>8} {'step ms':>9} {'x none':>8}"
+    print(
+        f"{args.arch}: {args.layers} layers, d={args.dim}, seq {args.seq}, batch {args.batch}, "
+        f"vocab {args.vocab}, {'fp32' if args.no_autocast else 'bf16 autocast'}, loss chunks "
+        f"{args.loss_chunks}, {device}"
+    )
+    header = f"{'variant':<26} {'act. MiB':>10} {'x none':>8} {'step ms':>9} {'x none':>8} {'host fwd':>9}"
     print(header + "  saved MiB orig->held")
     for r in rows:
         act = r.get("activation_bytes")
@@ -135,10 +206,19 @@ def main() -> None:
         saved = ""
         if "saved_bytes_held" in r:
             saved = f"  {r['saved_bytes_original'] / 2**20:.1f} -> {r['saved_bytes_held'] / 2**20:.1f}"
-        print(f"{r['variant']:<22} {act_s} {r['step_ms']:9.2f} {r['step_ms'] / base['step_ms']:8.3f}{saved}")
+        print(
+            f"{r['variant']:<26} {act_s} {r['step_ms']:9.2f} {r['step_ms'] / base['step_ms']:8.3f} "
+            f"{r['host_fwd_ms']:9.2f}{saved}"
+        )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "torch": torch.__version__, "rows": rows}, indent=2))
+    result = {"args": vars(args), "torch": torch.__version__, "rows": rows}
+    if device == "cuda":
+        from coatstate.kernels import activation_pack
+
+        result["direct_kernel_launch"] = activation_pack._Launcher.enabled
+        result["gpu"] = torch.cuda.get_device_name()
+    out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")
 
 

@@ -1,8 +1,14 @@
-"""Which saved activations compress_activations compresses, and how: the policy and its report.
+"""Which saved activations compress_activations compresses, how they are held, and the report.
 
 An op kind is decided from the outermost torch function running when autograd saves a tensor
 (recorded by a TorchFunctionMode), falling back to the innermost nn.Module's class for ops that
 say nothing by themselves (the pow/mul/rsqrt of a hand-written RMSNorm count as NORM).
+
+The held format (docs/FORMAT.md, "Saved activations"): FP8 codes with power-of-two scales stored
+as one byte each (E8M0: byte b is 2**(b-127), 255 marks a NaN/Inf maximum), one per tensor or one
+per group of `group_size` along rows. `pack_tensorwise` ... `unpack_groups` below are the
+pure-torch codec: the CPU path and the oracle of the Triton kernels in
+coatstate.kernels.activation_pack, which compute the same integer and float32 operations.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import enum
 
 import torch
 
-from coatstate.formats.fp8 import FP8Format
+from coatstate.formats.fp8 import FP8Format, round_to_fp8_grid
 
 
 class Granularity(str, enum.Enum):
@@ -22,9 +28,9 @@ class Granularity(str, enum.Enum):
     KEEP = "keep"
     """Uncompressed (the tensor itself)."""
     TENSOR = "tensor"
-    """FP8 with one float32 scale for the whole tensor (COAT's choice for linear inputs)."""
+    """FP8 with one scale for the whole tensor (COAT's choice for linear inputs)."""
     GROUP = "group"
-    """FP8 with one float32 scale per group of `group_size` along the last dim (COAT's non-linear)."""
+    """FP8 with one scale per group of `group_size` along the last dim (COAT's non-linear)."""
 
 
 class OpKind(str, enum.Enum):
@@ -96,6 +102,9 @@ class ActivationPolicy:
     """Tensors with fewer elements are kept: below that, launches cost more than the bytes saved."""
     backend: str = "auto"
     """'auto' (Triton kernels on CUDA, pure torch elsewhere), 'torch' or 'triton'."""
+    recompute: bool = True
+    """Outputs of activation functions (GELU, SiLU, ...) whose input the same call saved compressed
+    are not stored again when a later op saves them: backward recomputes them from that input."""
 
     def __post_init__(self) -> None:
         for name in [k.value for k in OpKind] + ["attention_v_out"]:
@@ -112,6 +121,8 @@ class ActivationPolicy:
             raise ValueError(f"group_size must be a power of two in [1, 1024]; got {g!r}")
         if not isinstance(self.min_numel, int) or self.min_numel < 0:
             raise ValueError(f"min_numel must be a non-negative int; got {self.min_numel!r}")
+        if not isinstance(self.recompute, bool):
+            raise ValueError(f"recompute must be True or False; got {self.recompute!r}")
         if self.backend not in ("auto", "torch", "triton"):
             raise ValueError(f"backend must be 'auto', 'torch' or 'triton'; got {self.backend!r}")
 
@@ -119,7 +130,11 @@ class ActivationPolicy:
         return getattr(self, kind.value)
 
 
-KEPT_NOT_ACTIVATION = ("parameter or buffer", "module input", "leaf requiring grad", "parameter cast or view")
+KEPT_NOT_ACTIVATION = (
+    "parameter or other leaf requiring grad",
+    "created before the context",
+    "parameter cast or view",
+)
 """Reasons for keeping a tensor that stays alive anyway: they are not activation memory."""
 
 
@@ -133,10 +148,14 @@ class ActivationStats:
     """Saves answered by an earlier save of the same memory (compressed or kept once)."""
     kept: int = 0
     """Tensors held uncompressed (see kept_reasons)."""
+    recomputed: int = 0
+    """Activation-function outputs recomputed in backward from their held input instead of held."""
     bytes_original: int = 0
-    """Bytes the compressed tensors had."""
+    """Bytes the compressed regions had."""
     bytes_packed: int = 0
-    """Bytes they take packed (codes and scales)."""
+    """Bytes they take packed (codes and scale bytes)."""
+    bytes_recomputed: int = 0
+    """Bytes the recomputed outputs had (they hold none)."""
     bytes_kept: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     """Bytes kept, by reason."""
     kept_reasons: collections.Counter = dataclasses.field(default_factory=collections.Counter)
@@ -151,7 +170,7 @@ class ActivationStats:
 
     @property
     def activation_bytes_original(self) -> int:
-        return self.bytes_original + self.bytes_kept_activations
+        return self.bytes_original + self.bytes_recomputed + self.bytes_kept_activations
 
     @property
     def activation_bytes_held(self) -> int:
@@ -167,10 +186,84 @@ class ActivationStats:
         mib = 2.0**20
         lines = [
             f"compressed {self.packed} tensors: {self.bytes_original / mib:.2f} MiB -> "
-            f"{self.bytes_packed / mib:.2f} MiB; {self.shared} saves shared an earlier one",
+            f"{self.bytes_packed / mib:.2f} MiB; {self.shared} saves shared an earlier one; "
+            f"{self.recomputed} outputs ({self.bytes_recomputed / mib:.2f} MiB) recomputed in backward",
             f"saved activations {self.activation_bytes_original / mib:.2f} MiB -> "
             f"{self.activation_bytes_held / mib:.2f} MiB held ({self.ratio:.2f}x smaller)",
         ]
         for reason, count in sorted(self.kept_reasons.items()):
             lines.append(f"kept {count} ({self.bytes_kept[reason] / mib:.2f} MiB): {reason}")
         return "\n".join(lines)
+
+
+# -- the held format: pure-torch codec (twin of kernels/activation_pack.py) -------------------
+NAN_SCALE = 255
+"""Scale byte of a tensor or group whose max|x| is NaN or Inf: it unpacks to NaN."""
+MIN_SCALE_EXPONENT = -126
+"""Smallest scale exponent (scales stay normal float32 numbers)."""
+
+
+def _abs_bits(x: torch.Tensor) -> torch.Tensor:
+    """float32 bits of |x| as int32: integer order is |x|'s order, NaN above Inf."""
+    return x.float().view(torch.int32) & 0x7FFFFFFF
+
+
+def _scale_exponent(amax_bits: torch.Tensor, fmt: FP8Format) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e, scale byte): the smallest e >= -126 with max|x| <= FP8_MAX * 2**e (nothing saturates)."""
+    emax = int(fmt.max).bit_length() - 1  # FP8_MAX = 1.75 * 2**emax for both formats
+    mmax = int((fmt.max / 2**emax - 1) * 2**23)
+    raw = amax_bits >> 23
+    e = (raw - (127 + emax) + ((amax_bits & 0x7FFFFF) > mmax).int()).clamp(min=MIN_SCALE_EXPONENT)
+    return e, torch.where(raw == 255, NAN_SCALE, e + 127).to(torch.uint8)
+
+
+def _encode(x: torch.Tensor, e: torch.Tensor, byte: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
+    inv = ((127 - e) << 23).view(torch.float32)  # 2**-e exactly
+    y = torch.where(byte == NAN_SCALE, 0.0, x.float() * inv)  # the NaN scale byte marks the group
+    return round_to_fp8_grid(y, fmt).to(fmt.dtype)
+
+
+def _decode(codes: torch.Tensor, byte: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    scale = (byte.int() << 23).view(torch.float32)  # 2**(byte - 127) exactly
+    scale = torch.where(byte == NAN_SCALE, torch.nan, scale)
+    big = torch.finfo(dtype).max
+    return (codes.float() * scale).clamp(-big, big).to(dtype)
+
+
+def pack_tensorwise(x: torch.Tensor, fmt: FP8Format | str = "e4m3") -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes in x's shape, scale byte (1,) uint8): x ~= codes * 2**(scale - 127)."""
+    fmt = FP8Format.parse(fmt)
+    amax = _abs_bits(x).amax().reshape(1) if x.numel() else torch.zeros(1, dtype=torch.int32, device=x.device)
+    e, byte = _scale_exponent(amax, fmt)
+    return _encode(x, e, byte, fmt), byte
+
+
+def unpack_tensorwise(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The inverse of pack_tensorwise, in `dtype`."""
+    return _decode(codes, scale, dtype)
+
+
+def _as_groups(x2d: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(rows, cols) -> (rows, groups, group_size), zero-padded at the end of each row."""
+    rows, cols = x2d.shape
+    pad = -cols % group_size
+    if pad or cols == 0:
+        x2d = torch.nn.functional.pad(x2d, (0, pad if cols else group_size))
+    return x2d.reshape(rows, max(1, -(-cols // group_size)), group_size)
+
+
+def pack_groups(x2d: torch.Tensor, group_size: int = 16, fmt: FP8Format | str = "e4m3"):
+    """(codes (rows, cols), scale bytes (rows, groups_per_row) uint8) of a 2-D tensor."""
+    fmt = FP8Format.parse(fmt)
+    rows, cols = x2d.shape
+    x = _as_groups(x2d, group_size)
+    e, byte = _scale_exponent(_abs_bits(x).amax(dim=-1), fmt)
+    codes = _encode(x, e.unsqueeze(-1), byte.unsqueeze(-1), fmt)
+    return codes.reshape(rows, x.shape[1] * group_size)[:, :cols], byte
+
+
+def unpack_groups(codes2d: torch.Tensor, scales: torch.Tensor, group_size: int, dtype: torch.dtype):
+    """The inverse of pack_groups, in `dtype`."""
+    rows, cols = codes2d.shape
+    x = _decode(_as_groups(codes2d.float(), group_size), scales.unsqueeze(-1), dtype)
+    return x.reshape(rows, x.shape[1] * group_size)[:, :cols]

@@ -1,28 +1,35 @@
 """Triton kernels that pack saved activations into FP8 and unpack them for backward.
 
-Twins (the CPU path and the oracle): coatstate.formats.tensorwise.
+Twin (the CPU path and the oracle): coatstate.activation_policy's `pack_tensorwise`,
+`pack_groups`, ... (docs/FORMAT.md, "Saved activations").
 
-Per-tensor scaling, three launches, two passes over the data:
-  1. `_partial_amax_kernel`: one max|x| per block of AMAX_BLOCK elements (first stage);
-  2. `_tensor_scale_kernel`: one program reduces those (second stage) and writes
-     [scale, 1/scale] (float32, correctly rounded divisions);
-  3. `_pack_tensor_kernel`: codes = fp8(round(x * (1/scale))).
-No host sync anywhere: the scale stays on the device.
+Scales are powers of two stored as one byte (E8M0, as in the MX formats): byte b means 2**(b-127),
+b = 255 marks a group (or tensor) whose maximum was NaN or Inf. The exponent comes from the
+integer bits of max|x|, so there is no division anywhere: the smallest e with
+max|x| <= FP8_MAX * 2**e (nothing saturates), clamped to e >= -126. Multiplying by 2**-e and
+by 2**e is exact in float32, so kernels and twin agree bit for bit on any device, also under
+TRITON_INTERPRET=1 (there the kernel rounds onto the FP8 grid in float32 before the cast, as the
+twin does; on the GPU the float8 conversion instruction rounds to nearest even by itself).
 
-Per-group scaling: rows are over the LAST dim of the activation (x viewed as (numel / last,
-last)), each row cut into groups of G elements, the last group of a row possibly shorter; a
-group never crosses a row, so a group never mixes two tokens. (The optimizer's layout in
-formats.group uses rows = dim 0; for activations the feature dim is the natural row.) One pass:
-each program loads a (BLOCK_M, BLOCK_N) tile, views it as (BLOCK_M, BLOCK_N / G, G), takes the
-group maxima, and writes codes and float32 scales of shape (rows, groups_per_row).
+The maximum is taken over the float32 bits of |x| as int32 (sign bit cleared): for non-negative
+floats integer order is float order, and NaN (bits above Inf's) wins, so it propagates.
 
-Bit-exactness with the twin (also under TRITON_INTERPRET=1): the maximum is exact in any order;
-scale and reciprocal use `tl.div_rn` (IEEE division, as torch's); x * inv is one float32
-multiply; `fp8_triton.round_to_fp8_grid` puts the value on the FP8 grid with float32 adds that round to
-nearest even (as formats.fp8.round_to_fp8_grid does), so the final cast to float8 is exact
-(the interpreter's own float32 -> float8 cast does not round to nearest even, see NOTES.md);
-unpacking is one float32 multiply, then (for bfloat16 outputs) an integer round to nearest
-even onto the bfloat16 grid, then an exact cast. FMA contraction is switched off at launch.
+Per tensor, two launches and two passes over the data: `_amax_kernel` atomically maxes each
+program's maximum into one zeroed int32 slot; `_pack_tensor_kernel` reads it, derives the scale
+and writes the codes (program 0 also writes the scale byte into its slot). No host sync: the
+scale stays on the device.
+
+Per group, one pass: the tensor is (rows, cols) and each row is cut into groups of G (the last
+group of a row may be shorter; a group never crosses a row). A program takes BLOCK_GROUPS groups
+as a [BLOCK_GROUPS, G] tile (fp8_triton.group_offsets; rows that are whole groups load as
+contiguous runs), reduces each group's maximum and writes codes and scale bytes (rows, groups).
+
+Host cost matters as much as bandwidth here (one pack per saved tensor in forward, one unpack
+per tensor in backward, each a kernel launch from Python): the `*_flat` launchers below, which
+compress_activations calls, take flat buffers and slots instead of checking and allocating
+several tensors; codes are stored as uint8 bits, with per-group scale bytes in the same buffer
+after the codes; and `_Launcher` reuses the compiled kernel for a known specialization instead of
+going through triton's argument binding on every call.
 """
 
 from __future__ import annotations
@@ -30,124 +37,314 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.compiler.compiler import CompiledKernel
+
 from ..formats.fp8 import FP8Format
-from ..formats.group import MIN_SCALE
-from ..formats.tensorwise import AMAX_BLOCK
-from .fp8_triton import round_to_fp8_grid
+from .fp8_triton import FAST_MATH, from_fp8_bits, group_offsets, round_to_fp8_grid
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_TILE = 4096  # elements per program in the per-group kernels
-_SCALE_BLOCK = 1024
+_BLOCK = 4096  # elements per program of the per-tensor kernels
+_AMAX_ITERS = 4  # blocks per program of the amax kernel: fewer atomics on one address
+_GROUP_TILE = 4096  # elements per program of the per-group kernels
+NAN_SCALE = tl.constexpr(255)
+"""Scale byte of a tensor or group whose maximum is NaN or Inf (it unpacks to NaN)."""
+MIN_EXPONENT = tl.constexpr(-126)
+"""Smallest scale exponent: scales stay normal float32 numbers."""
+
+
+def scale_constants(fmt: FP8Format) -> dict:
+    """constexpr arguments: FP8_MAX = (1 + MMAX / 2**23) * 2**EMAX."""
+    emax = int(fmt.max).bit_length() - 1
+    return {"EMAX": emax, "MMAX": int((fmt.max / 2**emax - 1) * 2**23)}
 
 
 @triton.jit
-def _round_to_bf16(x):
-    """Round float32 x to the nearest bfloat16 (ties to even) in integer arithmetic, so the cast
-    to bfloat16 that follows is exact (the interpreter's own cast truncates)."""
-    bits = x.to(tl.int32, bitcast=True)
-    bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
-    return bits.to(tl.float32, bitcast=True)
+def _abs_bits(x):
+    """float32 bits of |x| as int32: ordered as |x|, NaN above Inf."""
+    return x.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF
 
 
 @triton.jit
-def _partial_amax_kernel(x_ptr, partial_ptr, n, BLOCK: tl.constexpr):
-    pid = tl.program_id(0)
-    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
-    tl.store(partial_ptr + pid, tl.max(tl.abs(x), axis=0))
+def _scale_exponent(amax_bits, EMAX: tl.constexpr, MMAX: tl.constexpr):
+    """(e, scale byte) of a maximum given as _abs_bits: smallest e >= -126 with amax <= FP8_MAX * 2**e."""
+    raw = amax_bits >> 23
+    e = raw - (127 + EMAX) + ((amax_bits & 0x7FFFFF) > MMAX).to(tl.int32)
+    e = tl.maximum(e, MIN_EXPONENT)
+    return e, tl.where(raw == 255, NAN_SCALE, e + 127)
 
 
 @triton.jit
-def _tensor_scale_kernel(partial_ptr, scale_ptr, n_partial, fp8_max, min_scale, BLOCK: tl.constexpr):
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, n_partial, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        acc = tl.maximum(acc, tl.load(partial_ptr + offs, mask=offs < n_partial, other=0.0))
-    amax = tl.max(acc, axis=0)
-    scale = tl.maximum(tl.div_rn(amax, fp8_max), min_scale)
-    scale = tl.where(amax > 0, scale, 0.0)
-    safe = tl.where(scale > 0, scale, 1.0)
-    inv = tl.where(scale > 0, tl.div_rn(1.0, safe), 0.0)
-    tl.store(scale_ptr, scale)
-    tl.store(scale_ptr + 1, inv)
+def _encode(x, e, byte, FP8_MAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr):
+    """FP8-grid values of x * 2**-e (float32); 0 in a NAN_SCALE group (the scale makes it NaN)."""
+    inv = ((127 - e) << 23).to(tl.float32, bitcast=True)
+    y = tl.where(byte == NAN_SCALE, 0.0, x.to(tl.float32) * inv)
+    if FAST_MATH:  # the GPU's conversion rounds to nearest even itself (|y| <= FP8_MAX already)
+        return y
+    else:  # the interpreter's conversion does not (../shared/NOTES.md): put y on the grid first
+        return round_to_fp8_grid(y, FP8_MAX, MANT, EMIN)
+
+
+@triton.jit
+def _decode(q, byte, OUT_MAX: tl.constexpr, BF16: tl.constexpr):
+    """q * 2**(byte - 127) in float32 (NaN for NAN_SCALE), clamped to the output dtype's range and,
+    for bfloat16, rounded to it in integer arithmetic so that the cast is exact (the interpreter's
+    own cast truncates)."""
+    scale = (byte.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    scale = tl.where(byte == NAN_SCALE, float("nan"), scale)
+    x = q.to(tl.float32) * scale
+    x = tl.minimum(
+        tl.maximum(x, -OUT_MAX, propagate_nan=tl.PropagateNan.ALL), OUT_MAX, propagate_nan=tl.PropagateNan.ALL
+    )
+    if BF16:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
+        x = bits.to(tl.float32, bitcast=True)
+    return x
+
+
+@triton.jit
+def _amax_kernel(x_ptr, amax_ptr, slot, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    start = tl.program_id(0).to(tl.int64) * (BLOCK * ITERS)
+    acc = tl.zeros([BLOCK], dtype=tl.int32)
+    for i in tl.static_range(ITERS):
+        offs = start + i * BLOCK + tl.arange(0, BLOCK)
+        acc = tl.maximum(acc, _abs_bits(tl.load(x_ptr + offs, mask=offs < n, other=0.0)))
+    tl.atomic_max(amax_ptr + slot, tl.max(acc, axis=0))
+
+
+@triton.jit
+def _to_bits(q, IS_E4M3: tl.constexpr):
+    if IS_E4M3:
+        return q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        return q.to(tl.float8e5).to(tl.uint8, bitcast=True)
 
 
 @triton.jit
 def _pack_tensor_kernel(
-    x_ptr, scale_ptr, codes_ptr, n,
-    FP8_MAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr,
+    amax_ptr,
+    codes_ptr,
+    scale_ptr,
+    slot,
+    n,
+    FP8_MAX: tl.constexpr,
+    MANT: tl.constexpr,
+    EMIN: tl.constexpr,
+    EMAX: tl.constexpr,
+    MMAX: tl.constexpr,
+    IS_E4M3: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    inv = tl.load(scale_ptr + 1)
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    q = round_to_fp8_grid(x * inv, FP8_MAX, MANT, EMIN)
-    tl.store(codes_ptr + offs, q.to(codes_ptr.dtype.element_ty), mask=mask)
+    e, byte = _scale_exponent(tl.load(amax_ptr + slot), EMAX, MMAX)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    q = _encode(x, e, byte, FP8_MAX, MANT, EMIN)
+    tl.store(codes_ptr + offs, _to_bits(q, IS_E4M3), mask=mask)
+    if pid == 0:
+        tl.store(scale_ptr + slot, byte.to(tl.uint8))
 
 
 @triton.jit
-def _unpack_tensor_kernel(codes_ptr, scale_ptr, out_ptr, n, BF16: tl.constexpr, BLOCK: tl.constexpr):
-    pid = tl.program_id(0)
-    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+def _unpack_tensor_kernel(
+    codes_ptr,
+    scale_ptr,
+    out_ptr,
+    slot,
+    n,
+    OUT_MAX: tl.constexpr,
+    BF16: tl.constexpr,
+    IS_E4M3: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    scale = tl.load(scale_ptr)
-    q = tl.load(codes_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    x = q * scale
-    if BF16:
-        x = _round_to_bf16(x)
+    q = from_fp8_bits(tl.load(codes_ptr + offs, mask=mask, other=0), IS_E4M3)
+    x = _decode(q, tl.load(scale_ptr + slot), OUT_MAX, BF16)
     tl.store(out_ptr + offs, x.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _group_tile(rows, cols, groups_per_row, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr):
-    """This program's [BLOCK_M, BLOCK_N] tile: element offsets and mask, and the offsets and mask
-    of its [BLOCK_M, BLOCK_N // G] group scales."""
-    GROUPS: tl.constexpr = BLOCK_N // G
-    r = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (r[:, None] < rows) & (c[None, :] < cols)
-    g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
-    smask = (r[:, None] < rows) & (g[None, :] < groups_per_row)
-    return r[:, None] * cols + c[None, :], mask, r[:, None] * groups_per_row + g[None, :], smask
 
 
 @triton.jit
 def _pack_groups_kernel(
-    x_ptr, codes_ptr, scales_ptr, rows, cols, groups_per_row, fp8_max, min_scale,
-    FP8_MAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr,
+    x_ptr,
+    buf_ptr,
+    n,
+    n_groups,
+    cols,
+    groups_per_row,
+    FP8_MAX: tl.constexpr,
+    MANT: tl.constexpr,
+    EMIN: tl.constexpr,
+    EMAX: tl.constexpr,
+    MMAX: tl.constexpr,
+    IS_E4M3: tl.constexpr,
+    G: tl.constexpr,
+    EVEN: tl.constexpr,
+    BLOCK_GROUPS: tl.constexpr,
 ):
-    GROUPS: tl.constexpr = BLOCK_N // G
-    offs, mask, soffs, smask = _group_tile(rows, cols, groups_per_row, BLOCK_M, BLOCK_N, G)
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    x3 = tl.reshape(x, [BLOCK_M, GROUPS, G])
-    amax = tl.max(tl.abs(x3), axis=2)
-    scale = tl.maximum(tl.div_rn(amax, fp8_max), min_scale)
-    scale = tl.where(amax > 0, scale, 0.0)
-    safe = tl.where(scale > 0, scale, 1.0)
-    inv = tl.where(scale > 0, tl.div_rn(tl.full([BLOCK_M, GROUPS], 1.0, tl.float32), safe), 0.0)
-    q = round_to_fp8_grid(x3 * inv[:, :, None], FP8_MAX, MANT, EMIN)
-    q = tl.reshape(q, [BLOCK_M, BLOCK_N])
-    tl.store(codes_ptr + offs, q.to(codes_ptr.dtype.element_ty), mask=mask)
-    tl.store(scales_ptr + soffs, scale, mask=smask)
+    """buf: n code bytes, then n_groups scale bytes."""
+    gid = tl.program_id(0).to(tl.int64) * BLOCK_GROUPS + tl.arange(0, BLOCK_GROUPS)
+    offs, mask = group_offsets(gid, n_groups, cols, groups_per_row, G, EVEN)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    e, byte = _scale_exponent(tl.max(_abs_bits(x), axis=1), EMAX, MMAX)
+    q = _encode(x, e[:, None], byte[:, None], FP8_MAX, MANT, EMIN)
+    tl.store(buf_ptr + offs, _to_bits(q, IS_E4M3), mask=mask)
+    tl.store(buf_ptr + n + gid, byte.to(tl.uint8), mask=gid < n_groups)
 
 
 @triton.jit
 def _unpack_groups_kernel(
-    codes_ptr, scales_ptr, out_ptr, rows, cols, groups_per_row, BF16: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr,
+    buf_ptr,
+    out_ptr,
+    n,
+    n_groups,
+    cols,
+    groups_per_row,
+    OUT_MAX: tl.constexpr,
+    BF16: tl.constexpr,
+    IS_E4M3: tl.constexpr,
+    G: tl.constexpr,
+    EVEN: tl.constexpr,
+    BLOCK_GROUPS: tl.constexpr,
 ):
-    GROUPS: tl.constexpr = BLOCK_N // G
-    offs, mask, soffs, smask = _group_tile(rows, cols, groups_per_row, BLOCK_M, BLOCK_N, G)
-    q = tl.load(codes_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.load(scales_ptr + soffs, mask=smask, other=0.0)
-    x = tl.reshape(tl.reshape(q, [BLOCK_M, GROUPS, G]) * scale[:, :, None], [BLOCK_M, BLOCK_N])
-    if BF16:
-        x = _round_to_bf16(x)
+    gid = tl.program_id(0).to(tl.int64) * BLOCK_GROUPS + tl.arange(0, BLOCK_GROUPS)
+    offs, mask = group_offsets(gid, n_groups, cols, groups_per_row, G, EVEN)
+    q = from_fp8_bits(tl.load(buf_ptr + offs, mask=mask, other=0), IS_E4M3)
+    byte = tl.load(buf_ptr + n + gid, mask=gid < n_groups, other=0)
+    x = _decode(q, byte[:, None], OUT_MAX, BF16)
     tl.store(out_ptr + offs, x.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+class _Launcher:
+    """`kernel[grid](*args, **constexprs)`, reusing the compiled kernel once triton has compiled it
+    for a specialization: triton specializes integer arguments on (== 1, % 16 == 0, 64-bit) and
+    pointers on 16-byte alignment, so that and the constexprs form the key here. Any failure of
+    the direct call (a triton version whose launcher differs) switches to the plain launch."""
+
+    enabled = True
+
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
+        self.compiled: dict[tuple, CompiledKernel] = {}
+
+    def __call__(self, grid: tuple[int, ...], args: tuple, constexprs: dict) -> None:
+        key = tuple(
+            (a.dtype, a.data_ptr() % 16 == 0)
+            if isinstance(a, torch.Tensor)
+            else (a == 1, a % 16 == 0, a >= 2**31)
+            for a in args
+        ) + tuple(constexprs.items())
+        compiled = self.compiled.get(key) if _Launcher.enabled else None
+        if compiled is not None:
+            try:
+                compiled[(*grid, 1, 1)[:3]](*args, *constexprs.values())
+                return
+            except TypeError:
+                _Launcher.enabled = False
+        compiled = self.kernel[grid](*args, **constexprs, num_warps=8)
+        if isinstance(compiled, CompiledKernel) and _Launcher.enabled:
+            self.compiled[key] = compiled
+
+
+_amax = _Launcher(_amax_kernel)
+_pack_tensor = _Launcher(_pack_tensor_kernel)
+_unpack_tensor = _Launcher(_unpack_tensor_kernel)
+_pack_groups = _Launcher(_pack_groups_kernel)
+_unpack_groups = _Launcher(_unpack_groups_kernel)
+_CONSTANTS: dict = {}
+
+
+def _encode_constants(fmt: FP8Format) -> dict:
+    const = _CONSTANTS.get(fmt)
+    if const is None:
+        const = _CONSTANTS[fmt] = {
+            "FP8_MAX": fmt.max,
+            "MANT": fmt.mantissa_bits,
+            "EMIN": fmt.min_normal_exponent,
+            **scale_constants(fmt),
+            "IS_E4M3": fmt is FP8Format.E4M3,
+        }
+    return const
+
+
+def _decode_constants(fmt: FP8Format, dtype: torch.dtype) -> dict:
+    const = _CONSTANTS.get((fmt, dtype))
+    if const is None:
+        const = _CONSTANTS[(fmt, dtype)] = {
+            "OUT_MAX": float(torch.finfo(dtype).max),
+            "BF16": dtype == torch.bfloat16,
+            "IS_E4M3": fmt is FP8Format.E4M3,
+        }
+    return const
+
+
+def pack_tensorwise_flat(x, n: int, fmt: FP8Format, amax, scales, slot: int) -> torch.Tensor:
+    """Codes (n,) uint8 of the n elements at x's data pointer (dense); the scale byte goes to
+    scales[slot], the maximum through amax[slot] (int32, zero before the call)."""
+    codes = torch.empty(n, dtype=torch.uint8, device=x.device)
+    _amax(
+        (max(1, triton.cdiv(n, _BLOCK * _AMAX_ITERS)),),
+        (x, amax, slot, n),
+        {"BLOCK": _BLOCK, "ITERS": _AMAX_ITERS},
+    )
+    _pack_tensor(
+        (max(1, triton.cdiv(n, _BLOCK)),),
+        (x, amax, codes, scales, slot, n),
+        {**_encode_constants(fmt), "BLOCK": _BLOCK},
+    )
+    return codes
+
+
+def unpack_tensorwise_flat(codes, scales, slot: int, fmt: FP8Format, dtype: torch.dtype) -> torch.Tensor:
+    """The (n,) tensor in `dtype` from pack_tensorwise_flat's codes and scales[slot]."""
+    n = codes.numel()
+    out = torch.empty(n, dtype=dtype, device=codes.device)
+    _unpack_tensor(
+        (max(1, triton.cdiv(n, _BLOCK)),),
+        (codes, scales, out, slot, n),
+        {**_decode_constants(fmt, dtype), "BLOCK": _BLOCK},
+    )
+    return out
+
+
+def _group_layout(n: int, cols: int, group_size: int) -> tuple[int, int, int, bool, int]:
+    if group_size < 1 or group_size & (group_size - 1) or group_size > 1024:
+        raise ValueError(f"group_size must be a power of two in [1, 1024] for the kernel; got {group_size}")
+    rows = n // cols if cols else 0
+    groups_per_row = max(1, triton.cdiv(cols, group_size))
+    return (
+        rows * groups_per_row,
+        cols,
+        groups_per_row,
+        cols % group_size == 0,
+        max(1, _GROUP_TILE // group_size),
+    )
+
+
+def pack_groups_flat(x, n: int, cols: int, group_size: int, fmt: FP8Format) -> torch.Tensor:
+    """uint8 buffer: the codes of the n elements at x's data pointer (dense, rows of `cols`), then
+    the scale bytes of their groups (rows, groups_per_row)."""
+    n_groups, cols, per_row, even, block = _group_layout(n, cols, group_size)
+    buf = torch.empty(n + n_groups, dtype=torch.uint8, device=x.device)
+    if n_groups:
+        const = {**_encode_constants(fmt), "G": group_size, "EVEN": even, "BLOCK_GROUPS": block}
+        _pack_groups((triton.cdiv(n_groups, block),), (x, buf, n, n_groups, cols, per_row), const)
+    return buf
+
+
+def unpack_groups_flat(buf, n: int, cols: int, group_size: int, fmt: FP8Format, dtype: torch.dtype):
+    """The (n,) tensor in `dtype` from pack_groups_flat's buffer."""
+    n_groups, cols, per_row, even, block = _group_layout(n, cols, group_size)
+    out = torch.empty(n, dtype=dtype, device=buf.device)
+    if n_groups:
+        const = {**_decode_constants(fmt, dtype), "G": group_size, "EVEN": even, "BLOCK_GROUPS": block}
+        _unpack_groups((triton.cdiv(n_groups, block),), (buf, out, n, n_groups, cols, per_row), const)
+    return out
+
+
+# -- checked API on tensors (tests, other callers) -----------------------------------------
 def _check_input(name: str, x: torch.Tensor) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
@@ -157,97 +354,62 @@ def _check_input(name: str, x: torch.Tensor) -> None:
         raise ValueError(f"{name} must be contiguous (call .contiguous() first); got strides {x.stride()}")
 
 
-def _check_codes(name: str, codes: torch.Tensor) -> FP8Format:
+def _check_unpack(name: str, codes: torch.Tensor, dtype: torch.dtype) -> FP8Format:
     if not codes.is_contiguous():
         raise ValueError(f"{name} must be contiguous; got strides {codes.stride()}")
+    if dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"dtype must be float32, bfloat16 or float16; got {dtype}")
     return FP8Format.parse(codes.dtype)  # raises for a non-FP8 dtype
 
 
-def _launch_options() -> dict:
-    return {"enable_fp_fusion": False}
-
-
 def pack_tensorwise(x: torch.Tensor, fmt: FP8Format | str = "e4m3") -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes in x's shape, float32 [scale, 1/scale]) with one scale for the whole tensor."""
+    """(codes in x's shape, scale byte (1,) uint8): x ~= codes * 2**(scale - 127)."""
     _check_input("x", x)
     fmt = FP8Format.parse(fmt)
-    n = x.numel()
-    codes = torch.empty(x.shape, dtype=fmt.dtype, device=x.device)
-    n_partial = max(1, triton.cdiv(n, AMAX_BLOCK))
-    partial = torch.empty(n_partial, dtype=torch.float32, device=x.device)
-    scale = torch.empty(2, dtype=torch.float32, device=x.device)
-    _partial_amax_kernel[(n_partial,)](x, partial, n, BLOCK=AMAX_BLOCK, **_launch_options())
-    _tensor_scale_kernel[(1,)](partial, scale, n_partial, fmt.max, MIN_SCALE, BLOCK=_SCALE_BLOCK,
-                               **_launch_options())
-    _pack_tensor_kernel[(n_partial,)](
-        x, scale, codes, n, FP8_MAX=fmt.max, MANT=fmt.mantissa_bits, EMIN=fmt.min_normal_exponent,
-        BLOCK=AMAX_BLOCK, **_launch_options(),
-    )
-    return codes, scale
+    amax = torch.zeros(1, dtype=torch.int32, device=x.device)
+    scale = torch.empty(1, dtype=torch.uint8, device=x.device)
+    codes = pack_tensorwise_flat(x, x.numel(), fmt, amax, scale, 0)
+    return codes.view(fmt.dtype).view(x.shape), scale
 
 
 def unpack_tensorwise(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """codes * scale[0] in `dtype` (scale as returned by pack_tensorwise, or a 1-element tensor)."""
-    _check_codes("codes", codes)
-    if dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"dtype must be float32, bfloat16 or float16; got {dtype}")
-    out = torch.empty(codes.shape, dtype=dtype, device=codes.device)
-    n = codes.numel()
-    grid = (max(1, triton.cdiv(n, AMAX_BLOCK)),)
-    _unpack_tensor_kernel[grid](
-        codes, scale.float(), out, n, BF16=dtype == torch.bfloat16, BLOCK=AMAX_BLOCK, **_launch_options()
-    )
-    return out
-
-
-def _group_tiles(cols: int, group_size: int) -> tuple[int, int]:
-    if group_size < 1 or group_size & (group_size - 1) or group_size > 1024:
-        raise ValueError(f"group_size must be a power of two in [1, 1024] for the kernel; got {group_size}")
-    block_n = max(group_size, min(triton.next_power_of_2(max(cols, 1)), 1024))
-    return max(1, _TILE // block_n), block_n
+    """codes * 2**(scale - 127) in `dtype` (codes and scale as returned by pack_tensorwise)."""
+    fmt = _check_unpack("codes", codes, dtype)
+    if scale.dtype != torch.uint8 or scale.numel() != 1:
+        raise ValueError(f"scale must be one uint8 exponent byte; got {scale.dtype} {tuple(scale.shape)}")
+    out = unpack_tensorwise_flat(codes.reshape(-1).view(torch.uint8), scale, 0, fmt, dtype)
+    return out.view(codes.shape)
 
 
 def pack_groups(x2d: torch.Tensor, group_size: int = 16, fmt: FP8Format | str = "e4m3"):
-    """(codes (rows, cols), float32 scales (rows, groups_per_row)) of a contiguous 2-D tensor."""
+    """(codes (rows, cols), scale bytes (rows, groups_per_row) uint8) of a contiguous 2-D tensor."""
     _check_input("x2d", x2d)
     if x2d.dim() != 2:
         raise ValueError(f"x2d must be 2-D (rows, row_length); got shape {tuple(x2d.shape)}")
     fmt = FP8Format.parse(fmt)
     rows, cols = x2d.shape
-    block_m, block_n = _group_tiles(cols, group_size)
-    groups = max(1, triton.cdiv(cols, group_size))
-    codes = torch.empty(x2d.shape, dtype=fmt.dtype, device=x2d.device)
-    scales = torch.zeros(rows, groups, dtype=torch.float32, device=x2d.device)
-    if rows and cols:
-        grid = (triton.cdiv(rows, block_m), triton.cdiv(cols, block_n))
-        _pack_groups_kernel[grid](
-            x2d, codes, scales, rows, cols, groups, fmt.max, MIN_SCALE,
-            FP8_MAX=fmt.max, MANT=fmt.mantissa_bits, EMIN=fmt.min_normal_exponent,
-            BLOCK_M=block_m, BLOCK_N=block_n, G=group_size, **_launch_options(),
-        )
-    return codes, scales
+    n = x2d.numel()
+    buf = pack_groups_flat(x2d, n, cols, group_size, fmt)
+    per_row = max(1, triton.cdiv(cols, group_size))
+    scales = (
+        buf[n:].view(rows, per_row)
+        if n
+        else torch.full((rows, per_row), MIN_EXPONENT.value + 127, dtype=torch.uint8, device=x2d.device)
+    )
+    return buf[:n].view(fmt.dtype).view(rows, cols), scales
 
 
 def unpack_groups(codes2d: torch.Tensor, scales: torch.Tensor, group_size: int, dtype: torch.dtype):
-    """The float tensor (rows, cols) in `dtype` from pack_groups' codes and scales."""
-    _check_codes("codes2d", codes2d)
+    """The float tensor (rows, cols) in `dtype` from pack_groups' codes and scale bytes."""
+    fmt = _check_unpack("codes2d", codes2d, dtype)
     if codes2d.dim() != 2:
         raise ValueError(f"codes2d must be 2-D; got shape {tuple(codes2d.shape)}")
-    if dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"dtype must be float32, bfloat16 or float16; got {dtype}")
     rows, cols = codes2d.shape
-    block_m, block_n = _group_tiles(cols, group_size)
-    groups = max(1, triton.cdiv(cols, group_size))
-    if tuple(scales.shape) != (rows, groups) or scales.dtype != torch.float32 or not scales.is_contiguous():
+    want = (rows, max(1, triton.cdiv(cols, group_size)))
+    if tuple(scales.shape) != want or scales.dtype != torch.uint8:
         raise ValueError(
-            f"scales must be contiguous float32 of shape {(rows, groups)}; got {scales.dtype} "
-            f"{tuple(scales.shape)}"
+            f"scales must be uint8 exponent bytes of shape {want}; got {scales.dtype} {tuple(scales.shape)}"
         )
-    out = torch.empty(codes2d.shape, dtype=dtype, device=codes2d.device)
-    if rows and cols:
-        grid = (triton.cdiv(rows, block_m), triton.cdiv(cols, block_n))
-        _unpack_groups_kernel[grid](
-            codes2d, scales, out, rows, cols, groups, BF16=dtype == torch.bfloat16,
-            BLOCK_M=block_m, BLOCK_N=block_n, G=group_size, **_launch_options(),
-        )
-    return out
+    n = codes2d.numel()
+    buf = torch.cat([codes2d.reshape(-1).view(torch.uint8), scales.reshape(-1)])
+    return unpack_groups_flat(buf, n, cols, group_size, fmt, dtype).view(rows, cols)
