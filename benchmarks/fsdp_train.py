@@ -241,6 +241,7 @@ def throughput(variant: str, cfg: ModelConfig, args, mesh, device) -> dict:
         "params": params,
         "step_ms": 1e3 * step_s,
         "tokens_per_s": tokens / step_s,
+        "tokens_per_s_per_gpu": tokens / step_s / dist.get_world_size(),
         "peak_gib_per_gpu": [r["peak_bytes"] / 2**30 for r in per_rank],
         "optimizer_state_mib_per_gpu": [r["state_bytes"] / 2**20 for r in per_rank],
         "loss_first": losses[0],
@@ -264,6 +265,7 @@ def _table(rows: list[dict]) -> str:
         lines.append(f"{label:34} {fa:>30} {fb:>22}")
 
     row("tokens/s (all GPUs)", f"{a['tokens_per_s']:,.0f}", f"{b['tokens_per_s']:,.0f}")
+    row("tokens/s per GPU", f"{a['tokens_per_s_per_gpu']:,.0f}", f"{b['tokens_per_s_per_gpu']:,.0f}")
     row("step ms (median)", f"{a['step_ms']:.1f}", f"{b['step_ms']:.1f}")
     for i, (pa, pb) in enumerate(zip(a["peak_gib_per_gpu"], b["peak_gib_per_gpu"], strict=True)):
         row(f"peak memory GPU {i} (GiB)", f"{pa:.2f}", f"{pb:.2f}")

@@ -264,6 +264,11 @@ def test_dcp_reshard_2_to_1_to_2(fsdp_run):
     _spawn(_resume_worker, 2, fsdp_run, "dcp_ws1", None)
 
 
+def test_dcp_load_at_4(fsdp_run):
+    """Four ranks on two cores: the 131-row parameter splits 33 + 33 + 33 + 32."""
+    _spawn(_resume_worker, 4, fsdp_run, "dcp_ws2", None)
+
+
 def test_gathered_file_and_dcp_convert_match(fsdp_run, tmp_path):
     """coatstate.save of the sharded optimizer == `coatstate convert` of its DCP directory."""
     gathered = coatstate.read(os.path.join(fsdp_run, "gathered.safetensors"))
