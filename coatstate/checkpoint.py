@@ -258,22 +258,30 @@ def save(
     url = os.fspath(url)
     sd, shapes, names, kind = _source(optimizer_or_state_dict, model, param_names)
     model_sd = model.state_dict() if isinstance(model, torch.nn.Module) else model
-    sharded = dist_utils.has_dtensors(sd) or any(dist_utils.is_dtensor(v) for v in (model_sd or {}).values())
-    if sharded:  # FSDP2/DTensor: gather every tensor (a collective), then rank 0 writes
-        sd = dist_utils.gather_state_dict(sd)
-        model_sd = (
-            {k: dist_utils.full_tensor(v).detach().cpu() for k, v in model_sd.items()}
-            if model_sd
-            else model_sd
-        )
-        if not dist_utils.is_main_process():
-            dist_utils.barrier()
-            return
-    try:
+    params = getattr(optimizer_or_state_dict, "param_groups", [])
+    sharded = (
+        dist_utils.has_dtensors(sd)
+        or any(dist_utils.is_dtensor(v) for v in (model_sd or {}).values())
+        or any(dist_utils.is_dtensor(p) for g in params if isinstance(g, dict) for p in g.get("params", ()))
+    )
+    if not sharded:
         _write(url, sd, shapes, names, kind, model_sd, compress, shard_size)
-    finally:
-        if sharded:
-            dist_utils.barrier()  # the file exists (or the save failed) on every rank's return
+        return
+    # FSDP2/DTensor: gather every tensor (a collective), rank 0 writes, every rank learns how it went
+    sd = dist_utils.gather_state_dict(sd)
+    if model_sd:
+        model_sd = {k: dist_utils.full_tensor(v).detach().cpu() for k, v in model_sd.items()}
+    error = None
+    if dist_utils.is_main_process():
+        try:
+            _write(url, sd, shapes, names, kind, model_sd, compress, shard_size)
+        except Exception as e:  # noqa: BLE001 - re-raised below, after the other ranks are told
+            error = e
+    failed = dist_utils.broadcast_from_main(None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    if failed is not None:
+        raise CheckpointError(f"{url}: rank 0 could not write the checkpoint ({failed})")
 
 
 def _write(url, sd, shapes, names, kind, model_sd, compress, shard_size) -> None:

@@ -165,11 +165,15 @@ def is_main_process() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
-def barrier() -> None:
+def broadcast_from_main(obj: Any) -> Any:
+    """Rank 0's `obj` on every rank (a collective; `obj` itself without a process group)."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+    if not (dist.is_available() and dist.is_initialized()):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def shard_like_params(sd: dict[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -314,6 +314,9 @@ def _torch_adamw_worker(rank, world_size, port, out_dir):
     path = os.path.join(out_dir, "adamw.safetensors")
     coatstate.save(runs[0][1], path, model=runs[0][0])
     coatstate.load(runs[1][1], path, model=runs[1][0])
+    # a failed write on rank 0 raises on every rank (none returns as if it had been saved)
+    with pytest.raises(ValueError, match="nosuchprotocol" if rank == 0 else "rank 0 could not write"):
+        coatstate.save(runs[0][1], "nosuchprotocol://x.safetensors")
     for model, opt in runs:
         _train(model, opt, 2, 1)
     a, b = (_snapshot(model, opt) for model, opt in runs)
