@@ -1,0 +1,284 @@
+"""python benchmarks/fp8_linear_train.py        (H200; `--smoke` runs tiny on CPU)
+
+Training throughput and peak memory of a ~1.06B-parameter Llama-style model (benchmarks/llama.py,
+seq 2048) with fp32 master weights under bfloat16 autocast, all in one run:
+  bf16          nn.Linear GEMMs in bf16, torch.optim.AdamW(fused=True)
+  torchao       torchao.float8.convert_to_float8_training (tensorwise scaling), torch.compile'd
+                blocks (how torchao is meant to run; eager if compiling fails), fused AdamW
+  coatstate     coatstate.nn.convert_to_fp8 + compress_activations + CompressedAdamW (eager)
+  coatstate_fp8_only  (diagnostic, same batch only) convert_to_fp8 + fused AdamW: the GEMM speedup alone
+The head stays bf16 everywhere (as torchtitan's float8 does). Per method: tokens/s (median of
+the timed steps, CUDA-synchronized) and peak allocated memory at the same batch; then the largest
+batch it fits (doubling, then bisection, each probe two steps) and tokens/s there. Writes
+benchmarks/results/fp8_linear_train.json. Budget: about 6 minutes on an H200.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import json
+import platform
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from llama import Llama, LlamaConfig  # noqa: E402
+
+import coatstate  # noqa: E402
+from coatstate.nn import convert_to_fp8, fp8_fallbacks  # noqa: E402
+
+GIB = 2.0**30
+
+
+def _not_head(module: torch.nn.Module, name: str) -> bool:
+    return name != "head"
+
+
+# -- the methods -----------------------------------------------------------------------------------
+def build(method: str, cfg: LlamaConfig, device: torch.device, lr: float = 3e-4):
+    """(model, optimizer, forward context factory, notes) for one method, from the same seed."""
+    torch.manual_seed(0)
+    with device:
+        model = Llama(cfg)
+    fused = device.type == "cuda"
+    notes: dict = {}
+    no_ctx = contextlib.nullcontext
+    if method == "bf16":
+        return model, torch.optim.AdamW(model.parameters(), lr=lr, fused=fused), no_ctx, notes
+    if method == "torchao":
+        from torchao.float8 import convert_to_float8_training
+
+        convert_to_float8_training(model, module_filter_fn=_not_head)
+        notes["compiled"] = False
+        if device.type == "cuda":
+            # 18 block instances and a few batch sizes: stay above dynamo's recompile limit
+            for knob in ("cache_size_limit", "recompile_limit"):
+                if hasattr(torch._dynamo.config, knob):
+                    setattr(torch._dynamo.config, knob, 64)
+            for block in model.blocks:
+                block.compile()
+            notes["compiled"] = True
+        return model, torch.optim.AdamW(model.parameters(), lr=lr, fused=fused), no_ctx, notes
+    convert_to_fp8(model, filter_fn=_not_head)
+    notes["fp8_fallbacks"] = fp8_fallbacks(model)
+    if method == "coatstate_fp8_only":
+        return model, torch.optim.AdamW(model.parameters(), lr=lr, fused=fused), no_ctx, notes
+    if method == "coatstate":
+        opt = coatstate.CompressedAdamW(model.parameters(), lr=lr)
+        return model, opt, coatstate.compress_activations, notes
+    raise ValueError(f"unknown method {method!r}")
+
+
+def train_step(model, opt, ctx, idx, tgt, device) -> torch.Tensor:
+    with torch.autocast(device.type, dtype=torch.bfloat16), ctx():
+        loss = model(idx, tgt)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_steps(model, opt, ctx, batch, cfg, device, warmup, steps) -> dict:
+    """Median step time and peak memory over `steps` timed steps after `warmup` steps."""
+    g = torch.Generator(device=device).manual_seed(batch)
+    idx = torch.randint(0, cfg.vocab, (batch, cfg.seq + 1), device=device, generator=g)
+    x, y = idx[:, :-1], idx[:, 1:]
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    losses, times = [], []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        loss = train_step(model, opt, ctx, x, y, device)
+        _sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+        losses.append(loss)
+    step_s = statistics.median(times)
+    out = dict(
+        batch=batch,
+        step_ms=1e3 * step_s,
+        tokens_per_s=batch * cfg.seq / step_s,
+        loss=float(losses[-1]),
+        finite=bool(torch.isfinite(torch.stack(losses)).all()),
+    )
+    if device.type == "cuda":
+        out["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
+        out["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
+    return out
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def fits(model, opt, ctx, batch, cfg, device) -> bool:
+    """Two steps at `batch` without running out of memory (the optimizer state already exists)."""
+    try:
+        run_steps(model, opt, ctx, batch, cfg, device, warmup=0, steps=2)
+        return True
+    except torch.cuda.OutOfMemoryError:
+        opt.zero_grad(set_to_none=True)
+        return False
+    finally:
+        _free(device)
+
+
+def largest_batch(model, opt, ctx, start, cfg, device, limit) -> int:
+    lo, hi = start, None  # lo fits; hi (if known) does not
+    while hi is None and lo * 2 <= limit:
+        if fits(model, opt, ctx, lo * 2, cfg, device):
+            lo *= 2
+        else:
+            hi = lo * 2
+    if hi is None:
+        return lo
+    while hi - lo > max(1, lo // 8):
+        mid = (lo + hi) // 2
+        if fits(model, opt, ctx, mid, cfg, device):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def measure(method, cfg, device, args, deadline: float) -> dict:
+    t0 = time.perf_counter()
+    model, opt, ctx, notes = build(method, cfg, device)
+    res = dict(notes=notes, params=sum(p.numel() for p in model.parameters()))
+    res["same_batch"] = run_steps(model, opt, ctx, args.batch, cfg, device, args.warmup, args.steps)
+    print(
+        f"{method:20s} batch {args.batch:3d}: {res['same_batch']['tokens_per_s']:9.0f} tok/s, "
+        f"peak {res['same_batch'].get('peak_allocated_gib', float('nan')):6.2f} GiB",
+        flush=True,
+    )
+    if args.max_batch and device.type == "cuda" and method != "coatstate_fp8_only":
+        if time.perf_counter() > deadline:
+            res["largest_batch_skipped"] = f"time budget of {args.budget_s:.0f} s spent"
+        else:
+            best = largest_batch(model, opt, ctx, args.batch, cfg, device, args.batch_limit)
+            res["largest_batch"] = run_steps(model, opt, ctx, best, cfg, device, 1, args.steps)
+            print(
+                f"{method:20s} largest batch {best:3d}: {res['largest_batch']['tokens_per_s']:9.0f} tok/s, "
+                f"peak {res['largest_batch']['peak_allocated_gib']:6.2f} GiB",
+                flush=True,
+            )
+    res["seconds"] = time.perf_counter() - t0
+    del model, opt
+    _free(device)
+    return res
+
+
+def summarize(results: dict) -> dict:
+    """Speedup and memory reduction against bf16 at the same batch; the largest batches."""
+    summary = {}
+    base = results.get("bf16", {}).get("same_batch")
+    for method, r in results.items():
+        if not base or "same_batch" not in r:
+            continue
+        s = r["same_batch"]
+        summary[method] = dict(speedup_vs_bf16=s["tokens_per_s"] / base["tokens_per_s"])
+        if "peak_allocated_gib" in s:
+            summary[method]["memory_reduction_vs_bf16"] = base["peak_allocated_gib"] / s["peak_allocated_gib"]
+        if "largest_batch" in r:
+            summary[method]["largest_batch"] = r["largest_batch"]["batch"]
+            summary[method]["tokens_per_s_at_largest_batch"] = r["largest_batch"]["tokens_per_s"]
+    return summary
+
+
+def print_table(results: dict, summary: dict) -> None:
+    nan = float("nan")
+    print(
+        f"\n{'method':20s} {'tok/s':>9s} {'speedup':>8s} {'peak GiB':>9s} {'mem. red.':>9s} "
+        f"{'max batch':>9s} {'tok/s there':>11s}"
+    )
+    for method, r in results.items():
+        if "same_batch" not in r:
+            print(f"{method:20s} {r['error']}")
+            continue
+        s, m = r["same_batch"], summary.get(method, {})
+        print(
+            f"{method:20s} {s['tokens_per_s']:9.0f} {m.get('speedup_vs_bf16', nan):8.2f} "
+            f"{s.get('peak_allocated_gib', nan):9.2f} {m.get('memory_reduction_vs_bf16', nan):9.2f} "
+            f"{m.get('largest_batch', '-'):>9} {m.get('tokens_per_s_at_largest_batch', nan):11.0f}"
+        )
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[2])
+    ap.add_argument("--smoke", action="store_true", help="tiny model on CPU, no batch search")
+    ap.add_argument("--batch", type=int, default=8, help="the common batch (sequences of --seq)")
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--batch-limit", type=int, default=256, help="largest batch the search tries")
+    ap.add_argument("--no-max-batch", dest="max_batch", action="store_false")
+    ap.add_argument("--budget-s", type=float, default=300.0, help="no new batch search after this")
+    ap.add_argument("--methods", default="bf16,coatstate_fp8_only,coatstate,torchao")
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="JSON path (default: benchmarks/results/fp8_linear_train.json, "
+        "/tmp/fp8_linear_train_smoke.json with --smoke)",
+    )
+    args = ap.parse_args(argv)
+    deadline = time.perf_counter() + args.budget_s
+
+    if args.smoke:
+        device = torch.device("cpu")
+        cfg = LlamaConfig(vocab=256, dim=64, layers=2, heads=2, hidden=176, seq=64, loss_chunks=2)
+        args.batch, args.warmup, args.steps, args.max_batch = 2, 1, 2, False
+        out = Path(args.out or "/tmp/fp8_linear_train_smoke.json")
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("needs a CUDA GPU (use --smoke for a tiny CPU run)")
+        device = torch.device("cuda")
+        cfg = LlamaConfig(seq=args.seq)
+        out = Path(args.out or HERE / "results" / "fp8_linear_train.json")
+    print(f"Llama-style model, {cfg.params / 1e9:.3f}B params, seq {cfg.seq}, {device}", flush=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result = dict(
+        command="python benchmarks/fp8_linear_train.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        model=dict(dataclasses.asdict(cfg), params=cfg.params),
+        batch=args.batch,
+        warmup=args.warmup,
+        steps=args.steps,
+        device=torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+        torch=torch.__version__,
+        date=time.strftime("%Y-%m-%d"),
+        results={},
+    )
+    for method in args.methods.split(","):
+        try:
+            result["results"][method] = measure(method, cfg, device, args, deadline)
+        except Exception as e:  # a peer that does not run here is reported, the others still measured
+            err = dict(error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(limit=4))
+            result["results"][method] = err
+            print(f"{method:20s} FAILED: {err['error']}", flush=True)
+            _free(device)
+        result["summary"] = summarize(result["results"])
+        out.write_text(
+            json.dumps(result, indent=1) + "\n"
+        )  # after every method: a cut-off run keeps the rest
+    print_table(result["results"], result["summary"])
+    print(f"wrote {out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
