@@ -28,6 +28,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from coatstate.formats.group import dequantize_groups, group_layout
+from conftest import requires_cuda
 
 import coatstate
 from coatstate import CompressedAdamW
@@ -50,20 +51,20 @@ def _spawn(fn, world_size: int, *args) -> None:
     # a fork server that has imported torch and coatstate once starts each rank in ~0.1 s (a
     # spawned rank takes ~5-10 s to import them on a 2-core CI machine); it has never run an
     # OpenMP region, so forking it is safe
-    multiprocessing.set_forkserver_preload(["torch", "coatstate", __name__])
+    multiprocessing.set_forkserver_preload(["torch", "coatstate", "coatstate.kernels.adamw_fused", __name__])
     mp.start_processes(
         fn, args=(world_size, _free_port(), *args), nprocs=world_size, start_method="forkserver"
     )
 
 
-def _init(rank: int, world_size: int, port: int):
+def _init(rank: int, world_size: int, port: int, device_type: str = "cpu"):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    return init_device_mesh("cpu", (world_size,))
+    dist.init_process_group("gloo" if device_type == "cpu" else "nccl", rank=rank, world_size=world_size)
+    return init_device_mesh(device_type, (world_size,))
 
 
 def _model() -> torch.nn.Module:
@@ -77,10 +78,10 @@ def _model() -> torch.nn.Module:
     )
 
 
-def _fsdp(mesh) -> torch.nn.Module:
+def _fsdp(mesh, device: torch.device | None = None) -> torch.nn.Module:
     from torch.distributed.fsdp import fully_shard
 
-    model = _model()
+    model = _model().to(device or "cpu")
     for layer in model:
         if any(True for _ in layer.parameters()):
             fully_shard(layer, mesh=mesh)
@@ -91,11 +92,11 @@ def _optimizer(model: torch.nn.Module) -> CompressedAdamW:
     return CompressedAdamW(model.named_parameters(), lr=LR, weight_decay=0.1)
 
 
-def _train(model, opt, first: int, steps: int) -> None:
+def _train(model, opt, first: int, steps: int, device: torch.device | None = None) -> None:
     for step in range(first, first + steps):
         gen = torch.Generator().manual_seed(1000 + step)
         x, y = torch.randn(16, 64, generator=gen), torch.randn(16, 128, generator=gen)
-        torch.nn.functional.mse_loss(model(x), y).backward()
+        torch.nn.functional.mse_loss(model(x.to(device or "cpu")), y.to(device or "cpu")).backward()
         opt.step()
         opt.zero_grad()
 
@@ -220,6 +221,53 @@ def _resume_worker(rank, world_size, port, out_dir, source, save_as):
     dist.destroy_process_group()
 
 
+def _small(device) -> torch.nn.Module:
+    torch.manual_seed(0)  # 67 rows: 34 + 33 per rank; Triton's interpreter takes ~50 ms a program
+    return torch.nn.Sequential(torch.nn.Linear(32, 67), torch.nn.GELU(), torch.nn.Linear(67, 8)).to(device)
+
+
+def _small_steps(model, device, steps: int = 2) -> CompressedAdamW:
+    opt = CompressedAdamW(model.named_parameters(), lr=LR, weight_decay=0.1, fused=True, min_numel=1)
+    for step in range(steps):  # the second step reads back quantized moments
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 32, generator=gen).to(device), torch.randn(8, 8, generator=gen).to(device)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return opt
+
+
+def _fused_worker(rank, world_size, port, device_type):
+    """The fused Triton step on each rank's local shards (CUDA, or Triton's interpreter on CPU,
+    which conftest.py turns on without a GPU) equals it on the full tensors, bit for bit, for
+    uneven shards too: the kernel treats every group alike, wherever it sits."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    if device_type == "cuda":
+        os.environ.update(
+            NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1"
+        )
+        torch.cuda.set_device(rank)
+    mesh = _init(rank, world_size, port, device_type)
+    device = torch.device(device_type, rank if device_type == "cuda" else None)
+    model = _small(device)
+    for layer in (model[0], model[2], model):
+        fully_shard(layer, mesh=mesh)
+    opt = _small_steps(model, device)
+    got = _snapshot(model, opt)
+    if rank == 0:
+        ref = _small(device)
+        ref_opt = _small_steps(ref, device)
+        want = {n: {"param": q.detach(), **ref_opt.state[q]} for n, q in ref.named_parameters()}
+        want = {n: {k: v.cpu() for k, v in e.items()} for n, e in want.items()}
+        got = {n: {k: v.cpu() for k, v in e.items()} for n, e in got.items()}
+        assert "exp_avg_codes" in want["0.weight"] and got["0.weight"]["exp_avg_codes"].shape == (67, 32)
+        _check_equal(got, want, list(want), f"fused step, FSDP2 on {device_type} vs one process")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def _ddp_worker(rank, world_size, port, out_dir):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -334,6 +382,19 @@ def test_dcp_directory_reader_refuses_foreign_pickles(fsdp_run, tmp_path):
     (bad / ".metadata").write_bytes(pickle.dumps(os.system))
     with pytest.raises(coatstate.CheckpointError, match="os.system|posix.system|refusing"):
         coatstate.read(str(bad))
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1", reason="CPU: Triton's interpreter"
+)
+def test_fused_step_on_local_shards_interpreter():
+    _spawn(_fused_worker, 2, "cpu")
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_fused_step_on_local_shards_cuda():
+    _spawn(_fused_worker, min(2, torch.cuda.device_count()), "cuda")
 
 
 def test_ddp_matches_one_process(tmp_path):
