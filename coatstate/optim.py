@@ -1,11 +1,13 @@
 """CompressedAdamW: torch.optim.AdamW with its moments in the FP8 group format (COAT).
 
 Bookkeeping lives here (param groups, lazy state, GradScaler, state dicts, reporting); the update
-math lives in kernels.adamw_twin (pure torch, the CPU path) and kernels.adamw_fused (Triton, CUDA).
+math lives in kernels.adamw_twin (pure torch, the CPU path) and kernels.adamw_fused with
+kernels.adamw_launch (Triton, CUDA).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Iterable
@@ -78,6 +80,32 @@ def _why_uncompressed(group: dict, shape: torch.Size) -> str:
     if len(shape) < 2 and not group.get("compress_1d", False):
         return "1-D parameter (norm weight or bias)"
     return f"{math.prod(shape)} elements < min_numel={group.get('min_numel')}"
+
+
+def _same(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
+
+
+@dataclasses.dataclass
+class _Prepared:
+    """A param group's parameters with gradients, sorted into the fused and pure-torch paths."""
+
+    params: list
+    fused: list
+    twin: list
+    launches: list
+
+
+@dataclasses.dataclass
+class _LaunchRecord:
+    """The parameters of one fused launch and its on-device non-finite counters."""
+
+    params: list
+    launch: Any
+
+    @property
+    def nonfinite(self) -> torch.Tensor:
+        return self.launch.nonfinite
 
 
 class CompressedAdamW(torch.optim.Optimizer):
@@ -169,6 +197,8 @@ class CompressedAdamW(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self._reported: set[int] = set()
         self._fused_cache: dict = {}
+        self._prepared: dict[int, _Prepared] = {}
+        """per param group (by id): its parameters sorted into paths, with the fused launches"""
         self._twin_nonfinite: dict = {}
 
     # ---- reporting -------------------------------------------------------------------------
@@ -259,7 +289,7 @@ class CompressedAdamW(torch.optim.Optimizer):
         interpreter when TRITON_INTERPRET=1, for tests). fused=False: the pure-torch step."""
         if group.get("fused") is False:
             return False
-        from coatstate.kernels import adamw_fused
+        from coatstate.kernels import adamw_launch
 
         local = local_tensor(p)
         device = local.device
@@ -268,8 +298,8 @@ class CompressedAdamW(torch.optim.Optimizer):
                 raise ValueError("fused=True needs contiguous, 16-byte aligned parameters; pass fused=None")
             return False  # a strided or oddly offset view: the pure-torch step handles it
         if group.get("fused") is None:
-            return device.type == "cuda" and adamw_fused.available()
-        if not adamw_fused.usable(device):
+            return device.type == "cuda" and adamw_launch.available()
+        if not adamw_launch.usable(device):
             raise ValueError(
                 f"fused=True needs CUDA tensors with Triton (got a parameter on {device}); "
                 "pass fused=None to fall back to the pure-torch step"
@@ -302,39 +332,62 @@ class CompressedAdamW(torch.optim.Optimizer):
                 loss = closure()
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
-        self._report_once()
         for group in self.param_groups:
-            fused_params, twin_params = [], []
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse or p.is_sparse:
-                    raise TypeError(
-                        "CompressedAdamW does not support sparse gradients; use torch.optim.SparseAdam"
-                    )
-                if torch.is_complex(p):
-                    raise TypeError(
-                        "CompressedAdamW does not support complex parameters; view them as real "
-                        "(torch.view_as_real) or use torch.optim.AdamW"
-                    )
-                (fused_params if self._use_fused(group, p) else twin_params).append(p)
-            if fused_params:
-                from coatstate.kernels import adamw_fused
+            prepared = self._prepared.get(id(group))
+            with_grad = [p for p in group["params"] if p.grad is not None]
+            if prepared is None or not _same(prepared.params, with_grad):
+                prepared = self._prepare(group, with_grad)
+            grads = [local_tensor(p.grad) for p in prepared.fused]
+            if prepared.fused:
+                from coatstate.kernels import adamw_launch
 
-                states = [local_state(self._init_state(p, group, on_device=True)) for p in fused_params]
-                adamw_fused.step(
-                    self._fused_cache,
-                    group,
-                    [local_tensor(p) for p in fused_params],
-                    [local_tensor(p.grad) for p in fused_params],
-                    states,
-                    [moment_formats(group, global_shape(p)) for p in fused_params],
-                    grad_scale,
-                    found_inf,
-                )
-            if twin_params:
-                self._twin_step(group, twin_params, grad_scale, found_inf)
+                if any(g.is_sparse for g in grads) or not adamw_launch.run(
+                    prepared.launches, group, grads, grad_scale, found_inf
+                ):
+                    prepared = self._prepare(group, with_grad)  # a gradient or parameter changed
+                    grads = [local_tensor(p.grad) for p in prepared.fused]
+                    if not adamw_launch.run(prepared.launches, group, grads, grad_scale, found_inf):
+                        raise RuntimeError("coatstate: the fused step could not be prepared (please report)")
+            if prepared.twin:
+                self._twin_step(group, prepared.twin, grad_scale, found_inf)
         return loss
+
+    def _prepare(self, group: dict, with_grad: list) -> _Prepared:
+        """Sort a group's parameters into the fused and pure-torch paths, create their states and
+        build the fused launches; done when the set of parameters with gradients changes (the first
+        step, a frozen layer, a load), not every step: per-parameter Python is the step's host cost."""
+        self._report_once()
+        fused, twin = [], []
+        for p in with_grad:
+            if p.grad.is_sparse or p.is_sparse:
+                raise TypeError(
+                    "CompressedAdamW does not support sparse gradients; use torch.optim.SparseAdam"
+                )
+            if torch.is_complex(p):
+                raise TypeError(
+                    "CompressedAdamW does not support complex parameters; view them as real "
+                    "(torch.view_as_real) or use torch.optim.AdamW"
+                )
+            (fused if self._use_fused(group, p) else twin).append(p)
+        launches = []
+        if fused:
+            from coatstate.kernels import adamw_launch
+
+            launches = adamw_launch.prepare(
+                group,
+                [local_tensor(p) for p in fused],
+                [local_tensor(p.grad) for p in fused],
+                [local_state(self._init_state(p, group, on_device=True)) for p in fused],
+                [moment_formats(group, global_shape(p)) for p in fused],
+            )
+            for key in [k for k in self._fused_cache if k[0] == id(group)]:
+                del self._fused_cache[key]  # counters of the launches being replaced
+            for launch in launches:  # nonfinite_parameters reads the counters per launch
+                self._fused_cache[(id(group), id(launch))] = _LaunchRecord(
+                    [fused[i] for i in launch.index], launch
+                )
+        prepared = self._prepared[id(group)] = _Prepared(list(with_grad), fused, twin, launches)
+        return prepared
 
     def _twin_step(self, group, params, grad_scale, found_inf) -> None:
         if found_inf is not None and bool(found_inf.item()):
@@ -401,6 +454,7 @@ class CompressedAdamW(torch.optim.Optimizer):
         self.param_groups = new_groups
         self.state.clear()
         self._fused_cache.clear()
+        self._prepared.clear()
         param_group = {id(p): g for g in new_groups for p in g["params"]}
         for pid, saved_state in state_dict["state"].items():
             if pid not in id_to_param:

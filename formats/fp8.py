@@ -23,6 +23,8 @@ class FP8Format(str, enum.Enum):
     def parse(cls, value: FP8Format | str | torch.dtype) -> FP8Format:
         if isinstance(value, FP8Format):
             return value
+        if isinstance(value, str) and value.lower() in _BY_NAME:  # the hot path: once per parameter per step
+            return _BY_NAME[value.lower()]
         if value == torch.float8_e4m3fn:
             return cls.E4M3
         if value == torch.float8_e5m2:
@@ -59,6 +61,7 @@ class FP8Format(str, enum.Enum):
         return self.max * self.max / 2.0
 
 
+_BY_NAME = {f.value: f for f in FP8Format}
 _RNE_MAGIC = 12582912.0  # 1.5 * 2**23: adding then subtracting it rounds |t| < 2**22 to an integer
 
 

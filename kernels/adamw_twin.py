@@ -63,8 +63,9 @@ def read_moment(state: dict, name: str, group_size: int) -> torch.Tensor:
         return state[name]
     codes = state[f"{name}_codes"]
     rows, cols, _ = group_layout(codes.shape, group_size)
-    x = dequantize_groups(codes.reshape(rows, cols), state[f"{name}_scales"],
-                          state.get(f"{name}_exponents"), group_size)
+    x = dequantize_groups(
+        codes.reshape(rows, cols), state[f"{name}_scales"], state.get(f"{name}_exponents"), group_size
+    )
     return x.reshape(codes.shape)
 
 

@@ -19,10 +19,25 @@ GROUPS_PER_PROGRAM = 8
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, exps_ptr, n_groups, cols, groups_per_row,
-                     EXPAND: tl.constexpr, GROUP: tl.constexpr, GPP: tl.constexpr, EVEN: tl.constexpr,
-                     FP8_MAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr,
-                     LOG2_MAX: tl.constexpr, K_NUMERATOR: tl.constexpr, IS_E4M3: tl.constexpr):
+def _quantize_kernel(
+    x_ptr,
+    codes_ptr,
+    scales_ptr,
+    exps_ptr,
+    n_groups,
+    cols,
+    groups_per_row,
+    EXPAND: tl.constexpr,
+    GROUP: tl.constexpr,
+    GPP: tl.constexpr,
+    EVEN: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MBITS: tl.constexpr,
+    EMIN: tl.constexpr,
+    LOG2_MAX: tl.constexpr,
+    K_NUMERATOR: tl.constexpr,
+    IS_E4M3: tl.constexpr,
+):
     gid = tl.program_id(0).to(tl.int64) * GPP + tl.arange(0, GPP)
     offs, mask = group_offsets(gid, n_groups, cols, groups_per_row, GROUP, EVEN)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -37,9 +52,20 @@ def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, exps_ptr, n_groups, cols, gro
 
 
 @triton.jit
-def _dequantize_kernel(codes_ptr, scales_ptr, exps_ptr, out_ptr, n_groups, cols, groups_per_row,
-                       EXPAND: tl.constexpr, GROUP: tl.constexpr, GPP: tl.constexpr, EVEN: tl.constexpr,
-                       IS_E4M3: tl.constexpr):
+def _dequantize_kernel(
+    codes_ptr,
+    scales_ptr,
+    exps_ptr,
+    out_ptr,
+    n_groups,
+    cols,
+    groups_per_row,
+    EXPAND: tl.constexpr,
+    GROUP: tl.constexpr,
+    GPP: tl.constexpr,
+    EVEN: tl.constexpr,
+    IS_E4M3: tl.constexpr,
+):
     gid = tl.program_id(0).to(tl.int64) * GPP + tl.arange(0, GPP)
     offs, mask = group_offsets(gid, n_groups, cols, groups_per_row, GROUP, EVEN)
     gmask = gid < n_groups
@@ -58,8 +84,9 @@ def _check_group_size(group_size: int) -> None:
         )
 
 
-def quantize(x: torch.Tensor, *, group_size: int = 128, fmt: FP8Format | str = "e4m3",
-             expand: bool = True) -> GroupQuantized:
+def quantize(
+    x: torch.Tensor, *, group_size: int = 128, fmt: FP8Format | str = "e4m3", expand: bool = True
+) -> GroupQuantized:
     """Triton twin of coatstate.formats.quantize (no finiteness check: it would synchronise)."""
     fmt = FP8Format.parse(fmt)
     _check_group_size(group_size)
@@ -73,8 +100,20 @@ def quantize(x: torch.Tensor, *, group_size: int = 128, fmt: FP8Format | str = "
     n_groups = rows * groups
     if n_groups and x.numel():
         grid = (triton.cdiv(n_groups, GROUPS_PER_PROGRAM),)
-        _quantize_kernel[grid](x, codes, scales, exps, n_groups, cols, groups, EXPAND=expand,
-                               GROUP=group_size, GPP=GROUPS_PER_PROGRAM, EVEN=cols % group_size == 0, **fp8_constants(fmt))
+        _quantize_kernel[grid](
+            x,
+            codes,
+            scales,
+            exps,
+            n_groups,
+            cols,
+            groups,
+            EXPAND=expand,
+            GROUP=group_size,
+            GPP=GROUPS_PER_PROGRAM,
+            EVEN=cols % group_size == 0,
+            **fp8_constants(fmt),
+        )
     elif n_groups:
         scales.zero_()
         if expand:
@@ -92,8 +131,18 @@ def dequantize(q: GroupQuantized, dtype: torch.dtype = torch.float32) -> torch.T
         codes = q.codes.contiguous().view(torch.uint8)
         exps = q.exponents if q.exponents is not None else q.scales
         grid = (triton.cdiv(n_groups, GROUPS_PER_PROGRAM),)
-        _dequantize_kernel[grid](codes, q.scales.contiguous(), exps.contiguous(), out, n_groups, cols, groups,
-                                 EXPAND=q.expanded, GROUP=q.group_size, GPP=GROUPS_PER_PROGRAM,
-                                 EVEN=cols % q.group_size == 0,
-                                 IS_E4M3=q.fmt is FP8Format.E4M3)
+        _dequantize_kernel[grid](
+            codes,
+            q.scales.contiguous(),
+            exps.contiguous(),
+            out,
+            n_groups,
+            cols,
+            groups,
+            EXPAND=q.expanded,
+            GROUP=q.group_size,
+            GPP=GROUPS_PER_PROGRAM,
+            EVEN=cols % q.group_size == 0,
+            IS_E4M3=q.fmt is FP8Format.E4M3,
+        )
     return out

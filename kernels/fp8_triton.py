@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from ..formats.fp8 import FP8Format
 from ..formats import group as _group
+from ..formats.fp8 import FP8Format
 
 # module constants must be constexpr to be read inside @triton.jit functions
 EXPONENT_DENOMINATOR = tl.constexpr(_group.EXPONENT_DENOMINATOR)
@@ -78,8 +78,9 @@ def copysign(mag, sign_of):
 @triton.jit
 def round_to_fp8_grid(y, FP8_MAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr):
     """RNE onto the FP8 grid in float32, saturating; keeps the sign of zero (formats.round_to_fp8_grid)."""
-    y = tl.minimum(tl.maximum(y, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_MAX,
-                   propagate_nan=tl.PropagateNan.ALL)
+    y = tl.minimum(
+        tl.maximum(y, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_MAX, propagate_nan=tl.PropagateNan.ALL
+    )
     mag = tl.abs(y)
     e = ((mag.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
     e = tl.maximum(e, EMIN)
@@ -91,8 +92,14 @@ def round_to_fp8_grid(y, FP8_MAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.co
 
 @triton.jit
 def to_fp8_bits(y, FP8_MAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, IS_E4M3: tl.constexpr):
-    """float32 -> FP8 code as uint8 (exact cast of an on-grid value)."""
-    r = round_to_fp8_grid(y, FP8_MAX, MBITS, EMIN)
+    """float32 -> FP8 code as uint8. On the GPU the conversion instruction itself rounds to
+    nearest even and saturates (cvt.rn.satfinite: NaN stays NaN, +-Inf -> +-max), which is
+    exactly formats.round_to_fp8_grid and saves ~16 integer ops per element; the interpreter's
+    conversion does not round that way (../shared/NOTES.md), so there the grid is rounded first."""
+    if FAST_MATH:
+        r = y
+    else:
+        r = round_to_fp8_grid(y, FP8_MAX, MBITS, EMIN)
     if IS_E4M3:
         return r.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     else:
@@ -109,8 +116,9 @@ def from_fp8_bits(b, IS_E4M3: tl.constexpr):
 
 
 @triton.jit
-def group_params(mag, EXPAND: tl.constexpr, FP8_MAX: tl.constexpr, LOG2_MAX: tl.constexpr,
-                 K_NUMERATOR: tl.constexpr):
+def group_params(
+    mag, EXPAND: tl.constexpr, FP8_MAX: tl.constexpr, LOG2_MAX: tl.constexpr, K_NUMERATOR: tl.constexpr
+):
     """Per-group (scale a, exponent code 16k, k, 1/a) of a [groups, G] tile of magnitudes."""
     mx = tl.max(mag, axis=1)
     if EXPAND:
@@ -126,7 +134,9 @@ def group_params(mag, EXPAND: tl.constexpr, FP8_MAX: tl.constexpr, LOG2_MAX: tl.
         a = tl.exp2(log_mx - LOG2_MAX * inv_k)
         a = tl.where(mx > 0, tl.maximum(a, MIN_SCALE), 0.0)
         k = k16 * (1.0 / EXPONENT_DENOMINATOR)  # exact: a power of two
-        return a, k16, k, log2(a)
+        # log2(a) of an all-zero group is 0, not -inf: encode's log2(0) - log2(a) is then -inf
+        # (code 0) rather than NaN, with no per-element select
+        return a, k16, k, tl.where(mx > 0, log2(a), 0.0)
     else:
         a = tl.math.div_rn(mx, tl.full(mx.shape, FP8_MAX, tl.float32))
         a = tl.minimum(a, FLOAT32_MAX / FP8_MAX * (1 - 2.0**-20))  # as the twin: FP8_MAX * a stays finite
@@ -141,7 +151,9 @@ def encode(x, mag, p0, p1, EXPAND: tl.constexpr):
     with expansion, (1/a, unused) without."""
     if EXPAND:
         y = tl.exp2(p0[:, None] * (log2(mag) - p1[:, None]))
-        return copysign(tl.where(mag > 0, y, 0.0), x)
+        if not FAST_MATH:  # numpy's log2(0) warns; on the GPU, ex2(k * lg2(0)) is already 0
+            y = tl.where(mag > 0, y, 0.0)
+        return copysign(y, x)
     else:
         return x * p0[:, None]
 
@@ -152,6 +164,8 @@ def decode(q, scale, k16, EXPAND: tl.constexpr):
     if EXPAND:
         inv_k = tl.math.fdiv(tl.full(k16.shape, EXPONENT_DENOMINATOR, tl.float32), k16)
         x = tl.minimum(tl.exp2(log2(tl.abs(q)) * inv_k[:, None] + log2(scale)[:, None]), FLOAT32_MAX)
-        return copysign(tl.where(q != 0, x, 0.0), q)
+        if not FAST_MATH:  # as in encode: on the GPU a zero code already decodes to 0
+            x = tl.where(q != 0, x, 0.0)
+        return copysign(x, q)
     else:
         return q * scale[:, None]

@@ -1,0 +1,376 @@
+"""Host side of the fused CompressedAdamW step: launch plans, the per-step launch, the custom op.
+
+A `Launch` groups the parameters of a param group that share dtypes and moment formats; its
+`_Plan` holds the address tables the kernel (kernels/adamw_fused.py) reads. Both are built once,
+when the parameter set changes; a step then costs a few small host->device copies and launches,
+with no synchronisation: lr, the step counts, GradScaler's scale and found_inf stay on the device.
+Eager steps call the kernel directly; under torch.compile the step is the registered op
+torch.ops.coatstate.fused_adamw_, whose fake implementation lets fake tensors trace through it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+
+from ..formats.fp8 import FP8Format
+from ..formats.group import group_layout
+from . import adamw_fused as kernel
+from .adamw_fused import M_CODES, NPTR, STEP, V_CODES, X_CODES, G, P, _adamw_kernel, _constants
+from .adamw_twin import MomentFormat
+
+
+def usable(device: torch.device) -> bool:
+    """Whether the kernel can run for tensors on `device` (CUDA, or any device under TRITON_INTERPRET=1)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return True
+    return device.type == "cuda" and available()
+
+
+@functools.cache
+def available() -> bool:
+    try:
+        return (
+            torch.cuda.is_available() and triton.runtime.driver.active.get_current_target().backend == "cuda"
+        )
+    except Exception:  # noqa: BLE001 - no usable GPU driver: the pure-torch path runs
+        return False
+
+
+class _Plan:
+    """Everything about a launch that stays fixed from step to step (rebuilt when params/states change)."""
+
+    def __init__(self, params, states, group_size, device):
+        self.gpp = kernel.GROUPS_PER_PROGRAM
+        n = len(params)
+        table = torch.zeros((n, NPTR), dtype=torch.int64)
+        self.bases = {P: params[0]}
+        meta = torch.zeros((n, 3), dtype=torch.int64)
+        blocks = []
+        for i, (p, s) in enumerate(zip(params, states, strict=True)):
+            table[i, P] = _offset(p, self.bases[P])
+            for col, name in ((M_CODES, "exp_avg"), (V_CODES, "exp_avg_sq"), (X_CODES, "max_exp_avg_sq")):
+                data = s.get(f"{name}_codes", s.get(name))
+                if data is None:
+                    continue
+                self.bases.setdefault(col, data)
+                table[i, col] = _offset(data, self.bases[col])
+                if f"{name}_codes" in s:
+                    table[i, col + 1] = s[f"{name}_scales"].data_ptr()
+                    if f"{name}_exponents" in s:
+                        table[i, col + 2] = s[f"{name}_exponents"].data_ptr()
+            table[i, STEP] = s["step"].data_ptr()
+            rows, cols, gpr = group_layout(p.shape, group_size)
+            n_groups = rows * gpr if p.numel() else 0
+            meta[i] = torch.tensor([cols, gpr, n_groups])
+            nb = triton.cdiv(n_groups, self.gpp)
+            blocks.append(
+                torch.stack([torch.full((nb,), i, dtype=torch.int32), torch.arange(nb, dtype=torch.int32)], 1)
+            )
+        self.table = table
+        self.meta = meta.to(device)
+        self.blocks = torch.cat(blocks).to(device)
+        self.n_blocks = self.blocks.shape[0]
+        self.even = all(int(m[0]) % group_size == 0 for m in meta)
+        self.steps = [s["step"] for s in states]
+        self.params = list(params)
+        self.nonfinite: torch.Tensor | None = None
+        """per tensor: how many moment values came out NaN/Inf (counted on the device; the caller's)"""
+
+
+def _scalars(group: dict, steps: list, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Device tensors: hyper = float32 [1 - lr*wd, 1 - b1, b2, 1 - b2, eps] and, per tensor,
+    [lr / (1 - b1**t), 1 / sqrt(1 - b2**t)] from the device step counts t, in float64 as torch
+    computes them, then rounded to float32. A few tiny launches, no host synchronisation."""
+    beta1, beta2 = group["betas"]
+    lr = group["lr"]
+    lr = lr.detach().to(device, torch.float64).reshape(()) if isinstance(lr, torch.Tensor) else float(lr)
+    t = torch.stack(steps).double()
+    bias_correction1 = 1 - torch.pow(beta1, t)
+    bias_correction2 = 1 - torch.pow(beta2, t)
+    scalars = torch.stack([lr / bias_correction1, bias_correction2.rsqrt()], 1).float()
+    rest = _to_device(torch.tensor([1 - beta1, beta2, 1 - beta2, group["eps"]], dtype=torch.float32), device)
+    if isinstance(lr, float):
+        decay = _to_device(torch.tensor([1 - lr * group["weight_decay"]], dtype=torch.float32), device)
+    else:
+        decay = (1 - lr * group["weight_decay"]).reshape(1).float()
+    hyper = torch.cat([decay, rest])
+    return hyper, scalars
+
+
+def _offset(t: torch.Tensor, base: torch.Tensor) -> int:
+    """Elements from `base` to `t` (same dtype; both 16-byte aligned, checked by the caller)."""
+    return (t.data_ptr() - base.data_ptr()) // t.element_size()
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host -> device without a sync: through pinned memory (the pinned block is reused only
+    after the copy completes: torch's host allocator records the copy's stream)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+class Launch:
+    """One kernel launch of a step: the parameters of a param group that share dtypes and moment
+    formats, with their states and the launch plan (address tables). Built by `prepare` when the
+    parameter set changes, then reused every step while parameters and states stay in place."""
+
+    def __init__(self, index, params, grads, states, fm, fv, group_size) -> None:
+        self.index = index
+        """positions of these parameters in the caller's list"""
+        self.params, self.states, self.fm, self.fv = params, states, fm, fv
+        self.group_size = fm.group_size if fm is not None else group_size
+        if self.group_size & (self.group_size - 1):
+            raise ValueError(
+                f"the fused step needs a power-of-two group_size; got {self.group_size} (use fused=False)"
+            )
+        self.grad_dtype = grads[0].dtype
+        self.addresses = [p.data_ptr() for p in params]
+        self.nonfinite = torch.zeros(len(params), dtype=torch.int32, device=params[0].device)
+        """per parameter: how many moment values came out NaN/Inf (read by nonfinite_parameters)"""
+        self.plan = _Plan(params, states, self.group_size, params[0].device)
+        self.plan.nonfinite = self.nonfinite
+        self.steps = [s["step"] for s in states]
+        names = MOMENT_COLUMNS[
+            : 3 if "max_exp_avg_sq" in states[0] or "max_exp_avg_sq_codes" in states[0] else 2
+        ]
+        self.flat = [s[key] for s in states for name in names for key in _state_keys(name, fm, fv)]
+        """the states flattened for the custom op (per parameter and moment: codes, scales[, exponents])"""
+
+
+def _state_keys(name: str, fm: MomentFormat | None, fv: MomentFormat | None) -> tuple[str, ...]:
+    """A moment's state keys in the op's flattened order (exp_avg in format fm, the others in fv)."""
+    f = fm if name == "exp_avg" else fv
+    if f is None:
+        return (name,)
+    return (f"{name}_codes", f"{name}_scales") + ((f"{name}_exponents",) if f.expand else ())
+
+
+def prepare(group: dict, params: list, grads: list, states: list, formats: list) -> list[Launch]:
+    """The launches for local CUDA tensors `params` of one param group (their grads give the
+    gradient dtypes), with their `states` and moment formats (decided by the caller from the
+    global shapes): one per (dtypes, formats)."""
+    by_key: dict[tuple, list[int]] = {}
+    for i, (p, g, f) in enumerate(zip(params, grads, formats, strict=True)):
+        by_key.setdefault((p.dtype, g.dtype, p.device, f["exp_avg"], f["exp_avg_sq"]), []).append(i)
+    return [
+        Launch(
+            idx,
+            [params[i] for i in idx],
+            [grads[i] for i in idx],
+            [states[i] for i in idx],
+            fm,
+            fv,
+            group.get("group_size", 128),
+        )
+        for (_, _, _, fm, fv), idx in by_key.items()
+    ]
+
+
+def run(launches: list[Launch], group: dict, grads: list, grad_scale, found_inf) -> bool:
+    """One step of every launch with this step's `grads` (in the order given to `prepare`).
+    Returns False, having changed nothing, when the launches no longer fit (a parameter moved,
+    a gradient's dtype changed): the caller prepares them again."""
+    per_launch = []
+    for launch in launches:
+        gs = [grads[i] for i in launch.index]
+        if any(g.dtype != launch.grad_dtype for g in gs) or any(
+            p.data_ptr() != a for p, a in zip(launch.params, launch.addresses, strict=True)
+        ):
+            return False
+        per_launch.append(gs)
+    compiling = torch.compiler.is_compiling()
+    for launch, gs in zip(launches, per_launch, strict=True):
+        if compiling:  # torch.compile and fake tensors see the registered op
+            lr = group["lr"]
+            torch.ops.coatstate.fused_adamw_(
+                launch.params,
+                gs,
+                launch.flat,
+                launch.steps,
+                launch.nonfinite,
+                lr if isinstance(lr, torch.Tensor) else None,
+                0.0 if isinstance(lr, torch.Tensor) else float(lr),
+                float(group["betas"][0]),
+                float(group["betas"][1]),
+                float(group["eps"]),
+                float(group["weight_decay"]),
+                bool(group["amsgrad"]),
+                bool(group["maximize"]),
+                _format_spec(launch.fm),
+                _format_spec(launch.fv),
+                launch.group_size,
+                grad_scale,
+                found_inf,
+            )
+        else:  # eager: straight to the kernel (the dispatcher would bump the version counter of
+            # every mutated state tensor, about 1 ms per step for a 300-tensor model)
+            _execute(launch.plan, group, gs, launch.fm, launch.fv, launch.group_size, grad_scale, found_inf)
+    return True
+
+
+MOMENT_COLUMNS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+
+def _format_spec(f: MomentFormat | None) -> str:
+    """A moment format as a custom-op string argument: 'e4m3:1:128' (format, expansion, group size) or ''."""
+    return "" if f is None else f"{f.fmt.value}:{int(f.expand)}:{f.group_size}"
+
+
+def _parse_spec(spec: str) -> MomentFormat | None:
+    if not spec:
+        return None
+    fmt, expand, group_size = spec.split(":")
+    return MomentFormat(FP8Format.parse(fmt), bool(int(expand)), int(group_size))
+
+
+def _fused_adamw_impl(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    states: list[torch.Tensor],
+    steps: list[torch.Tensor],
+    nonfinite: torch.Tensor,
+    lr_tensor: torch.Tensor | None,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    amsgrad: bool,
+    maximize: bool,
+    exp_avg_format: str,
+    exp_avg_sq_format: str,
+    group_size: int,
+    grad_scale: torch.Tensor | None,
+    found_inf: torch.Tensor | None,
+) -> None:
+    """The fused CompressedAdamW step as a torch custom op (so torch.compile and fake tensors trace
+    through it): params, the flattened moment tensors (per parameter: codes, scales[, exponents]
+    per moment, or the float32 moment), the step counts and the non-finite counters are updated
+    in place. All parameters share dtypes and formats."""
+    fm, fv = _parse_spec(exp_avg_format), _parse_spec(exp_avg_sq_format)
+    names = MOMENT_COLUMNS if amsgrad else MOMENT_COLUMNS[:2]
+    keys = [key for name in names for key in _state_keys(name, fm, fv)]
+    if len(states) != len(keys) * len(params) or len(steps) != len(params):
+        raise ValueError(
+            f"fused_adamw_: expected {len(keys)} state tensors ({', '.join(keys)}) and one step per "
+            f"parameter; got {len(states)} states and {len(steps)} steps for {len(params)} parameters"
+        )
+    state_dicts = [
+        {"step": step_t, **dict(zip(keys, states[i * len(keys) : (i + 1) * len(keys)], strict=True))}
+        for i, step_t in enumerate(steps)
+    ]
+    group = {
+        "lr": lr_tensor if lr_tensor is not None else lr,
+        "betas": (beta1, beta2),
+        "eps": eps,
+        "weight_decay": weight_decay,
+        "amsgrad": amsgrad,
+        "maximize": maximize,
+        "group_size": group_size,
+    }
+    # the plan for these addresses (a reallocated state, after a load, is a new plan)
+    group_size = fm.group_size if fm is not None else group_size
+    key = (tuple(t.data_ptr() for t in (*params, *states, *steps)), nonfinite.data_ptr(), group_size)
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.pop(next(iter(_PLANS)))
+        plan = _PLANS[key] = _Plan(params, state_dicts, group_size, params[0].device)
+        plan.nonfinite = nonfinite
+    _execute(plan, group, grads, fm, fv, group_size, grad_scale, found_inf)
+
+
+fused_adamw_ = torch.library.custom_op(
+    "coatstate::fused_adamw_", _fused_adamw_impl, mutates_args=("params", "states", "steps", "nonfinite")
+)
+
+
+@fused_adamw_.register_fake
+def _(
+    params,
+    grads,
+    states,
+    steps,
+    nonfinite,
+    lr_tensor,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    amsgrad,
+    maximize,
+    exp_avg_format,
+    exp_avg_sq_format,
+    group_size,
+    grad_scale,
+    found_inf,
+) -> None:
+    return None
+
+
+_PLANS: dict[tuple, _Plan] = {}
+_MAX_PLANS = 64
+"""launch plans by the addresses they were built for (a few per optimizer: one per launch)"""
+
+
+@torch.compiler.disable  # a launch, never traced (dynamo would trace Triton's interpreter on CPU)
+def _execute(plan: _Plan, group: dict, grads: list, fm, fv, group_size: int, grad_scale, found_inf) -> None:
+    """Launch the kernel for `plan` with this step's gradients and hyperparameters (no host sync)."""
+    compressed = fm is not None
+    device = plan.params[0].device
+    grads = [
+        g if g.is_contiguous() and g.data_ptr() % 16 == 0 else g.clone(memory_format=torch.contiguous_format)
+        for g in grads
+    ]
+    table = plan.table.clone()
+    table[:, G] = torch.tensor([_offset(g, grads[0]) for g in grads], dtype=torch.int64)
+    table = _to_device(table, device)
+
+    torch._foreach_add_(plan.steps, 1.0)
+    hyper, scalars = _scalars(group, plan.steps, device)
+    inv_scale = None
+    if grad_scale is not None:
+        inv_scale = grad_scale.to(device).double().reciprocal().float()  # GradScaler.unscale_'s arithmetic
+    if found_inf is not None:
+        found_inf = found_inf.to(device)
+
+    if plan.n_blocks:
+        bases = plan.bases
+        _adamw_kernel[(plan.n_blocks,)](
+            bases[P],
+            grads[0],
+            bases[M_CODES].view(torch.uint8) if compressed else bases[M_CODES],
+            bases[V_CODES].view(torch.uint8) if compressed else bases[V_CODES],
+            (
+                bases.get(X_CODES, bases[M_CODES]).view(torch.uint8)
+                if compressed
+                else bases.get(X_CODES, bases[M_CODES])
+            ),
+            table,
+            plan.meta,
+            plan.blocks,
+            hyper,
+            scalars,
+            found_inf if found_inf is not None else hyper,
+            inv_scale if inv_scale is not None else hyper,
+            plan.nonfinite,
+            COMPRESSED=compressed,
+            EVEN=plan.even,
+            AMSGRAD=bool(group["amsgrad"]),
+            MAXIMIZE=bool(group["maximize"]),
+            HAS_SCALE=inv_scale is not None,
+            HAS_INF=found_inf is not None,
+            GROUP=group_size,
+            GPP=plan.gpp,
+            num_warps=kernel.NUM_WARPS,
+            **_constants("M", fm),
+            **_constants("V", fv),
+        )
+    if found_inf is not None:
+        torch._foreach_sub_(plan.steps, [found_inf.float()] * len(plan.steps))
