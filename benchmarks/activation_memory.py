@@ -216,7 +216,7 @@ def main() -> None:
     if device == "cuda":
         from coatstate.kernels import activation_pack
 
-        result["direct_kernel_launch"] = activation_pack._Launcher.enabled
+        result["kernel_launch_mode"] = activation_pack._Launcher.mode
         result["gpu"] = torch.cuda.get_device_name()
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")

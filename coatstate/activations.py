@@ -443,13 +443,13 @@ class compress_activations:  # noqa: N801  (a context manager used like a functi
             base = x if x.storage_offset() == start else x.as_strided((n,), (1,), start)
             if granularity is Granularity.TENSOR:
                 amax, scales, slot = self._slot(x.device)
-                codes = K.pack_tensorwise_flat(base, n, policy.fmt, amax, scales, slot)
+                codes = K.pack_tensor_flat(base, n, policy.fmt, amax, scales, slot)
                 packed = _Packed(*place, codes=codes, scales=scales, slot=slot, kernel=True, **fields)
             else:
                 codes = K.pack_groups_flat(base, n, row, policy.group_size, policy.fmt)
                 packed = _Packed(*place, codes=codes, kernel=True, **fields)
         elif granularity is Granularity.TENSOR:
-            codes, scales = codec.pack_tensorwise(x.as_strided((n,), (1,), start), policy.fmt)
+            codes, scales = codec.pack_tensor(x.as_strided((n,), (1,), start), policy.fmt)
             packed = _Packed(*place, codes=codes, scales=scales, **fields)
         else:
             rows2d = x.as_strided((n // row, row), (row, 1), start)
@@ -540,7 +540,7 @@ class compress_activations:  # noqa: N801  (a context manager used like a functi
             from coatstate.kernels import activation_pack as K
 
             if region.granularity is Granularity.TENSOR:
-                flat = K.unpack_tensorwise_flat(
+                flat = K.unpack_tensor_flat(
                     region.codes, region.scales, region.slot, region.fmt, region.dtype
                 )
             else:
@@ -549,7 +549,7 @@ class compress_activations:  # noqa: N801  (a context manager used like a functi
                     region.codes, n, region.row, region.group_size, region.fmt, region.dtype
                 )
         elif region.granularity is Granularity.TENSOR:
-            flat = codec.unpack_tensorwise(region.codes, region.scales, region.dtype)
+            flat = codec.unpack_tensor(region.codes, region.scales, region.dtype)
         else:
             flat = codec.unpack_groups(region.codes, region.scales, region.group_size, region.dtype).reshape(
                 -1

@@ -1,6 +1,6 @@
 """Triton kernels that pack saved activations into FP8 and unpack them for backward.
 
-Twin (the CPU path and the oracle): coatstate.activation_policy's `pack_tensorwise`,
+Twin (the CPU path and the oracle): coatstate.activation_policy's `pack_tensor`,
 `pack_groups`, ... (docs/FORMAT.md, "Saved activations").
 
 Scales are powers of two stored as one byte (E8M0, as in the MX formats): byte b means 2**(b-127),
@@ -40,6 +40,8 @@ import triton.language as tl
 from triton.compiler.compiler import CompiledKernel
 
 from ..formats.fp8 import FP8Format
+from ..formats.group import MIN_SCALE
+from ..formats.tensorwise import AMAX_BLOCK
 from .fp8_triton import FAST_MATH, from_fp8_bits, group_offsets, round_to_fp8_grid
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -220,31 +222,43 @@ def _unpack_groups_kernel(
 class _Launcher:
     """`kernel[grid](*args, **constexprs)`, reusing the compiled kernel once triton has compiled it
     for a specialization: triton specializes integer arguments on (== 1, % 16 == 0, 64-bit) and
-    pointers on 16-byte alignment, so that and the constexprs form the key here. Any failure of
-    the direct call (a triton version whose launcher differs) switches to the plain launch."""
+    pointers on 16-byte alignment, so that, the device and the constexprs form the key here.
 
-    enabled = True
+    Reuse goes through the compiled kernel's own launcher with the current stream (`mode` 2) or,
+    if that call does not fit this triton version, through CompiledKernel[grid] (`mode` 1), else
+    through triton's full launch (`mode` 0): a mismatch raises TypeError (triton's launcher checks
+    its argument count) and moves every launcher one mode down."""
+
+    mode = 2
 
     def __init__(self, kernel) -> None:
         self.kernel = kernel
         self.compiled: dict[tuple, CompiledKernel] = {}
 
     def __call__(self, grid: tuple[int, ...], args: tuple, constexprs: dict) -> None:
-        key = tuple(
-            (a.dtype, a.data_ptr() % 16 == 0)
-            if isinstance(a, torch.Tensor)
-            else (a == 1, a % 16 == 0, a >= 2**31)
-            for a in args
-        ) + tuple(constexprs.items())
-        compiled = self.compiled.get(key) if _Launcher.enabled else None
+        device = args[0].device.index
+        key = (device, *constexprs.values())
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                key += (a.dtype, a.data_ptr() % 16 == 0)
+            else:
+                key += (a == 1, a % 16 == 0, a >= 2**31)
+        compiled = self.compiled.get(key) if _Launcher.mode else None
         if compiled is not None:
             try:
-                compiled[(*grid, 1, 1)[:3]](*args, *constexprs.values())
+                if _Launcher.mode == 2:
+                    g = (*grid, 1, 1)
+                    stream = torch._C._cuda_getCurrentRawStream(device)
+                    compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata,
+                                 None, None, None, *args, *constexprs.values())  # fmt: skip
+                else:
+                    compiled[(*grid, 1, 1)[:3]](*args, *constexprs.values())
                 return
-            except TypeError:
-                _Launcher.enabled = False
+            except (TypeError, AttributeError):
+                _Launcher.mode -= 1
+                return self(grid, args, constexprs)
         compiled = self.kernel[grid](*args, **constexprs, num_warps=8)
-        if isinstance(compiled, CompiledKernel) and _Launcher.enabled:
+        if isinstance(compiled, CompiledKernel) and _Launcher.mode:
             self.compiled[key] = compiled
 
 
@@ -280,7 +294,7 @@ def _decode_constants(fmt: FP8Format, dtype: torch.dtype) -> dict:
     return const
 
 
-def pack_tensorwise_flat(x, n: int, fmt: FP8Format, amax, scales, slot: int) -> torch.Tensor:
+def pack_tensor_flat(x, n: int, fmt: FP8Format, amax, scales, slot: int) -> torch.Tensor:
     """Codes (n,) uint8 of the n elements at x's data pointer (dense); the scale byte goes to
     scales[slot], the maximum through amax[slot] (int32, zero before the call)."""
     codes = torch.empty(n, dtype=torch.uint8, device=x.device)
@@ -297,8 +311,8 @@ def pack_tensorwise_flat(x, n: int, fmt: FP8Format, amax, scales, slot: int) -> 
     return codes
 
 
-def unpack_tensorwise_flat(codes, scales, slot: int, fmt: FP8Format, dtype: torch.dtype) -> torch.Tensor:
-    """The (n,) tensor in `dtype` from pack_tensorwise_flat's codes and scales[slot]."""
+def unpack_tensor_flat(codes, scales, slot: int, fmt: FP8Format, dtype: torch.dtype) -> torch.Tensor:
+    """The (n,) tensor in `dtype` from pack_tensor_flat's codes and scales[slot]."""
     n = codes.numel()
     out = torch.empty(n, dtype=dtype, device=codes.device)
     _unpack_tensor(
@@ -362,22 +376,22 @@ def _check_unpack(name: str, codes: torch.Tensor, dtype: torch.dtype) -> FP8Form
     return FP8Format.parse(codes.dtype)  # raises for a non-FP8 dtype
 
 
-def pack_tensorwise(x: torch.Tensor, fmt: FP8Format | str = "e4m3") -> tuple[torch.Tensor, torch.Tensor]:
+def pack_tensor(x: torch.Tensor, fmt: FP8Format | str = "e4m3") -> tuple[torch.Tensor, torch.Tensor]:
     """(codes in x's shape, scale byte (1,) uint8): x ~= codes * 2**(scale - 127)."""
     _check_input("x", x)
     fmt = FP8Format.parse(fmt)
     amax = torch.zeros(1, dtype=torch.int32, device=x.device)
     scale = torch.empty(1, dtype=torch.uint8, device=x.device)
-    codes = pack_tensorwise_flat(x, x.numel(), fmt, amax, scale, 0)
+    codes = pack_tensor_flat(x, x.numel(), fmt, amax, scale, 0)
     return codes.view(fmt.dtype).view(x.shape), scale
 
 
-def unpack_tensorwise(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """codes * 2**(scale - 127) in `dtype` (codes and scale as returned by pack_tensorwise)."""
+def unpack_tensor(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """codes * 2**(scale - 127) in `dtype` (codes and scale as returned by pack_tensor)."""
     fmt = _check_unpack("codes", codes, dtype)
     if scale.dtype != torch.uint8 or scale.numel() != 1:
         raise ValueError(f"scale must be one uint8 exponent byte; got {scale.dtype} {tuple(scale.shape)}")
-    out = unpack_tensorwise_flat(codes.reshape(-1).view(torch.uint8), scale, 0, fmt, dtype)
+    out = unpack_tensor_flat(codes.reshape(-1).view(torch.uint8), scale, 0, fmt, dtype)
     return out.view(codes.shape)
 
 
@@ -413,3 +427,115 @@ def unpack_groups(codes2d: torch.Tensor, scales: torch.Tensor, group_size: int, 
     n = codes2d.numel()
     buf = torch.cat([codes2d.reshape(-1).view(torch.uint8), scales.reshape(-1)])
     return unpack_groups_flat(buf, n, cols, group_size, fmt, dtype).view(rows, cols)
+
+
+# -- per-tensor FP8 with a float32 scale: GEMM operands of coatstate.fp8_linear ---------------
+# Not the held-activation format above: torch._scaled_mm takes any float32 scale, and FP8Linear's
+# CPU path is the twin coatstate.formats.tensorwise (s = amax / FP8_MAX, two-stage max, correctly
+# rounded divisions), which these kernels match bit for bit.
+@triton.jit
+def _gemm_round_to_bf16(x):
+    """Round float32 x to the nearest bfloat16 (ties to even) in integer arithmetic, so the cast
+    to bfloat16 that follows is exact (the interpreter's own cast truncates)."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _gemm_partial_amax_kernel(x_ptr, partial_ptr, n, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+    tl.store(partial_ptr + pid, tl.max(tl.abs(x), axis=0))
+
+
+@triton.jit
+def _gemm_scale_kernel(partial_ptr, scale_ptr, n_partial, fp8_max, min_scale, BLOCK: tl.constexpr):
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, n_partial, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        acc = tl.maximum(acc, tl.load(partial_ptr + offs, mask=offs < n_partial, other=0.0))
+    amax = tl.max(acc, axis=0)
+    scale = tl.maximum(tl.div_rn(amax, fp8_max), min_scale)
+    scale = tl.where(amax > 0, scale, 0.0)
+    safe = tl.where(scale > 0, scale, 1.0)
+    inv = tl.where(scale > 0, tl.div_rn(1.0, safe), 0.0)
+    tl.store(scale_ptr, scale)
+    tl.store(scale_ptr + 1, inv)
+
+
+@triton.jit
+def _gemm_pack_kernel(
+    x_ptr,
+    scale_ptr,
+    codes_ptr,
+    n,
+    FP8_MAX: tl.constexpr,
+    MANT: tl.constexpr,
+    EMIN: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    inv = tl.load(scale_ptr + 1)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    q = round_to_fp8_grid(x * inv, FP8_MAX, MANT, EMIN)
+    tl.store(codes_ptr + offs, q.to(codes_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gemm_unpack_kernel(codes_ptr, scale_ptr, out_ptr, n, BF16: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    scale = tl.load(scale_ptr)
+    q = tl.load(codes_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x = q * scale
+    if BF16:
+        x = _gemm_round_to_bf16(x)
+    tl.store(out_ptr + offs, x.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch_options() -> dict:
+    return {"enable_fp_fusion": False}
+
+
+def pack_tensorwise(x: torch.Tensor, fmt: FP8Format | str = "e4m3") -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes in x's shape, float32 [scale, 1/scale]) with one scale for the whole tensor."""
+    _check_input("x", x)
+    fmt = FP8Format.parse(fmt)
+    n = x.numel()
+    codes = torch.empty(x.shape, dtype=fmt.dtype, device=x.device)
+    n_partial = max(1, triton.cdiv(n, AMAX_BLOCK))
+    partial = torch.empty(n_partial, dtype=torch.float32, device=x.device)
+    scale = torch.empty(2, dtype=torch.float32, device=x.device)
+    _gemm_partial_amax_kernel[(n_partial,)](x, partial, n, BLOCK=AMAX_BLOCK, **_launch_options())
+    _gemm_scale_kernel[(1,)](partial, scale, n_partial, fmt.max, MIN_SCALE, BLOCK=1024, **_launch_options())
+    _gemm_pack_kernel[(n_partial,)](
+        x,
+        scale,
+        codes,
+        n,
+        FP8_MAX=fmt.max,
+        MANT=fmt.mantissa_bits,
+        EMIN=fmt.min_normal_exponent,
+        BLOCK=AMAX_BLOCK,
+        **_launch_options(),
+    )
+    return codes, scale
+
+
+def unpack_tensorwise(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """codes * scale[0] in `dtype` (scale as returned by pack_tensorwise, or a 1-element tensor)."""
+    FP8Format.parse(codes.dtype)  # raises for a non-FP8 dtype
+    if dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"dtype must be float32, bfloat16 or float16; got {dtype}")
+    out = torch.empty(codes.shape, dtype=dtype, device=codes.device)
+    n = codes.numel()
+    grid = (max(1, triton.cdiv(n, AMAX_BLOCK)),)
+    _gemm_unpack_kernel[grid](
+        codes, scale.float(), out, n, BF16=dtype == torch.bfloat16, BLOCK=AMAX_BLOCK, **_launch_options()
+    )
+    return out

@@ -50,18 +50,29 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
                     x.view(-1)[:17] = 0  # an all-zero group
                 if x.numel() > 100:  # non-finite input: its group unpacks to NaN
                     x.view(-1)[50], x.view(-1)[90] = float("inf"), float("nan")
-                c, s = K.pack_tensorwise(x.reshape(-1), fmt)
-                c2, s2 = T.pack_tensorwise(x.reshape(-1), fmt)
+                c, s = K.pack_tensor(x.reshape(-1), fmt)
+                c2, s2 = T.pack_tensor(x.reshape(-1), fmt)
                 if not (same_bits(c, c2) and torch.equal(s, s2)):
-                    bad.append(("pack_tensorwise", fmt, dt, shape))
-                if not same_bits(K.unpack_tensorwise(c, s, dt), T.unpack_tensorwise(c2, s2, dt)):
-                    bad.append(("unpack_tensorwise", fmt, dt, shape))
+                    bad.append(("pack_tensor", fmt, dt, shape))
+                if not same_bits(K.unpack_tensor(c, s, dt), T.unpack_tensor(c2, s2, dt)):
+                    bad.append(("unpack_tensor", fmt, dt, shape))
                 c, s = K.pack_groups(x, 16, fmt)
                 c2, s2 = T.pack_groups(x, 16, fmt)
                 if not (same_bits(c, c2) and torch.equal(s, s2)):
                     bad.append(("pack_groups", fmt, dt, shape))
                 if not same_bits(K.unpack_groups(c, s, 16, dt), T.unpack_groups(c2, s2, 16, dt)):
                     bad.append(("unpack_groups", fmt, dt, shape))
+    # FP8Linear's GEMM operands: per-tensor float32 scale, twin formats.tensorwise
+    from coatstate.formats import tensorwise
+    for dt in [torch.float32, torch.bfloat16]:
+        for shape in [(1,), (3, 129), (7, 1000), (9000,)]:
+            x = (torch.randn(shape) * torch.exp(torch.randn(shape) * 2)).to(dt)
+            c, s = K.pack_tensorwise(x)
+            c2, s2 = tensorwise.quantize_tensorwise(x)
+            if not (same_bits(c, c2) and torch.equal(s[0], s2)):
+                bad.append(("pack_tensorwise (float32 scale)", dt, shape))
+            if not same_bits(K.unpack_tensorwise(c, s, dt), tensorwise.dequantize_tensorwise(c2, s2, dt)):
+                bad.append(("unpack_tensorwise (float32 scale)", dt, shape))
     # the whole hook path on the kernels (backend="triton") equals the twin path bit for bit
     sys.path.insert(0, "benchmarks")
     from models import GPT, ModelConfig
@@ -113,8 +124,8 @@ def test_kernels_match_twin_bit_for_bit_in_interpreter():
 
 def test_twin_round_trip_error_is_fp8_sized():
     x = torch.randn(64, 256) * torch.exp(torch.randn(64, 1))
-    codes, scale = codec.pack_tensorwise(x)
-    rel = (codec.unpack_tensorwise(codes, scale, torch.float32) - x).norm() / x.norm()
+    codes, scale = codec.pack_tensor(x)
+    rel = (codec.unpack_tensor(codes, scale, torch.float32) - x).norm() / x.norm()
     gcodes, gscales = codec.pack_groups(x, 16)
     grel = (codec.unpack_groups(gcodes, gscales, 16, torch.float32) - x).norm() / x.norm()
     print(f"relative L2 error: per-tensor {rel:.4f}, per-group {grel:.4f}")
@@ -153,8 +164,8 @@ def test_non_finite_group_unpacks_to_nan_and_sizes():
     nan_groups = out.reshape(2, 4, 16).isnan().all(-1)
     assert nan_groups.tolist() == [[True, False, False, False], [False, False, True, False]]
     assert codes.numel() + scales.numel() == x.numel() * (1 + 1 / 16)  # 1.0625 bytes per element
-    c, s = codec.pack_tensorwise(x)
-    assert s.item() == codec.NAN_SCALE and codec.unpack_tensorwise(c, s, torch.float32).isnan().all()
+    c, s = codec.pack_tensor(x)
+    assert s.item() == codec.NAN_SCALE and codec.unpack_tensor(c, s, torch.float32).isnan().all()
 
 
 def test_policy_validation():
@@ -454,16 +465,25 @@ def test_kernels_bit_exact_on_gpu():
         (torch.float32, torch.bfloat16, torch.float16), [(37, 1000), (4096, 1024), (3, 129)], range(2)
     ):  # the second call of each reuses the compiled kernel (activation_pack._Launcher)
         x = (torch.randn(shape, device="cuda") * torch.exp(torch.randn(shape, device="cuda") * 2)).to(dt)
-        c, s = K.pack_tensorwise(x)
-        c2, s2 = codec.pack_tensorwise(x)
+        c, s = K.pack_tensor(x)
+        c2, s2 = codec.pack_tensor(x)
         assert same_bits(c, c2) and torch.equal(s, s2), (dt, shape)
-        assert same_bits(K.unpack_tensorwise(c, s, dt), codec.unpack_tensorwise(c2, s2, dt)), (dt, shape)
+        assert same_bits(K.unpack_tensor(c, s, dt), codec.unpack_tensor(c2, s2, dt)), (dt, shape)
         gc_, gs = K.pack_groups(x, 16)
         gc2, gs2 = codec.pack_groups(x, 16)
         assert same_bits(gc_, gc2) and torch.equal(gs, gs2), (dt, shape)
         out, want = K.unpack_groups(gc_, gs, 16, dt), codec.unpack_groups(gc2, gs2, 16, dt)
         assert same_bits(out, want), (dt, shape)
-    print(f"direct launches of compiled kernels: {'on' if K._Launcher.enabled else 'off (fell back)'}")
+    from coatstate.formats import tensorwise
+
+    for dt in (torch.float32, torch.bfloat16):  # FP8Linear's float32-scale operands
+        x = (torch.randn(37, 1000, device="cuda") * 3).to(dt)
+        c, s = K.pack_tensorwise(x)
+        # the twin on the CPU: on CUDA, torch turns formats.tensorwise's `amax / FP8_MAX` (a Python
+        # float divisor) into a multiply by its reciprocal, which can round the scale differently
+        c2, s2 = tensorwise.quantize_tensorwise(x.cpu())
+        assert same_bits(c, c2) and torch.equal(s[0].cpu(), s2), dt
+    print(f"reuse of compiled kernels: mode {K._Launcher.mode} (2: direct, 1: CompiledKernel[grid], 0: off)")
 
 
 @pytest.mark.gpu
