@@ -12,8 +12,9 @@
    pure-torch step runs (tests/test_distributed.py explains its 1-ulp caveat for uneven shards).
 2. Throughput (--layers/--dim: 24 x 2048, a 1.31B-parameter GPT from benchmarks/models.py):
    FSDP2 (bf16 compute, fp32 reduce) with CompressedAdamW + compress_activations against FSDP2
-   with torch.optim.AdamW(fused=True). Tokens/s over all ranks (median step after --warmup) and
-   peak allocated memory per GPU, side by side; JSON to --out (benchmarks/results/fsdp_train.json).
+   with torch.optim.AdamW(fused=True), and CompressedAdamW alone (what the optimizer buys).
+   Tokens/s over all ranks (median step after --warmup) and peak allocated memory per GPU, side
+   by side; JSON to --out (benchmarks/results/fsdp_train.json).
 """
 
 from __future__ import annotations
@@ -45,6 +46,12 @@ import coatstate  # noqa: E402
 from coatstate import CompressedAdamW, compress_activations  # noqa: E402
 from coatstate.distributed import full_tensor  # noqa: E402
 
+VARIANTS = {  # --variants: column titles
+    "coatstate": "CompressedAdamW+compress_act",
+    "coatstate_optimizer": "CompressedAdamW only",
+    "torch": "torch AdamW (fused)",
+}
+
 
 def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -59,8 +66,16 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--loss-chunks", type=int, default=8)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument(
+        "--variants",
+        default="coatstate,coatstate_optimizer,torch",
+        help=f"comma-separated, of {list(VARIANTS)}",
+    )
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/fsdp_train.json)")
     args = p.parse_args()
+    unknown = set(args.variants.split(",")) - set(VARIANTS)
+    if unknown:
+        p.error(f"unknown --variants {sorted(unknown)}; choose from {list(VARIANTS)}")
     if args.smoke:
         args.layers, args.dim, args.heads, args.seq, args.batch, args.vocab = 2, 128, 4, 64, 2, 512
         args.loss_chunks, args.steps, args.warmup = 2, 3, 1
@@ -199,9 +214,9 @@ def throughput(variant: str, cfg: ModelConfig, args, mesh, device) -> dict:
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     params = sum(p.numel() for p in model.parameters())
-    if variant == "coatstate":
+    if variant.startswith("coatstate"):
         opt = CompressedAdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
-        context = compress_activations
+        context = compress_activations if variant == "coatstate" else _nothing
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=device.type == "cuda")
         context = _nothing
@@ -260,26 +275,19 @@ class _nothing:
 
 
 def _table(rows: list[dict]) -> str:
-    a, b = rows
-    lines = [f"{'':34} {'CompressedAdamW+compress_act':>30} {'torch AdamW (fused)':>22}"]
+    lines = [f"{'':32}" + "".join(f" {VARIANTS[r['variant']]:>29}" for r in rows)]
 
-    def row(label, fa, fb):
-        lines.append(f"{label:34} {fa:>30} {fb:>22}")
+    def row(label, fmt):
+        lines.append(f"{label:32}" + "".join(f" {fmt(r):>29}" for r in rows))
 
-    row("tokens/s (all GPUs)", f"{a['tokens_per_s']:,.0f}", f"{b['tokens_per_s']:,.0f}")
-    row("tokens/s per GPU", f"{a['tokens_per_s_per_gpu']:,.0f}", f"{b['tokens_per_s_per_gpu']:,.0f}")
-    row("step ms (median)", f"{a['step_ms']:.1f}", f"{b['step_ms']:.1f}")
-    for i, (pa, pb) in enumerate(zip(a["peak_gib_per_gpu"], b["peak_gib_per_gpu"], strict=True)):
-        row(f"peak memory GPU {i} (GiB)", f"{pa:.2f}", f"{pb:.2f}")
-    for i, (sa, sb) in enumerate(
-        zip(a["optimizer_state_mib_per_gpu"], b["optimizer_state_mib_per_gpu"], strict=True)
-    ):
-        row(f"optimizer state GPU {i} (MiB)", f"{sa:,.1f}", f"{sb:,.1f}")
-    row(
-        "loss first -> last",
-        f"{a['loss_first']:.3f} -> {a['loss_last']:.3f}",
-        f"{b['loss_first']:.3f} -> {b['loss_last']:.3f}",
-    )
+    row("tokens/s (all GPUs)", lambda r: f"{r['tokens_per_s']:,.0f}")
+    row("tokens/s per GPU", lambda r: f"{r['tokens_per_s_per_gpu']:,.0f}")
+    row("step ms (median)", lambda r: f"{r['step_ms']:.1f}")
+    for i in range(len(rows[0]["peak_gib_per_gpu"])):
+        row(f"peak memory GPU {i} (GiB)", lambda r, i=i: f"{r['peak_gib_per_gpu'][i]:.2f}")
+    for i in range(len(rows[0]["optimizer_state_mib_per_gpu"])):
+        row(f"optimizer state GPU {i} (MiB)", lambda r, i=i: f"{r['optimizer_state_mib_per_gpu'][i]:,.1f}")
+    row("loss first -> last", lambda r: f"{r['loss_first']:.3f} -> {r['loss_last']:.3f}")
     return "\n".join(lines)
 
 
@@ -308,7 +316,7 @@ def main() -> None:
         seq=args.seq,
         loss_chunks=args.loss_chunks,
     )
-    rows = [throughput(v, cfg, args, mesh, device) for v in ("coatstate", "torch")]
+    rows = [throughput(v, cfg, args, mesh, device) for v in args.variants.split(",")]
     _log(
         f"\nGPT {rows[0]['params'] / 1e9:.3f}B params, {world} x {device.type}, batch {args.batch} x seq "
         f"{args.seq} per GPU, bf16 compute, {args.steps} timed steps after {args.warmup}"
