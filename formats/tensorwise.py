@@ -49,7 +49,9 @@ def tensorwise_scale(amax: torch.Tensor, fmt: FP8Format | str) -> tuple[torch.Te
     """(scale, 1/scale) as float32 0-d tensors from the per-tensor maximum."""
     fmt = FP8Format.parse(fmt)
     amax = amax.float()
-    scale = (amax / fmt.max).clamp(min=MIN_SCALE)
+    # a tensor divisor: CUDA torch turns `tensor / python_float` into a multiply by the
+    # reciprocal, which rounds differently from the kernels' (and the CPU's) true division
+    scale = (amax / torch.full_like(amax, fmt.max)).clamp(min=MIN_SCALE)
     scale = torch.where(amax > 0, scale, 0.0)
     inv = torch.where(scale > 0, 1.0 / scale, 0.0)
     return scale, inv
