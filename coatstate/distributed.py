@@ -261,10 +261,10 @@ def read_dcp(path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None,
     from coatstate.formats.schema import CheckpointError
 
     class _Reader(FileSystemReader):
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:  # the global .metadata only
+            with open(meta, "rb") as f:
                 metadata = _read_dcp_metadata(f, path)
-            if getattr(metadata, "storage_meta", None) is not None:
+            if getattr(metadata, "storage_meta", None) is not None and hasattr(self, "load_id"):
                 metadata.storage_meta.load_id = self.load_id
             return metadata
 
