@@ -1,9 +1,13 @@
 """python examples/train_gpt.py --optimizer compressed --compress-activations --steps 150
 
 Trains a byte-level GPT on the Python standard library's own source (found on this machine, no
-download) with CompressedAdamW (or torch AdamW) and, optionally, FP8 saved activations. Ends with
-a table: loss, optimizer-state bytes, activation bytes held, step time. --save/--resume take any
-fsspec URL (a path, file://, memory://, s3://) through coatstate.save / coatstate.load.
+download) with CompressedAdamW (or torch AdamW) and, optionally, FP8 saved activations. Shows a
+progress bar and ends with a table: loss, optimizer-state bytes, activation bytes autograd saved
+(and what compress_activations held of them), step time. --save/--resume take any fsspec URL
+(a path, file://, memory://, s3://) through coatstate.save / coatstate.load.
+
+The functions here (stdlib_corpus, batches, train) are reused by benchmarks/training_parity.py,
+benchmarks/checkpoint_io.py and examples/hf_trainer.py, so every script trains on the same bytes.
 """
 
 from __future__ import annotations
@@ -23,10 +27,19 @@ import coatstate
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from models import GPT, ModelConfig  # noqa: E402 - the shared model definitions
 
+KEEP_ALL = {
+    kind: "keep" for kind in ("linear", "norm", "activation", "attention", "attention_v_out", "other")
+}
+"""A compress_activations policy that compresses nothing: it only counts what autograd saves."""
+
 
 def stdlib_corpus(max_bytes: int = 8 * 2**20) -> torch.Tensor:
     """Bytes of the stdlib's .py files (site-packages skipped), in a fixed order."""
     root = Path(sysconfig.get_paths()["stdlib"])
+    if not root.is_dir():
+        raise FileNotFoundError(
+            f"the Python standard library's source is not at {root}; this corpus needs it"
+        )
     chunks, total = [], 0
     for path in sorted(root.rglob("*.py")):
         if "site-packages" in path.parts:
@@ -40,6 +53,7 @@ def stdlib_corpus(max_bytes: int = 8 * 2**20) -> torch.Tensor:
 
 
 def batches(data: torch.Tensor, batch: int, seq: int, seed: int):
+    """Endless (inputs, targets) of `batch` random windows of `seq` bytes, the same for a seed."""
     g = torch.Generator().manual_seed(seed)
     while True:
         starts = torch.randint(0, data.numel() - seq - 1, (batch,), generator=g)
@@ -48,7 +62,7 @@ def batches(data: torch.Tensor, batch: int, seq: int, seed: int):
         yield x, y
 
 
-def main(argv=None) -> dict:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[2])
     ap.add_argument("--optimizer", choices=["adamw", "compressed"], default="compressed")
     ap.add_argument("--compress-activations", action="store_true")
@@ -62,30 +76,53 @@ def main(argv=None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--save", help="URL to save optimizer + model to at the end")
     ap.add_argument("--resume", help="URL of a checkpoint written by --save")
-    args = ap.parse_args(argv)
+    return ap
 
+
+def build(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The model and optimizer that `args` describe, seeded by args.seed."""
     torch.manual_seed(args.seed)
-    device = torch.device(args.device)
     cfg = ModelConfig(vocab=256, layers=args.layers, dim=args.dim, heads=max(1, args.dim // 64), seq=args.seq)
-    model = GPT(cfg).to(device)
+    model = GPT(cfg).to(args.device)
     if args.optimizer == "compressed":
         opt = coatstate.CompressedAdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    return model, opt
+
+
+def state_bytes(opt: torch.optim.Optimizer) -> int:
+    """Bytes of optimizer state tensors (moments, codes, scales, exponents; not the step counter)."""
+    return sum(
+        t.numel() * t.element_size()
+        for s in opt.state.values()
+        for k, t in s.items()
+        if isinstance(t, torch.Tensor) and k != "step"
+    )
+
+
+def train(args: argparse.Namespace, progress: bool = True) -> dict:
+    """Train as `args` says. Returns losses, timings and byte counts, plus "model" and "opt"."""
+    device = torch.device(args.device)
+    model, opt = build(args)
     if args.resume:
         coatstate.load(opt, args.resume, model=model)
-    data = stdlib_corpus()
-    stream = batches(data, args.batch, args.seq, args.seed)
-
-    losses, times, act_bytes = [], [], 0
-    bar = tqdm(range(args.steps), desc=f"{args.optimizer}", disable=not sys.stderr.isatty() and "CI" in os.environ)
-    for _ in bar:
+    stream = batches(stdlib_corpus(), args.batch, args.seq, args.seed)
+    losses, times = [], []
+    act_original = act_held = 0
+    quiet = not progress or (not sys.stderr.isatty() and "CI" in os.environ)
+    label = args.optimizer + (" + FP8 activations" if args.compress_activations else "")
+    bar = tqdm(range(args.steps), desc=label, disable=quiet)
+    for step in bar:
         x, y = (t.to(device) for t in next(stream))
         t0 = time.perf_counter()
-        if args.compress_activations:
-            with coatstate.compress_activations() as ctx:
+        # without compression, the first step counts what autograd saves (it is not timed below)
+        policy = {} if args.compress_activations else KEEP_ALL if step == 0 else None
+        if policy is not None:
+            with coatstate.compress_activations(**policy) as ctx:
                 loss = model(x, y)
-            act_bytes = ctx.stats.activation_bytes_held
+            act_original = ctx.stats.activation_bytes_original
+            act_held = ctx.stats.activation_bytes_held
         else:
             loss = model(x, y)
         opt.zero_grad(set_to_none=True)
@@ -98,19 +135,45 @@ def main(argv=None) -> dict:
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
     if args.save:
         coatstate.save(opt, args.save, model=model)
-
-    state = sum(t.numel() * t.element_size() for s in opt.state.values() for k, t in s.items()
-                if isinstance(t, torch.Tensor) and k != "step")
-    n_params = sum(p.numel() for p in model.parameters())
+    timed = times[1:] or times  # the first step allocates state (and may count activations)
     tail = losses[-10:]
-    result = dict(optimizer=args.optimizer, compress_activations=args.compress_activations, activation_bytes=act_bytes,
-                  final_loss=sum(tail) / len(tail), state_bytes=state, params=n_params,
-                  step_ms=1e3 * sorted(times)[len(times) // 2], losses=losses)
-    print(f"\n{'optimizer':10s} {'act. FP8':8s} {'params':>9s} {'loss (last 10)':>14s} "
-          f"{'state bytes':>12s} {'B/param':>8s} {'act. bytes held':>15s} {'step ms':>8s}")
-    print(f"{args.optimizer:10s} {str(args.compress_activations):8s} {n_params:9d} {result['final_loss']:14.4f} "
-          f"{state:12d} {state / n_params:8.3f} {act_bytes if args.compress_activations else 'n/a':>15} "
-          f"{result['step_ms']:8.1f}")
+    return dict(
+        optimizer=args.optimizer,
+        compress_activations=args.compress_activations,
+        params=sum(p.numel() for p in model.parameters()),
+        final_loss=sum(tail) / max(1, len(tail)),
+        state_bytes=state_bytes(opt),
+        activation_bytes_saved=act_original,
+        activation_bytes_held=act_held,
+        step_ms=1e3 * sorted(timed)[len(timed) // 2] if timed else float("nan"),
+        losses=losses,
+        model=model,
+        opt=opt,
+    )
+
+
+def print_table(rows: list[dict]) -> None:
+    """One line per run: the numbers train() returns."""
+    mb = 1e6
+    print(
+        f"\n{'optimizer':<11}{'act. FP8':<9}{'params':>9}{'loss (last 10)':>15}{'state MB':>10}"
+        f"{'B/param':>8}{'act. saved MB':>14}{'act. held MB':>13}{'step ms':>9}"
+    )
+    for r in rows:
+        print(
+            f"{r['optimizer']:<11}{str(r['compress_activations']):<9}{r['params']:>9}{r['final_loss']:>15.4f}"
+            f"{r['state_bytes'] / mb:>10.3f}{r['state_bytes'] / r['params']:>8.3f}"
+            f"{r['activation_bytes_saved'] / mb:>14.2f}{r['activation_bytes_held'] / mb:>13.2f}"
+            f"{r['step_ms']:>9.1f}"
+        )
+
+
+def main(argv=None) -> dict:
+    args = parser().parse_args(argv)
+    if args.steps < 1:
+        raise SystemExit(f"--steps must be at least 1; got {args.steps}")
+    result = train(args)
+    print_table([result])
     if args.save:
         print(f"saved to {args.save}")
     return result

@@ -1,0 +1,141 @@
+"""python benchmarks/training_parity.py
+
+Training parity on a real corpus: a byte-level GPT (benchmarks/models.py, 2 layers, width 256,
+1.68M params) trained on the Python standard library's own source for 300 steps on CPU, with the
+same seed, initial weights and batches, under
+  1. torch.optim.AdamW                       (the reference)
+  2. coatstate.CompressedAdamW               (FP8 moments)
+  3. CompressedAdamW + compress_activations  (FP8 moments and FP8 saved activations)
+Final loss = mean of the last --tail (20) steps' training losses; a variant passes when its final
+loss is within --bound (1%) of AdamW's. Prints the losses and relative differences, writes
+benchmarks/results/training_parity.json and docs/img/training_parity.png (the curves). About 3
+minutes on 2 CPU cores. Exits 1 if a variant misses the bound.
+
+    python benchmarks/training_parity.py --steps 20 --dim 64 --out /tmp/parity.json   # a quick smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import train_gpt  # noqa: E402 - the example's corpus, model and loop: one training code path
+from report import machine_meta, plot_loss_curves  # noqa: E402
+
+CONFIG = dict(layers=2, dim=256, seq=128, batch=16, lr=2e-3, steps=300, seed=0)
+"""The parity model and run (also what benchmarks/checkpoint_io.py trains for its stdlib section)."""
+
+VARIANTS = (
+    ("torch.optim.AdamW", "adamw", False),
+    ("CompressedAdamW", "compressed", False),
+    ("CompressedAdamW + compress_activations", "compressed", True),
+)
+
+
+def train_variant(optimizer: str, compress_activations: bool, progress: bool = True, **overrides) -> dict:
+    """One run of examples/train_gpt.py's loop with CONFIG (and overrides); returns train()'s dict."""
+    cfg = {**CONFIG, **overrides}
+    argv = [f"--{k}={v}" for k, v in cfg.items()] + ["--optimizer", optimizer, "--device", "cpu"]
+    args = train_gpt.parser().parse_args(argv + (["--compress-activations"] if compress_activations else []))
+    return train_gpt.train(args, progress=progress)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    for key, value in CONFIG.items():
+        ap.add_argument(f"--{key}", type=type(value), default=value)
+    ap.add_argument("--tail", type=int, default=20, help="final loss = mean of this many last steps")
+    ap.add_argument(
+        "--bound", type=float, default=0.01, help="pass: |final - AdamW final| / AdamW final <= this"
+    )
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "training_parity.json"))
+    ap.add_argument(
+        "--plot",
+        default=None,
+        help="PNG path (default: docs/img/training_parity.png with the default --out, none otherwise)",
+    )
+    args = ap.parse_args(argv)
+    if args.tail < 1 or args.tail > args.steps:
+        ap.error(f"--tail must be between 1 and --steps ({args.steps}); got {args.tail}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = {k: getattr(args, k) for k in CONFIG}
+    meta = machine_meta("cpu") | {"threads": torch.get_num_threads()}
+
+    variants, started = [], time.perf_counter()
+    for name, optimizer, acts in VARIANTS:
+        r = train_variant(optimizer, acts, **cfg)
+        tail = r["losses"][-args.tail :]
+        variants.append(
+            {
+                "name": name,
+                "optimizer": optimizer,
+                "compress_activations": acts,
+                "final_loss": sum(tail) / len(tail),
+                "state_bytes": r["state_bytes"],
+                "activation_bytes_saved": r["activation_bytes_saved"],
+                "activation_bytes_held": r["activation_bytes_held"],
+                "step_ms": r["step_ms"],
+                "losses": r["losses"],
+            }
+        )
+        params = r["params"]
+    ref = variants[0]["final_loss"]
+    for v in variants:
+        v["rel_diff_vs_adamw"] = (v["final_loss"] - ref) / ref
+    report = {
+        "meta": meta,
+        "config": cfg,
+        "params": params,
+        "tail": args.tail,
+        "bound": args.bound,
+        "wall_s": round(time.perf_counter() - started, 1),
+        "variants": variants,
+    }
+
+    print(
+        f"\n{params / 1e6:.2f}M params, {args.steps} steps; final loss = mean of the last {args.tail} steps"
+    )
+    print(f"{'variant':<42}{'final loss':>11}{'vs AdamW':>10}{'pass':>6}{'state B/param':>14}{'step ms':>9}")
+    ok = True
+    for v in variants:
+        passed = abs(v["rel_diff_vs_adamw"]) <= args.bound
+        ok &= passed
+        print(
+            f"{v['name']:<42}{v['final_loss']:>11.4f}{100 * v['rel_diff_vs_adamw']:>+9.2f}%"
+            f"{'yes' if passed else 'NO':>6}{v['state_bytes'] / params:>14.3f}{v['step_ms']:>9.1f}"
+        )
+    act = variants[2]
+    print(
+        "FP8 activations vs FP8 moments alone: "
+        f"{100 * (act['final_loss'] / variants[1]['final_loss'] - 1):+.2f}%; activations held "
+        f"{act['activation_bytes_held'] / 1e6:.1f} MB of {act['activation_bytes_saved'] / 1e6:.1f} MB saved; "
+        f"total {report['wall_s']:.0f} s"
+    )
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    print(f"wrote {out}")
+    default_out = out.resolve() == (ROOT / "benchmarks" / "results" / "training_parity.json").resolve()
+    plot = args.plot or (str(ROOT / "docs" / "img" / "training_parity.png") if default_out else None)
+    if plot:
+        try:
+            plot_loss_curves(report, Path(plot))
+            print(f"wrote {plot}")
+        except ImportError:
+            print("matplotlib is not installed (pip install -e '.[plots]'): no PNG written", file=sys.stderr)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
