@@ -44,7 +44,9 @@ def _run(layer: nn.Module, x: torch.Tensor, gy: torch.Tensor):
 # One FP8 rounding has a relative RMS error of about 2**-m / sqrt(12) * 1.2 for m mantissa bits on
 # Gaussian data: 2.5% for E4M3, 4.9% for E5M2. A GEMM of many independent terms keeps that
 # relative error, so the cosine of the gradients is about 1 - err**2 / 2: E5M2 output gradients
-# cannot reach 0.999 (they give ~0.9985), E4M3 ones do (~0.9994). Both are asserted, at bounds
+# (the default, as torchao's and TransformerEngine's) give ~0.9983 and cannot reach 0.999; E4M3
+# ones give ~0.9993. Yet E4M3 gradients TRAIN worse (benchmarks/fp8_linear_parity.py: their
+# narrower range loses small gradients), so the default stays E5M2. Both are asserted, at bounds
 # a little below what they measure, and printed (`pytest -s`).
 @pytest.mark.parametrize("grad_fmt, bound", [("e4m3", 0.999), ("e5m2", 0.998)])
 @pytest.mark.parametrize("k, n", [(512, 2048), (2048, 512)])
@@ -149,6 +151,26 @@ def test_saves_fp8_input_not_a_high_precision_copy():
     assert any(t is fp8.weight for t in saved)  # the parameter itself, as nn.Linear saves it
     scale = next(t for t in saved if t.dtype == torch.float32 and t is not fp8.weight)
     assert scale.numel() == 1
+
+
+def test_layers_fed_the_same_input_share_one_fp8_copy():
+    torch.manual_seed(7)
+    q, k = (FP8Linear(64, 32) for _ in range(2))
+    x = torch.randn(10, 64, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = q(x) + k(x)
+        x2 = x * 1.0  # a different tensor: quantized on its own
+        y = y + q(x2)
+    codes = [t for t in saved if t.dtype == torch.float8_e4m3fn]
+    assert len(codes) == 3 and codes[0] is codes[1] and codes[2] is not codes[0]
+    y.sum().backward()
+    with torch.no_grad():
+        q(x)  # x's codes are now the last ones quantized
+        x.mul_(2.0)  # an in-place change (version bump) must not reuse them
+        assert torch.equal(k(x), k(x.clone()))
+    with torch.inference_mode():  # no version counter there: no sharing, still runs
+        assert q(torch.randn(4, 64)).shape == (4, 32)
 
 
 def test_compress_activations_never_compresses_the_fp8_codes_again():
