@@ -77,8 +77,15 @@ class _Plan:
         self.even = all(int(m[0]) % group_size == 0 for m in meta)
         self.steps = [s["step"] for s in states]
         self.params = list(params)
+        self._constants: dict | None = None
         self.nonfinite: torch.Tensor | None = None
         """per tensor: how many moment values came out NaN/Inf (counted on the device; the caller's)"""
+
+    def constants(self, fm, fv) -> dict:
+        """The kernel's format constexprs (computed once per plan: they cost host time per step)."""
+        if self._constants is None:
+            self._constants = {**_constants("M", fm), **_constants("V", fv)}
+        return self._constants
 
 
 def _scalars(group: dict, steps: list, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,12 +99,12 @@ def _scalars(group: dict, steps: list, device) -> tuple[torch.Tensor, torch.Tens
     bias_correction1 = 1 - torch.pow(beta1, t)
     bias_correction2 = 1 - torch.pow(beta2, t)
     scalars = torch.stack([lr / bias_correction1, bias_correction2.rsqrt()], 1).float()
-    rest = _to_device(torch.tensor([1 - beta1, beta2, 1 - beta2, group["eps"]], dtype=torch.float32), device)
-    if isinstance(lr, float):
-        decay = _to_device(torch.tensor([1 - lr * group["weight_decay"]], dtype=torch.float32), device)
+    rest = [1 - beta1, beta2, 1 - beta2, group["eps"]]
+    if isinstance(lr, float):  # one host->device copy
+        hyper = _to_device(torch.tensor([1 - lr * group["weight_decay"], *rest], dtype=torch.float32), device)
     else:
         decay = (1 - lr * group["weight_decay"]).reshape(1).float()
-    hyper = torch.cat([decay, rest])
+        hyper = torch.cat([decay, _to_device(torch.tensor(rest, dtype=torch.float32), device)])
     return hyper, scalars
 
 
@@ -325,11 +332,12 @@ def _execute(plan: _Plan, group: dict, grads: list, fm, fv, group_size: int, gra
     compressed = fm is not None
     device = plan.params[0].device
     grads = [
-        g if g.is_contiguous() and g.data_ptr() % 16 == 0 else g.clone(memory_format=torch.contiguous_format)
+        g if g.is_contiguous() and not g.data_ptr() % 16 else g.clone(memory_format=torch.contiguous_format)
         for g in grads
     ]
+    base, size = grads[0].data_ptr(), grads[0].element_size()
     table = plan.table.clone()
-    table[:, G] = torch.tensor([_offset(g, grads[0]) for g in grads], dtype=torch.int64)
+    table[:, G] = torch.tensor([(g.data_ptr() - base) // size for g in grads], dtype=torch.int64)
     table = _to_device(table, device)
 
     torch._foreach_add_(plan.steps, 1.0)
@@ -369,8 +377,7 @@ def _execute(plan: _Plan, group: dict, grads: list, fm, fv, group_size: int, gra
             GROUP=group_size,
             GPP=plan.gpp,
             num_warps=kernel.NUM_WARPS,
-            **_constants("M", fm),
-            **_constants("V", fv),
+            **plan.constants(fm, fv),
         )
     if found_inf is not None:
         torch._foreach_sub_(plan.steps, [found_inf.float()] * len(plan.steps))
