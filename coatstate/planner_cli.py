@@ -9,8 +9,18 @@ import argparse
 import json
 import re
 
-_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20,
-          "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 1e3,
+    "mb": 1e6,
+    "gb": 1e9,
+    "tb": 1e12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 _COUNT_SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
 
 
@@ -62,18 +72,31 @@ def add_plan_parser(sub) -> None:
     j.add_argument("--seq", type=int, help="sequence length (default: the config's maximum, else 2048)")
     j.add_argument("--batch", type=int, default=1, help="micro-batch per GPU (default 1)")
     j.add_argument("--gpus", type=int, default=1, help="GPUs (default 1)")
-    j.add_argument("--sharding", choices=("none", "fsdp2"), default="none",
-                   help="none: every GPU holds everything; fsdp2: params, grads, master weights and "
-                   "optimizer states sharded over --gpus")
-    j.add_argument("--gpu-memory", type=parse_bytes, default=parse_bytes("80GB"),
-                   help="memory per GPU (default 80GB)")
-    j.add_argument("--param-dtype", choices=("bf16", "fp32"), default="bf16",
-                   help="bf16: bf16 params and grads (+ fp32 master weights); fp32: fp32 params and grads "
-                   "with bf16 autocast (default bf16)")
+    j.add_argument(
+        "--sharding",
+        choices=("none", "fsdp2"),
+        default="none",
+        help="none: every GPU holds everything; fsdp2: params, grads, master weights and "
+        "optimizer states sharded over --gpus",
+    )
+    j.add_argument(
+        "--gpu-memory", type=parse_bytes, default=parse_bytes("80GB"), help="memory per GPU (default 80GB)"
+    )
+    j.add_argument(
+        "--param-dtype",
+        choices=("bf16", "fp32"),
+        default="bf16",
+        help="bf16: bf16 params and grads (+ fp32 master weights); fp32: fp32 params and grads "
+        "with bf16 autocast (default bf16)",
+    )
     j.add_argument("--no-master-weights", action="store_true", help="bf16 params without an fp32 copy")
     j.add_argument("--no-autocast", action="store_true", help="with --param-dtype fp32: run in fp32")
-    j.add_argument("--loss-chunks", type=int, default=1,
-                   help="head + loss over this many checkpointed chunks of tokens (built models only)")
+    j.add_argument(
+        "--loss-chunks",
+        type=int,
+        default=1,
+        help="head + loss over this many checkpointed chunks of tokens (built models only)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
     p.set_defaults(run=cmd_plan)
 
@@ -87,8 +110,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
             "numbers --layers and --hidden (with --params or --vocab)"
         )
     spec = planner.resolve_model(
-        args.model, arch=args.arch, params=args.params, layers=args.layers, hidden=args.hidden,
-        heads=args.heads, kv_heads=args.kv_heads, ffn=args.ffn, vocab=args.vocab,
+        args.model,
+        arch=args.arch,
+        params=args.params,
+        layers=args.layers,
+        hidden=args.hidden,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        ffn=args.ffn,
+        vocab=args.vocab,
+        max_seq=args.seq or 2048,  # a model built from numbers takes any length
         loss_chunks=args.loss_chunks,
     )
     result = planner.plan(

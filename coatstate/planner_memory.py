@@ -1,0 +1,228 @@
+"""Bytes per GPU of a planned job: states from the library's own size rules, the plan's table.
+
+Per GPU, for one variant, micro-batch B and N GPUs:
+  params, grads   numel of rank 0's shard x bytes of the param dtype (FSDP2 splits dim 0 in
+                  chunks of ceil(rows / N); rank 0 holds the largest)
+  master          4 bytes per shard element with bf16 params (off with master_weights=False)
+  optimizer       torch AdamW: fp32 m and v; CompressedAdamW: its moment_formats on the GLOBAL
+                  shape and formats.group.storage_bytes of the shard
+  activations     saved for backward (ActivationStats' accounting), from the trace
+  transient       the rest of the step's peak: autocast weight copies, logits and loss, gradients
+                  of activations, unpacked activations in backward (from the trace), and with
+                  FSDP2 the unsharded parameters of the root module plus three layers' worth of
+                  unsharded parameters/gradients (current + prefetched layer, reduce-scatter input)
+  peak            the sum
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+
+from coatstate.formats.group import storage_bytes
+from coatstate.optim import FORMAT_DEFAULTS, moment_formats
+from coatstate.planner_trace import ActivationModel
+
+GB = 1e9
+PARAM_BYTES = {"bf16": 2, "fp32": 4}
+COLUMNS = ("params", "grads", "master", "optimizer", "activations", "transient")
+
+
+def local_shape(shape: tuple[int, ...], shards: int) -> tuple[int, ...]:
+    """Rank 0's FSDP2 shard of a parameter (the largest: dim 0 in chunks of ceil(rows / shards))."""
+    if shards <= 1 or not shape:
+        return tuple(shape)
+    return (math.ceil(shape[0] / shards), *shape[1:])
+
+
+def optimizer_bytes(
+    shapes: list[tuple[int, ...]], optimizer: str, shards: int = 1, options: dict[str, Any] | None = None
+) -> int:
+    """Optimizer state bytes on rank 0: torch AdamW (fp32 m and v) or CompressedAdamW.
+
+    CompressedAdamW's own moment_formats decides from each GLOBAL shape what is compressed; a
+    compressed moment takes formats.group.storage_bytes of the local shard. Step counters (4
+    bytes per tensor) are left out, as CompressedAdamW.state_bytes() leaves them out.
+    """
+    if optimizer == "adamw":
+        return sum(8 * math.prod(local_shape(s, shards)) for s in shapes)
+    if optimizer != "compressed":
+        raise ValueError(f"optimizer must be 'adamw' or 'compressed'; got {optimizer!r}")
+    group = {**FORMAT_DEFAULTS, **(options or {})}
+    total = 0
+    for s in shapes:
+        local = local_shape(s, shards)
+        formats = moment_formats(group, torch.Size(s))
+        for name in ("exp_avg", "exp_avg_sq"):
+            fmt = formats[name]
+            if fmt is None:
+                total += 4 * math.prod(local)
+            else:
+                total += storage_bytes(local, group_size=fmt.group_size, expand=fmt.expand)
+    return total
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One way to train the model."""
+
+    name: str
+    optimizer: str
+    """'adamw' (torch, fp32 moments) or 'compressed' (CompressedAdamW)."""
+    activations: str
+    """Trace kind: 'none', 'compressed' (compress_activations) or 'fp8' (+ FP8 linear layers)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    variant: Variant
+    bytes: dict[str, int]
+    """COLUMNS -> bytes per GPU at the plan's micro-batch and GPU count, plus 'peak'."""
+    fits: bool
+    min_gpus: int | None
+    """Fewest GPUs whose memory holds the job at the plan's micro-batch (FSDP2 when > 1)."""
+    max_batch: int
+    """Largest micro-batch that fits at the plan's GPU count and sharding (0: none)."""
+
+
+@dataclasses.dataclass
+class Plan:
+    """What `coatstate plan` prints. Built by coatstate.planner.plan."""
+
+    model: str
+    params: int
+    layers: int
+    setup: dict[str, Any]
+    shapes: list[tuple[int, ...]]
+    layer_numel: int
+    """Parameters of the largest repeated layer (an FSDP2 unit)."""
+    root_numel: int
+    """Parameters outside the repeated layers (embeddings, final norm, head)."""
+    variants: list[Variant]
+    activations: dict[str, ActivationModel]
+    optimizer_options: dict[str, Any]
+    notes: list[str]
+    rows: list[Row] = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        s = self.setup
+        self.rows = []
+        for v in self.variants:
+            b = self.breakdown(v, s["batch"], s["gpus"], s["sharding"])
+            self.rows.append(Row(v, b, b["peak"] <= s["gpu_memory"], self.min_gpus(v), self.max_batch(v)))
+
+    def breakdown(self, v: Variant, batch: int, gpus: int, sharding: str) -> dict[str, int]:
+        """Bytes per GPU (rank 0) for variant v: COLUMNS and 'peak'."""
+        s = self.setup
+        n = gpus if sharding == "fsdp2" else 1
+        pb = PARAM_BYTES[s["param_dtype"]]
+        local = sum(math.prod(local_shape(x, n)) for x in self.shapes)
+        act = self.activations[v.activations]
+        saved, peak_act = act.saved(batch, s["seq"]), act.peak(batch, s["seq"])
+        fsdp = 0
+        if n > 1:  # unsharded root params stay for the step; a layer is gathered, prefetched, reduced
+            fsdp = self.root_numel * pb - math.ceil(self.root_numel / n) * pb + 3 * self.layer_numel * pb
+        out = {
+            "params": local * pb,
+            "grads": local * pb,
+            "master": local * 4 if s["master_weights"] and s["param_dtype"] != "fp32" else 0,
+            "optimizer": optimizer_bytes(self.shapes, v.optimizer, n, self.optimizer_options),
+            "activations": saved,
+            "transient": peak_act - saved + fsdp,
+        }
+        out["peak"] = sum(out.values())
+        return out
+
+    def _fits(self, v: Variant, batch: int, gpus: int, sharding: str) -> bool:
+        return self.breakdown(v, batch, gpus, sharding)["peak"] <= self.setup["gpu_memory"]
+
+    def min_gpus(self, v: Variant, limit: int = 4096) -> int | None:
+        batch = self.setup["batch"]
+        fits = lambda n: self._fits(v, batch, n, "fsdp2" if n > 1 else "none")  # noqa: E731
+        if fits(1):
+            return 1
+        hi = 2
+        while not fits(hi):
+            if hi >= limit:
+                return None
+            hi *= 2
+        lo = hi // 2  # lo does not fit, hi does: the per-GPU peak falls as GPUs are added
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+        return hi
+
+    def max_batch(self, v: Variant, limit: int = 1 << 20) -> int:
+        s = self.setup
+        fits = lambda b: self._fits(v, b, s["gpus"], s["sharding"])  # noqa: E731
+        if not fits(1):
+            return 0
+        lo, hi = 1, 2
+        while fits(hi):
+            if hi >= limit:
+                return hi
+            lo, hi = hi, hi * 2
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo
+
+    # ---- output ----------------------------------------------------------------------------
+    def describe(self) -> str:
+        s = self.setup
+        prec = (
+            "bf16 params and grads" + (" + fp32 master weights" if s["master_weights"] else "")
+            if s["param_dtype"] == "bf16"
+            else "fp32 params and grads" + (" + bf16 autocast" if s["autocast"] else "")
+        )
+        shard = "FSDP2" if s["sharding"] == "fsdp2" and s["gpus"] > 1 else "no sharding"
+        return (
+            f"{self.model}: {self.params / 1e6:,.1f}M params, {self.layers} layers; seq {s['seq']}, "
+            f"micro-batch {s['batch']}, {s['gpus']} GPU(s), {shard}, {s['gpu_memory'] / GB:.1f} GB per "
+            f"GPU; {prec}"
+        )
+
+    def table(self) -> str:
+        head = f"{'GB per GPU':<52}" + "".join(f"{c[:11]:>12}" for c in (*COLUMNS, "peak"))
+        head += f"{'fits':>6}{'min GPUs':>10}{'max batch':>11}"
+        lines = [self.describe(), "", head]
+        for r in self.rows:
+            cells = "".join(f"{r.bytes[c] / GB:12.2f}" for c in (*COLUMNS, "peak"))
+            gpus = "-" if r.min_gpus is None else str(r.min_gpus)
+            lines.append(
+                f"{r.variant.name:<52}{cells}{'yes' if r.fits else 'no':>6}{gpus:>10}{r.max_batch:>11}"
+            )
+        points = next(iter(self.activations.values())).trace_points
+        lines += [
+            "",
+            "min GPUs: fewest GPUs that hold the job at this micro-batch (FSDP2 when more than one);",
+            f"max batch: largest micro-batch on {self.setup['gpus']} GPU(s). Activations from a CPU trace "
+            f"at (batch, seq) = {', '.join(map(str, points))}, scaled (docs/planner.md).",
+        ]
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "params": self.params,
+            "layers": self.layers,
+            "setup": self.setup,
+            "rows": [
+                {
+                    "variant": r.variant.name,
+                    "optimizer": r.variant.optimizer,
+                    "activations": r.variant.activations,
+                    "bytes": r.bytes,
+                    "fits": r.fits,
+                    "min_gpus": r.min_gpus,
+                    "max_micro_batch": r.max_batch,
+                }
+                for r in self.rows
+            ],
+            "trace_points": [list(p) for p in next(iter(self.activations.values())).trace_points],
+            "notes": self.notes,
+        }

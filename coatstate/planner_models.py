@@ -1,0 +1,248 @@
+"""Models the planner builds itself from config keys or plain numbers (no transformers needed).
+
+Two block layouts cover the configs people plan with: GPT-2 (learned positions, LayerNorm, GELU
+MLP, fused qkv, tied head) and Llama (RMSNorm, SwiGLU, rotary embeddings, grouped-query
+attention, untied head; also Mistral/Qwen2-style configs with the same keys). Attention runs
+through F.scaled_dot_product_attention (flash/memory-efficient: no seq x seq tensor is saved),
+as any training run that cares about memory does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """What the planner's own models need to know."""
+
+    arch: str
+    """'gpt' or 'llama'."""
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    """MLP width."""
+    vocab: int
+    max_seq: int
+    """Positions (GPT-2's learned table; rotary tables for Llama)."""
+    tied: bool
+    """Head shares the embedding matrix."""
+    loss_chunks: int = 1
+    """Head + loss over this many checkpointed chunks of tokens (1: full logits)."""
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "max_seq", "loss_chunks"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive int; got {getattr(self, name)!r}")
+        if self.arch not in ("gpt", "llama"):
+            raise ValueError(f"arch must be 'gpt' or 'llama'; got {self.arch!r}")
+        if self.hidden % self.heads or self.heads % self.kv_heads:
+            raise ValueError(
+                f"hidden={self.hidden} must divide by heads={self.heads}, and heads by "
+                f"kv_heads={self.kv_heads}"
+            )
+
+    def layer_params(self) -> int:
+        d, f, kv = self.hidden, self.ffn, self.hidden // self.heads * self.kv_heads
+        if self.arch == "gpt":
+            return 3 * d * d + 3 * d + d * d + d + 2 * d * f + f + d + 4 * d
+        return d * d + 2 * d * kv + d * d + 3 * d * f + 2 * d
+
+    def total_params(self) -> int:
+        d = self.hidden
+        embed = self.vocab * d * (1 if self.tied else 2)
+        extra = self.max_seq * d + 2 * d if self.arch == "gpt" else d
+        return embed + extra + self.layers * self.layer_params()
+
+
+def default_ffn(arch: str, hidden: int) -> int:
+    """GPT-2: 4x. Llama: 2/3 of 4x, rounded up to a multiple of 256 (7B: 4096 -> 11008)."""
+    return 4 * hidden if arch == "gpt" else 256 * math.ceil(8 * hidden / 3 / 256)
+
+
+def shape_from_numbers(
+    *,
+    arch: str,
+    layers: int,
+    hidden: int,
+    params: int | None = None,
+    heads: int | None = None,
+    kv_heads: int | None = None,
+    ffn: int | None = None,
+    vocab: int | None = None,
+    max_seq: int = 2048,
+    loss_chunks: int = 1,
+) -> Shape:
+    """A Shape from plain numbers; with `params` and no `vocab`, the vocabulary absorbs the rest."""
+    heads = heads or max(1, hidden // 128)
+    ffn = ffn or default_ffn(arch, hidden)
+    tied = arch == "gpt"
+    base = dict(
+        arch=arch,
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        kv_heads=kv_heads or heads,
+        ffn=ffn,
+        max_seq=max_seq,
+        tied=tied,
+        loss_chunks=loss_chunks,
+    )
+    if vocab is None:
+        if params is None:
+            vocab = 32000
+        else:
+            rest = params - Shape(vocab=1, **base).total_params() + hidden * (1 if tied else 2)
+            vocab = rest // (hidden * (1 if tied else 2))
+            if vocab < 1:
+                raise ValueError(
+                    f"--params {params:,} is fewer than {layers} {arch} layers of width {hidden} already "
+                    "hold: raise --params or lower --layers/--hidden"
+                )
+    return Shape(vocab=vocab, **base)
+
+
+def shape_from_config(cfg: dict[str, Any], *, loss_chunks: int = 1) -> Shape:
+    """A Shape from a transformers-style config dict (GPT-2 or Llama keys)."""
+    get = lambda *keys, default=None: next((cfg[k] for k in keys if cfg.get(k) is not None), default)  # noqa: E731
+    if "n_embd" in cfg or cfg.get("model_type") == "gpt2":
+        d = get("n_embd", "hidden_size")
+        missing = [
+            k for k, v in (("n_embd", d), ("n_layer", get("n_layer")), ("n_head", get("n_head"))) if v is None
+        ]
+        if missing:
+            raise ValueError(f"GPT-2 config lacks {missing}")
+        return Shape(
+            "gpt",
+            get("n_layer"),
+            d,
+            get("n_head"),
+            get("n_head"),
+            get("n_inner", default=4 * d),
+            get("vocab_size", default=50257),
+            get("n_positions", "n_ctx", default=1024),
+            True,
+            loss_chunks,
+        )
+    need = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+    missing = [k for k in need if cfg.get(k) is None]
+    if missing:
+        raise ValueError(
+            f"config has neither GPT-2 keys (n_embd, n_layer, n_head) nor Llama keys: missing {missing}; "
+            "pass module:factory for other architectures"
+        )
+    heads = cfg["num_attention_heads"]
+    return Shape(
+        "llama",
+        cfg["num_hidden_layers"],
+        cfg["hidden_size"],
+        heads,
+        get("num_key_value_heads", default=heads),
+        cfg["intermediate_size"],
+        cfg["vocab_size"],
+        get("max_position_embeddings", default=2048),
+        bool(cfg.get("tie_word_embeddings", False)),
+        loss_chunks,
+    )
+
+
+def _loss(head: nn.Module, h: torch.Tensor, targets: torch.Tensor, chunks: int) -> torch.Tensor:
+    h, targets = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
+    if chunks <= 1:
+        return F.cross_entropy(head(h).float(), targets)
+    piece = lambda hc, tc: F.cross_entropy(head(hc).float(), tc, reduction="sum")  # noqa: E731
+    total = sum(
+        checkpoint(piece, hc, tc, use_reentrant=False)
+        for hc, tc in zip(h.chunk(chunks), targets.chunk(chunks), strict=False)
+    )
+    return total / targets.numel()
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, 1e-6)
+
+
+class _Attention(nn.Module):
+    def __init__(self, s: Shape) -> None:
+        super().__init__()
+        self.s = s
+        hd = s.hidden // s.heads
+        bias = s.arch == "gpt"
+        self.qkv = nn.Linear(s.hidden, (s.heads + 2 * s.kv_heads) * hd, bias=bias)
+        self.proj = nn.Linear(s.hidden, s.hidden, bias=bias)
+        if s.arch == "llama":
+            inv = 1.0 / (10000.0 ** (torch.arange(0, hd, 2).float() / hd))
+            ang = torch.outer(torch.arange(s.max_seq).float(), inv)
+            self.register_buffer("cos", torch.cat((ang, ang), -1).cos(), persistent=False)
+            self.register_buffer("sin", torch.cat((ang, ang), -1).sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, d = x.shape
+        s, hd = self.s, d // self.s.heads
+        q, k, v = self.qkv(x).split((s.heads * hd, s.kv_heads * hd, s.kv_heads * hd), dim=2)
+        q, k, v = (t.view(b, n, -1, hd).transpose(1, 2) for t in (q, k, v))
+        if s.arch == "llama":
+            cos, sin = self.cos[:n].to(q.dtype), self.sin[:n].to(q.dtype)
+            rot = lambda t: torch.cat((-t[..., hd // 2 :], t[..., : hd // 2]), -1)  # noqa: E731
+            q, k = q * cos + rot(q) * sin, k * cos + rot(k) * sin
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=s.kv_heads != s.heads)
+        return self.proj(y.transpose(1, 2).reshape(b, n, d))
+
+
+class _Block(nn.Module):
+    def __init__(self, s: Shape) -> None:
+        super().__init__()
+        gpt = s.arch == "gpt"
+        self.norm1 = nn.LayerNorm(s.hidden) if gpt else _RMSNorm(s.hidden)
+        self.attn = _Attention(s)
+        self.norm2 = nn.LayerNorm(s.hidden) if gpt else _RMSNorm(s.hidden)
+        self.up = nn.Linear(s.hidden, s.ffn if gpt else 2 * s.ffn, bias=gpt)
+        self.down = nn.Linear(s.ffn, s.hidden, bias=gpt)
+        self.gpt = gpt
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        h = self.up(self.norm2(x))
+        if self.gpt:
+            h = F.gelu(h, approximate="tanh")
+        else:
+            gate, lin = h.chunk(2, dim=-1)
+            h = F.silu(gate) * lin
+        return x + self.down(h)
+
+
+class PlannerLM(nn.Module):
+    """A GPT-2 or Llama shaped language model: forward(idx, targets) -> mean cross-entropy."""
+
+    def __init__(self, s: Shape) -> None:
+        super().__init__()
+        self.shape = s
+        self.embed = nn.Embedding(s.vocab, s.hidden)
+        self.pos = nn.Embedding(s.max_seq, s.hidden) if s.arch == "gpt" else None
+        self.layers = nn.ModuleList(_Block(s) for _ in range(s.layers))
+        self.norm = nn.LayerNorm(s.hidden) if s.arch == "gpt" else _RMSNorm(s.hidden)
+        self.head = nn.Linear(s.hidden, s.vocab, bias=False)
+        if s.tied:
+            self.head.weight = self.embed.weight
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        if self.pos is not None:
+            x = x + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for layer in self.layers:
+            x = layer(x)
+        return _loss(self.head, self.norm(x), targets, self.shape.loss_chunks)

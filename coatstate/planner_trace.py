@@ -1,0 +1,266 @@
+"""Activation memory of a real model, measured on CPU and scaled to the planned job.
+
+A trace runs forward + backward of the model cut down to a few of its repeated layers (the rest
+of the model kept whole) at a few small token counts, on CPU, in the job's dtype, under
+compress_activations. Two things are measured per run:
+
+- saved activation bytes, from compress_activations' own ActivationStats (what it would hold
+  uncompressed, and what it holds), attributed to each layer by snapshots at layer boundaries;
+- live memory: every storage an op creates during the step is counted until it is freed (a
+  TorchDispatchMode plus weak references), which gives the bytes alive at the end of forward
+  per layer and outside the layers, and the extra bytes alive at the step's peak (autocast's
+  weight copies, the loss's logits, gradients of activations, unpacked activations in backward).
+
+Each quantity q is fitted as q = a + b*B*S from runs at (B, S) = (b, s) and (2b, s), and
+per-layer quantities are multiplied by the model's layer count. The fit assumes activations
+grow with the token count B*S: true for flash/memory-efficient attention (what
+F.scaled_dot_product_attention uses); a model with eager softmax(QK^T) attention (a seq x seq
+tensor per head) is under-predicted at sequence lengths above the trace's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from coatstate.activation_policy import ActivationPolicy, Granularity
+from coatstate.activations import compress_activations
+
+KEEP_ALL = {
+    name: Granularity.KEEP
+    for name in ("linear", "norm", "activation", "attention", "attention_v_out", "loss", "other")
+}
+"""A policy that compresses nothing: the uncompressed run, counted by the same ActivationStats."""
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of storages created inside the mode and still alive; `peak` is the maximum seen."""
+
+    def __init__(self, ignore: set[int]) -> None:
+        super().__init__()
+        self.ignore = ignore  # storages that existed before (params, grads, inputs)
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.current = 0
+        self.peak = 0
+
+    def sweep(self) -> int:
+        """Drop freed storages; returns the bytes alive now."""
+        dead = [k for k, (ref, _) in self.live.items() if ref.expired()]
+        for k in dead:
+            self.current -= self.live.pop(k)[1]
+        return self.current
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.sweep()
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                st = t.untyped_storage()
+                key = st.data_ptr()
+                if key in self.ignore or key in self.live or st.nbytes() == 0:
+                    continue
+                self.live[key] = (StorageWeakRef(st), st.nbytes())
+                self.current += st.nbytes()
+        self.peak = max(self.peak, self.current)
+        return out
+
+
+def find_layers(model: nn.Module) -> tuple[nn.Module, str, nn.ModuleList]:
+    """(parent, attribute, list) of the ModuleList of same-class blocks holding the most parameters."""
+    best, best_params = None, -1
+    for parent in model.modules():
+        for attr, child in parent.named_children():
+            if isinstance(child, nn.ModuleList) and len(child) >= 1 and len({type(m) for m in child}) == 1:
+                n = sum(p.numel() for p in child.parameters())
+                if n > best_params:
+                    best, best_params = (parent, attr, child), n
+    if best is None:
+        raise ValueError(
+            "the model has no nn.ModuleList of repeated blocks (transformer layers): the planner "
+            "traces a few of them and scales by the layer count; keep the blocks in an nn.ModuleList"
+        )
+    return best
+
+
+def materialize(model: nn.Module) -> nn.Module:
+    """A meta-device model on CPU with finite placeholder values (values do not change bytes)."""
+    model = model.to_empty(device="cpu")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0.0, 0.02) if p.dim() >= 2 else p.fill_(1.0 if name.endswith("weight") else 0.0)
+        for b in model.buffers():
+            if b.is_floating_point():
+                b.uniform_(-1.0, 1.0)
+            else:
+                b.zero_()
+    return model
+
+
+def call_loss(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
+    """forward(idx, targets) -> loss, or forward(idx) -> logits (then mean cross-entropy)."""
+    positional = [
+        p
+        for p in inspect.signature(model.forward).parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    out = model(idx, idx) if len(positional) >= 2 else model(idx)
+    for attr in ("loss", "logits"):  # a transformers-style output object
+        if isinstance(getattr(out, attr, None), torch.Tensor):
+            out = getattr(out, attr)
+            break
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"the model returned {type(out).__name__}; it must return a loss or logits tensor")
+    if out.dim() == 0:
+        return out
+    return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]).float(), idx.reshape(-1))
+
+
+@dataclasses.dataclass(frozen=True)
+class RunBytes:
+    """One trace run: per-layer bytes (the last traced layer) and the rest."""
+
+    saved_layer: float
+    saved_rest: float
+    live_layer: float
+    live_rest: float
+    transient: float
+    """Bytes alive at the step's peak beyond those alive at the end of forward."""
+
+
+def _run(model, layers: nn.ModuleList, idx, *, compress: bool, autocast: bool, vocab: int) -> RunBytes:
+    for p in model.parameters():  # allocated beforehand, as with zero_grad(set_to_none=False)
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    static = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers(), idx)}
+    static |= {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
+    ctx = compress_activations() if compress else compress_activations(**KEEP_ALL)
+    tracker = LiveBytes(static)
+    marks: list[tuple[int, int]] = []  # (saved, live) at each layer boundary
+    mark = lambda *_: marks.append((ctx.stats.activation_bytes_held, tracker.sweep()))  # noqa: E731
+    hooks = [h for m in layers for h in (m.register_forward_pre_hook(mark), m.register_forward_hook(mark))]
+    try:
+        with tracker:
+            with ctx, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = call_loss(model, idx % vocab)
+            saved_end, live_end = ctx.stats.activation_bytes_held, tracker.sweep()
+            forward_marks = list(marks)  # backward may re-run layers (activation checkpointing)
+            loss.backward()
+            del loss
+    finally:
+        for h in hooks:
+            h.remove()
+    (s0, l0), (s1, l1) = forward_marks[-2], forward_marks[-1]
+    n = len(layers)
+    return RunBytes(
+        s1 - s0, saved_end - n * (s1 - s0), l1 - l0, live_end - n * (l1 - l0), max(0, tracker.peak - live_end)
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenFit:
+    """q(B, S) = a + b*B*S."""
+
+    a: float
+    b: float
+
+    def __call__(self, batch: int, seq: int) -> float:
+        return max(0.0, self.a + self.b * batch * seq)
+
+    @classmethod
+    def fit(cls, q1: float, q2: float, tokens1: int, tokens2: int) -> TokenFit:
+        b = (q2 - q1) / (tokens2 - tokens1)
+        return cls(q1 - b * tokens1, b)
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationModel:
+    """Fitted activation bytes of one variant (compressed or not) for the full model."""
+
+    layers: int
+    saved_layer: TokenFit
+    saved_rest: TokenFit
+    live_layer: TokenFit
+    live_rest: TokenFit
+    transient: TokenFit
+    trace_points: tuple[tuple[int, int], ...]
+
+    def saved(self, batch: int, seq: int) -> int:
+        """Activation bytes held for backward (ActivationStats' accounting)."""
+        return round(self.layers * self.saved_layer(batch, seq) + self.saved_rest(batch, seq))
+
+    def peak(self, batch: int, seq: int) -> int:
+        """Bytes beyond params, grads and optimizer states at the step's peak."""
+        live = self.layers * self.live_layer(batch, seq) + self.live_rest(batch, seq)
+        return round(live + self.transient(batch, seq))
+
+
+def trace_shape(seq: int, hidden: int, min_numel: int) -> tuple[int, int]:
+    """(batch, seq) of the trace's first run (the second doubles the batch): a (batch, seq,
+    hidden) activation must reach compress_activations' min_numel, so the trace compresses what
+    the job would (smaller tensors are kept); seq is at most the job's."""
+    s = min(seq, 16 * math.ceil(max(64, math.ceil(min_numel / hidden)) / 16))
+    return max(1, math.ceil(min_numel / (s * hidden))), s
+
+
+def trace(
+    build: Callable[[int], nn.Module],
+    *,
+    layers: int,
+    seq: int,
+    hidden: int,
+    vocab: int,
+    autocast: bool,
+    dtype: torch.dtype,
+    trace_layers: int = 2,
+    kinds: Iterable[str] = ("none", "compressed"),
+    fp8_convert: Callable[[nn.Module], nn.Module] | None = None,
+) -> dict[str, ActivationModel]:
+    """Fitted activation models per kind for the full `layers`.
+
+    Kinds: 'none' (nothing compressed), 'compressed' (compress_activations' default policy),
+    'fp8' (the same, with nn.Linear layers swapped by `fp8_convert`). build(k) returns the model
+    with k repeated layers on CPU, or on the meta device (then materialized with placeholders).
+    """
+    k = max(1, min(trace_layers, layers))
+    b, s = trace_shape(seq, hidden, ActivationPolicy().min_numel)
+    points = ((b, s), (2 * b, s))
+    out, model = {}, None
+    for kind in sorted(set(kinds), key=("none", "compressed", "fp8").index):
+        if model is None or kind == "fp8":
+            model = _prepare(build, k, dtype)
+        if kind == "fp8":
+            if fp8_convert is None:
+                raise ValueError("the 'fp8' trace needs fp8_convert (coatstate.nn.FP8Linear)")
+            model = fp8_convert(model)
+        _, _, blocks = find_layers(model)
+        runs = []
+        for batch, n in points:
+            torch.manual_seed(0)
+            idx = torch.randint(0, vocab, (batch, n))
+            runs.append(_run(model, blocks, idx, compress=kind != "none", autocast=autocast, vocab=vocab))
+        fits = {
+            f.name: TokenFit.fit(*(getattr(r, f.name) for r in runs), b * s, 2 * b * s)
+            for f in dataclasses.fields(RunBytes)
+        }
+        out[kind] = ActivationModel(layers, trace_points=points, **fits)
+        model.zero_grad(set_to_none=True)
+    return out
+
+
+def _prepare(build: Callable[[int], nn.Module], k: int, dtype: torch.dtype) -> nn.Module:
+    model = build(k)
+    if any(p.is_meta for p in model.parameters()):
+        model = materialize(model)
+    model = model.to(dtype)
+    _, _, blocks = find_layers(model)
+    if len(blocks) != k:
+        raise ValueError(f"build({k}) returned a model with {len(blocks)} repeated layers; expected {k}")
+    return model

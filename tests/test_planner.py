@@ -1,0 +1,200 @@
+"""coatstate plan: predictions against what the library really holds, inputs, searches, errors."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from coatstate import CompressedAdamW, compress_activations
+from coatstate.cli import main
+from coatstate.planner import Variant, plan, resolve_model
+from coatstate.planner_memory import optimizer_bytes
+from coatstate.planner_trace import KEEP_ALL
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from models import GPT, ModelConfig  # noqa: E402
+
+VARIANTS = [Variant("adamw", "adamw", "none"), Variant("compressed", "compressed", "compressed")]
+
+
+def _real_state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()  # states are allocated at the first step; their size does not depend on values
+    if isinstance(opt, CompressedAdamW):
+        return opt.state_bytes()
+    return sum(t.numel() * t.element_size() for s in opt.state.values() for k, t in s.items() if k != "step")
+
+
+def _saved_bytes(model: nn.Module, batch: int, seq: int, vocab: int, compress: bool) -> int:
+    """Bytes compress_activations holds for backward after one forward (ActivationStats)."""
+    idx = torch.randint(0, vocab, (batch, seq))
+    ctx = compress_activations() if compress else compress_activations(**KEEP_ALL)
+    with ctx, torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(idx, idx)
+    del loss
+    return ctx.stats.activation_bytes_held
+
+
+def test_gpt2_medium_shape_predictions_within_5_percent():
+    """GPT-2-medium blocks (d=1024, 16 heads) with 3 of its 24 layers and a vocabulary of 8192
+    instead of 50304, to keep CI time down (CompressedAdamW's CPU step on the 51M-element
+    embedding alone takes seconds); the full model: `benchmarks/plan_check.py --device cpu`.
+    The plan traces 2 layers at batch 1 and 2 x seq 64; the real model runs 3 layers at batch
+    2 x seq 128: a real step's ActivationStats and CompressedAdamW.state_bytes()."""
+    cfg = ModelConfig(vocab=8192, layers=3, seq=128)
+    p = plan(lambda: GPT(cfg), seq=128, batch=2, param_dtype="fp32", variants=VARIANTS)
+    assert p.activations["none"].trace_points == ((1, 64), (2, 64))
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    for row in p.rows:
+        compress = row.variant.activations == "compressed"
+        saved = _saved_bytes(model, 2, 128, cfg.vocab, compress)
+        pred = row.bytes["activations"]
+        assert abs(pred / saved - 1) <= 0.05, (
+            f"{row.variant.name}: activations predicted {pred:,} vs {saved:,}"
+        )
+        if row.variant.optimizer == "compressed":
+            opt = CompressedAdamW(model.parameters())
+        else:
+            opt = torch.optim.AdamW(model.parameters())
+        real, pred = _real_state_bytes(model, opt), row.bytes["optimizer"]
+        assert abs(pred / real - 1) <= 0.05, f"{row.variant.name}: optimizer predicted {pred:,} vs {real:,}"
+    assert p.rows[1].bytes["activations"] < 0.8 * p.rows[0].bytes["activations"]  # compression was traced
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"group_size": 64, "exp_avg_expand": False}, {"compress_1d": True, "min_numel": 100}],
+)
+def test_optimizer_bytes_equal_compressed_adamw_state(options):
+    """Odd shapes: rows not a multiple of anything, a last group shorter than the group, 1-D,
+    below min_numel, a 3-D conv weight."""
+    model = nn.ModuleDict(
+        {
+            "a": nn.Linear(300, 129),
+            "b": nn.Linear(7, 1000, bias=False),
+            "c": nn.Linear(16, 16),
+            "d": nn.Conv1d(5, 33, 3),
+            "e": nn.LayerNorm(5000),
+        }
+    )
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    real = _real_state_bytes(model, CompressedAdamW(model.parameters(), **options))
+    assert optimizer_bytes(shapes, "compressed", options=options) == real
+    assert optimizer_bytes(shapes, "adamw") == _real_state_bytes(model, torch.optim.AdamW(model.parameters()))
+
+
+def test_fsdp2_shards_states_and_keeps_precision_decisions():
+    shapes = [(1000, 512), (3000,), (7, 100)]
+    one = optimizer_bytes(shapes, "compressed")
+    four = optimizer_bytes(shapes, "compressed", shards=4)
+    # rank 0 holds ceil(1000/4)=250 rows of the big matrix, ceil(3000/4) of the 1-D (fp32 either way)
+    big = 250 * 512 + 250 * 4 * 5
+    assert four == 2 * big + 2 * 4 * 750 + 2 * 4 * 2 * 100
+    assert one == 2 * (1000 * 512 + 1000 * 4 * 5) + 2 * 4 * 3000 + 2 * 4 * 700
+
+
+def _gpt2_json(tmp_path: Path) -> Path:
+    cfg = {
+        "model_type": "gpt2",
+        "n_embd": 64,
+        "n_layer": 3,
+        "n_head": 4,
+        "vocab_size": 1000,
+        "n_positions": 256,
+    }
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def test_cli_json_config_without_transformers(tmp_path, capsys):
+    path = _gpt2_json(tmp_path)
+    assert main(["plan", str(path), "--seq", "128", "--batch", "4", "--gpu-memory", "1GB", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    d = 64
+    per_layer = 12 * d * d + 13 * d
+    assert out["params"] == 1000 * d + 256 * d + 2 * d + 3 * per_layer
+    names = [r["variant"] for r in out["rows"]]
+    assert names[:3] == ["torch AdamW + BF16", "CompressedAdamW", "CompressedAdamW + compress_activations"]
+    for r in out["rows"]:
+        b = r["bytes"]
+        assert b["peak"] == sum(v for k, v in b.items() if k != "peak")
+        assert b["params"] == b["grads"] == 2 * out["params"] and b["master"] == 4 * out["params"]
+    bf16, comp, both = out["rows"][:3]
+    assert bf16["bytes"]["optimizer"] == 8 * out["params"]
+    assert comp["bytes"]["optimizer"] < bf16["bytes"]["optimizer"] / 2
+    assert both["bytes"]["activations"] < comp["bytes"]["activations"]
+    assert both["max_micro_batch"] >= comp["max_micro_batch"] >= bf16["max_micro_batch"] >= 1
+
+
+def test_table_numbers_and_searches_are_consistent():
+    spec = resolve_model(None, arch="llama", layers=2, hidden=256, heads=4, vocab=2048, max_seq=256)
+    p = plan(spec, seq=256, batch=2, gpus=4, sharding="fsdp2", gpu_memory="40MB", variants=VARIANTS)
+    text = p.table()
+    assert "compressed" in text and "FSDP2" in text
+    for r in p.rows:
+        v, mem = r.variant, p.setup["gpu_memory"]
+        if r.max_batch:
+            assert p.breakdown(v, r.max_batch, 4, "fsdp2")["peak"] <= mem
+        assert p.breakdown(v, r.max_batch + 1, 4, "fsdp2")["peak"] > mem
+        if r.min_gpus is not None:
+            assert p.breakdown(v, 2, r.min_gpus, "fsdp2" if r.min_gpus > 1 else "none")["peak"] <= mem
+            if r.min_gpus > 1:
+                n = r.min_gpus - 1
+                assert p.breakdown(v, 2, n, "fsdp2" if n > 1 else "none")["peak"] > mem
+        # sharding over 4 GPUs shrinks every state to about a quarter
+        one = p.breakdown(v, 2, 1, "none")
+        assert math.isclose(r.bytes["params"], one["params"] / 4, rel_tol=0.02)
+        assert r.bytes["activations"] == one["activations"]
+
+
+def test_plain_numbers_size_the_vocabulary():
+    spec = resolve_model(
+        None, arch="llama", params=6_738_415_616, layers=32, hidden=4096, heads=32, ffn=11008
+    )
+    assert spec.vocab == 32000  # Llama-2-7B: 6.74B parameters, vocabulary 32000
+
+
+def test_factory_input_and_fp8_variant_follows_coatstate_nn(monkeypatch, capsys):
+    import coatstate.planner as planner
+
+    monkeypatch.setattr(planner, "fp8_linear_converter", lambda: (None, "coatstate.nn has no FP8Linear"))
+    monkeypatch.setitem(sys.modules, "plan_factory_mod", type(sys)("plan_factory_mod"))
+    sys.modules["plan_factory_mod"].build = lambda: GPT(
+        ModelConfig(vocab=512, layers=3, dim=64, heads=2, seq=64)
+    )
+    assert main(["plan", "plan_factory_mod:build", "--seq", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "FP8 linear variant left out: coatstate.nn has no FP8Linear" in out
+    assert "+ FP8 linear" not in out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["plan"], "give a model"),
+        (["plan", "--layers", "2", "--hidden", "64", "--params", "1000"], "raise --params"),
+        (["plan", "nosuchmodule_xyz:f", "--seq", "8"], "cannot import"),
+        (["plan", "CONFIG", "--seq", "4096"], "exceeds the model's maximum 256"),
+        (["plan", "not-a-file-or-factory"], "transformers"),
+    ],
+)
+def test_bad_input_names_the_problem(argv, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as where it is not installed: no network
+    argv = [str(_gpt2_json(tmp_path)) if a == "CONFIG" else a for a in argv]
+    assert main(argv) == 1
+    assert message in capsys.readouterr().err
+
+
+def test_bad_memory_size_is_a_usage_error(capsys):
+    assert main(["plan", "--layers", "2", "--hidden", "64", "--gpu-memory", "lots"]) == 2
+    assert "not a memory size" in capsys.readouterr().err
