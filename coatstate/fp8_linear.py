@@ -31,12 +31,15 @@ Falls back to the plain high-precision nn.Linear forward, and says so (one log l
 `fallback_reason`, `fp8_fallbacks(model)`), when: in_features or out_features is not a multiple
 of 16 (torch._scaled_mm's constraint; decided at construction so CPU and GPU agree), the input
 is not float32/bfloat16/float16, or the weight is a DTensor at forward time (tensor
-parallelism; under FSDP2 the weight is the unsharded plain tensor inside forward, so FSDP2
-sharding keeps the FP8 path).
+parallelism). FSDP2: call convert_to_fp8 BEFORE fully_shard (it refuses DTensor parameters);
+inside forward FSDP2 hands the layer the unsharded plain weight, so the FP8 path runs, the
+gradient comes back in the weight's (FSDP param) dtype and is reduce-scattered as usual.
 
 With compress_activations: the codes this layer saves are float8 tensors, which compress_activations
 passes through untouched (its "not float16/bfloat16/float32" reason), so they are never compressed
-twice; the weight is a parameter and is kept; the scales are below any size threshold.
+twice; the weight is a parameter and is kept; the scales (one float32 each) are kept. The
+weight's codes are re-derived in backward rather than saved: one more pass over the weight
+instead of holding 1 byte per parameter of every layer until backward.
 """
 
 from __future__ import annotations
@@ -69,9 +72,10 @@ class FP8LinearConfig:
     backend: str = "auto"
     """'auto' (scaled_mm on CUDA with compute capability >= 8.9, else emulate), 'scaled_mm', 'emulate'."""
     grad_fmt: FP8Format = FP8Format.E5M2
-    """FP8 format of the output gradient. E5M2 (default): range; E4M3 has one more mantissa bit
-    (gradient cosine 0.9993 vs 0.9983 on Gaussian data) but trained to a 4.3% higher loss than
-    bf16 in benchmarks/fp8_linear_parity.py with the head in FP8, where E5M2 gave 1.05%."""
+    """FP8 format of the output gradient. E4M3 has one more mantissa bit (gradient cosine 0.9993
+    vs 0.9983 on Gaussian data; final loss -0.1% vs +0.6% from bf16 in benchmarks/fp8_linear_parity.py)
+    but less range: with the LM head in FP8 too it trained 4.3% above bf16, E5M2 1.05%. E5M2 is
+    the default (as in torchao and TransformerEngine); choose E4M3 when the head stays bf16."""
     fast_accum: bool = True
     """use_fast_accum for the forward GEMM (the backward GEMMs always accumulate exactly in fp32)."""
 
