@@ -86,7 +86,7 @@ def write_moment(state: dict, name: str, value: torch.Tensor, moment_format: Mom
         state[f"{name}_exponents"].copy_(exponents)
 
 
-def adamw_step_reference(
+def _adamw_step_block(
     param: torch.Tensor,
     grad: torch.Tensor,
     state: dict,
@@ -102,8 +102,7 @@ def adamw_step_reference(
     step: float,
     inv_grad_scale: torch.Tensor | None = None,
 ) -> int:
-    """One AdamW step for one parameter (its local tensor). `step` is already incremented.
-    Returns how many moment values came out NaN/Inf (the fused kernel counts the same)."""
+    """adamw_step_reference on one block of whole rows (or on a whole tensor)."""
     group_size = next((f.group_size for f in formats.values() if f is not None), 128)
     exact = param.dtype == torch.float32  # update in place, as torch does, when no cast is needed
     p = param if exact else param.float()
@@ -140,3 +139,57 @@ def adamw_step_reference(
     if not exact:
         param.copy_(p)
     return nonfinite
+
+
+ROW_BLOCK_ELEMENTS = 1 << 20
+"""adamw_step_reference updates a large parameter in blocks of whole rows of about this many
+elements. The step is some 40 elementwise passes (dequantize, update, requantize); on a whole
+tensor every pass streams full-size temporaries through DRAM, on a block they stay in cache:
+a 16384x512 parameter took 760 ns/param whole and 190 ns/param in blocks (1 CPU thread,
+2026-11-30). Groups never cross a row and the math is per element or per group, so a block
+computes exactly what the whole tensor would."""
+
+
+def adamw_step_reference(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    state: dict,
+    formats: dict[str, MomentFormat | None],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    maximize: bool,
+    amsgrad: bool,
+    step: float,
+    inv_grad_scale: torch.Tensor | None = None,
+) -> int:
+    """One AdamW step for one parameter (its local tensor). `step` is already incremented.
+    Returns how many moment values came out NaN/Inf (the fused kernel counts the same)."""
+    hyper = dict(
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        weight_decay=weight_decay,
+        maximize=maximize,
+        amsgrad=amsgrad,
+        step=step,
+        inv_grad_scale=inv_grad_scale,
+    )
+    rows = param.shape[0] if param.dim() >= 2 else 1
+    # A multiple of 64 rows: each block starts at a multiple of 64 elements of every tensor the
+    # step touches (per element, per group, padded groups), so torch's vectorised CPU loops chunk
+    # a block as they chunk the whole tensor. (A loop's scalar tail can round log2/exp2 in the
+    # last bit differently; with aligned blocks the tails fall where the whole tensor's do.)
+    block_rows = max(64, ROW_BLOCK_ELEMENTS // max(1, param.numel() // max(rows, 1)) // 64 * 64)
+    if param.dim() < 2 or rows < 2 * block_rows:
+        return _adamw_step_block(param, grad, state, formats, **hyper)
+    moments = {k: v for k, v in state.items() if k != "step"}  # codes, scales, exponents: (rows, ...)
+    bad = 0
+    for r in range(0, rows, block_rows):
+        block = {k: v[r : r + block_rows] for k, v in moments.items()}
+        bad += _adamw_step_block(param[r : r + block_rows], grad[r : r + block_rows], block, formats, **hyper)
+    return bad
