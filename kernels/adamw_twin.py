@@ -147,7 +147,8 @@ elements. The step is some 40 elementwise passes (dequantize, update, requantize
 tensor every pass streams full-size temporaries through DRAM, on a block they stay in cache:
 a 16384x512 parameter took 760 ns/param whole and 190 ns/param in blocks (1 CPU thread,
 2026-11-30). Groups never cross a row and the math is per element or per group, so a block
-computes exactly what the whole tensor would."""
+computes what the whole tensor would (checked bit for bit with one CPU thread on 40 shapes,
+dtypes and formats, amsgrad included)."""
 
 
 def adamw_step_reference(
