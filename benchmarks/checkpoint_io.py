@@ -1,15 +1,18 @@
 """Checkpoint size and throughput: coatstate.save/load against torch.save/torch.load of AdamW.
 
     python benchmarks/checkpoint_io.py                      # 100M-param GPT-shaped state, ~2 min on 2 cores
-    python benchmarks/checkpoint_io.py --params 20e6 --real-steps 0   # quick
+    python benchmarks/checkpoint_io.py --params 20e6 --stdlib-steps 0   # quick
 
 Builds a GPT-shaped set of fp32 parameters (vocab 50304, width 768), runs a few torch.optim.AdamW
 steps with structured gradients (lognormal row/column scales, Zipf-sampled embedding rows) so the
 moments look like Adam's, compresses the state with coatstate.optim.compress_adamw_state_dict,
 and measures file sizes, save/load MB/s (with fsync, on --dir), what zstd buys (whole file and
-FP8 codes alone, levels 1/3/9, against random FP8 codes), and the sha256 checksum cost. With
---real-steps N it also trains a small byte-level transformer on the Python standard library's
-source for N steps and reports zstd on those real FP8 states. Writes JSON to --out.
+FP8 codes alone, levels 1/3/9, against random FP8 codes), and the sha256 checksum cost. Then
+(--stdlib-steps, default 300) it trains the model of benchmarks/training_parity.py on the Python
+standard library's source with torch.optim.AdamW and with CompressedAdamW and compares
+coatstate.save of the CompressedAdamW state (plain and zstd) against torch.save of the AdamW
+state dict: the size ratio (target <= 0.28) and what zstd buys on real FP8 states.
+Writes JSON (with the machine and date) to --out.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import io
 import json
 import math
 import os
-import sysconfig
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,6 +32,9 @@ import torch
 
 import coatstate.checkpoint as ck
 from coatstate.optim import compress_adamw_state_dict
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import machine_meta  # noqa: E402
 
 VOCAB, WIDTH, CONTEXT = 50304, 768, 1024
 
@@ -102,34 +108,36 @@ def zstd_gains(data: bytes) -> dict[str, float]:
     return out
 
 
-def real_states(steps: int) -> dict[str, dict[str, float]]:
-    """zstd on the FP8 codes of a byte-level transformer trained on the stdlib's source."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in stdlib.rglob("*.py") if "site-packages" not in p.parts)[:400]
-    text = b"".join(p.read_bytes() for p in files)
-    data = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
-    torch.manual_seed(0)
-    width, seq = 256, 128
-    layer = torch.nn.TransformerEncoderLayer(width, 4, 4 * width, dropout=0.0, batch_first=True)
-    body = torch.nn.TransformerEncoder(layer, 4)
-    embed, head = torch.nn.Embedding(256, width), torch.nn.Linear(width, 256)
-    params = [*embed.parameters(), *body.parameters(), *head.parameters()]
-    opt = torch.optim.AdamW(params, lr=1e-3)
-    mask = torch.nn.Transformer.generate_square_subsequent_mask(seq)
-    g = torch.Generator().manual_seed(0)
-    for _ in range(steps):
-        idx = torch.randint(0, len(data) - seq - 1, (16,), generator=g)
-        x = torch.stack([data[i : i + seq] for i in idx])
-        y = torch.stack([data[i + 1 : i + seq + 1] for i in idx])
-        logits = head(body(embed(x), mask=mask, is_causal=True))
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 256), y.reshape(-1))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    sd = compress_adamw_state_dict(opt.state_dict())
+def stdlib_model(steps: int) -> dict:
+    """The training-parity model (benchmarks/training_parity.py) after `steps` steps, once with
+    torch.optim.AdamW and once with CompressedAdamW: each optimizer's own state, file sizes and
+    what zstd buys on real FP8 states."""
+    import training_parity  # the same model, corpus, seed and batches as the parity run
+
+    runs = {
+        name: training_parity.train_variant(name, False, progress=False, steps=steps)
+        for name in ("adamw", "compressed")
+    }
+    adamw_opt, comp_opt = runs["adamw"]["opt"], runs["compressed"]["opt"]
+    names = [n for n, _ in runs["compressed"]["model"].named_parameters()]
+    buf = io.BytesIO()
+    torch.save(adamw_opt.state_dict(), buf)
+    base = buf.getbuffer().nbytes
+    files = {"torch.save(AdamW)": base}
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, compress in (("coatstate compressed", None), ("coatstate compressed+zstd", "zstd")):
+            path = os.path.join(tmp, "ckpt.safetensors")
+            ck.save(comp_opt, path, compress=compress, param_names=names)
+            files[label] = os.path.getsize(path)
+    comp_sd = comp_opt.state_dict()
     return {
-        m: zstd_gains(codes_bytes(sd, m)) | {"final_loss": round(loss.item(), 3)}
-        for m in ("exp_avg", "exp_avg_sq")
+        "params": runs["compressed"]["params"],
+        "steps": steps,
+        "final_loss": {k: round(sum(r["losses"][-20:]) / len(r["losses"][-20:]), 4) for k, r in runs.items()},
+        "files": {k: {"bytes": b, "ratio_vs_torch_adamw": round(b / base, 4)} for k, b in files.items()},
+        "ratio_compressed_vs_torch_adamw": round(files["coatstate compressed"] / base, 4),
+        "zstd_file_gain": round(files["coatstate compressed"] / files["coatstate compressed+zstd"], 4),
+        "zstd_codes_gain": {m: zstd_gains(codes_bytes(comp_sd, m)) for m in ("exp_avg", "exp_avg_sq")},
     }
 
 
@@ -137,10 +145,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--params", type=float, default=100e6)
     ap.add_argument("--steps", type=int, default=3, help="AdamW steps that shape the synthetic moments")
-    ap.add_argument("--real-steps", type=int, default=150, help="0 skips the stdlib-trained model")
+    ap.add_argument("--stdlib-steps", type=int, default=300, help="steps of the stdlib model (0: skip it)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--dir", default=None, help="where files are written (default: a temp dir)")
     ap.add_argument("--out", default="benchmarks/results/checkpoint_io.json")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    meta = machine_meta("cpu") | {"threads": torch.get_num_threads()}
     work = Path(args.dir or tempfile.mkdtemp(prefix="coatstate-bench-"))
     work.mkdir(parents=True, exist_ok=True)
 
@@ -196,6 +208,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(1)
     random_codes = (torch.randn(50_000_000, generator=g) * 100).to(torch.float8_e4m3fn).view(torch.uint8)
     report = {
+        "meta": meta,
         "params": n_params,
         "compress_adamw_state_dict_s": round(compress_s, 2),
         "files": rows,
@@ -208,9 +221,9 @@ def main() -> None:
         "sha256_MBps": round(state_bytes / sha_s / 1e6, 1),
         "torch_save_of_compressed_sd_bytes": buf.getbuffer().nbytes,
     }
-    if args.real_steps:
+    if args.stdlib_steps:
         t = time.perf_counter()
-        report["zstd_codes_gain_stdlib_model"] = real_states(args.real_steps)
+        report["stdlib_model"] = stdlib_model(args.stdlib_steps)
         report["stdlib_model_s"] = round(time.perf_counter() - t, 1)
 
     print(f"\n{'file':<28}{'MB':>10}{'ratio':>8}{'save s':>8}{'save MB/s':>11}{'load s':>8}{'load MB/s':>11}")
@@ -227,8 +240,21 @@ def main() -> None:
     for m, gains in report["zstd_codes_gain"].items():
         print(f"zstd on {m} codes (synthetic Adam-like): {gains}")
     print(f"zstd on random FP8 codes: {report['zstd_random_fp8_gain']}")
-    for m, gains in report.get("zstd_codes_gain_stdlib_model", {}).items():
-        print(f"zstd on {m} codes (stdlib-trained model): {gains}")
+    real = report.get("stdlib_model")
+    if real:
+        print(
+            f"\nstdlib model ({real['params'] / 1e6:.2f}M params, {real['steps']} steps; "
+            f"final loss {real['final_loss']}):"
+        )
+        for name, r in real["files"].items():
+            print(f"  {name:<28}{r['bytes']:>12d} bytes{r['ratio_vs_torch_adamw']:>8.3f}x")
+        print(
+            f"  compressed / torch.save(AdamW) size: {real['ratio_compressed_vs_torch_adamw']:.3f} "
+            "(target <= 0.28); "
+            f"zstd gain on the file {real['zstd_file_gain']:.3f}x"
+        )
+        for m, gains in real["zstd_codes_gain"].items():
+            print(f"  zstd on {m} codes: {gains}")
     print(f"sha256 over the compressed state: {report['sha256_MBps']:.0f} MB/s")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
