@@ -63,7 +63,10 @@ def _read_lines(path: str) -> list[str]:
 
 def provenance(data: dict, path: Path) -> tuple[str, str]:
     """(date, machine) of a result file, from its meta block or, failing that, git and its args."""
-    meta = data.get("meta") or {}
+    meta = {
+        **{k: data[k] for k in ("date", "machine") if isinstance(data.get(k), str)},
+        **(data.get("meta") or {}),
+    }
     date = meta.get("date")
     if not date:
         out = subprocess.run(
@@ -78,6 +81,10 @@ def provenance(data: dict, path: Path) -> tuple[str, str]:
             x for x in (device and f"device {device}", torch_version and f"torch {torch_version}") if x
         )
         machine = f"machine not recorded ({known})" if known else "machine not recorded"
+    if meta.get("load_average_1min") is not None:  # CPU timings: how busy the machine was
+        machine += (
+            f" (load average {meta['load_average_1min']} at start, {meta.get('threads', '?')} torch threads)"
+        )
     return date, machine
 
 
@@ -96,7 +103,7 @@ def _figure(name: str, title: str, date: str, machine: str):
 def _save(fig, path: Path) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout(rect=(0, 0.03, 1, 1))
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # long bar labels stay whole
     import matplotlib.pyplot as plt
 
     plt.close(fig)
@@ -161,7 +168,7 @@ def section_optimizer_step(data: dict, path: Path) -> str:
         ),
         "",
     ]
-    for dtype in sorted({r.get("dtype", "?") for r in rows}):
+    for dtype in dict.fromkeys(r.get("dtype", "?") for r in rows):
         sub = [r for r in rows if r.get("dtype", "?") == dtype]
         fig, ax, png = _figure(
             f"optimizer_step_{dtype}", f"Optimizer step vs bandwidth floor ({dtype} params)", date, machine
@@ -242,7 +249,8 @@ def section_activation_memory(data: dict, path: Path) -> str:
         "",
     ]
     fig, ax, png = _figure("activation_memory", "Activation memory per training step", date, machine)
-    ax.bar([r["variant"] for r in rows], [r["activation_bytes"] / 1e9 for r in rows], color="tab:green")
+    ax.bar(range(len(rows)), [r["activation_bytes"] / 1e9 for r in rows], color="tab:green")
+    ax.set_xticks(range(len(rows)), [r["variant"] for r in rows], rotation=20, ha="right", fontsize=8)
     for i, r in enumerate(rows):
         ax.text(
             i,
@@ -351,21 +359,42 @@ def section_training_parity(data: dict, path: Path) -> str:
     return "\n".join(out)
 
 
+def _loss_runs(data: dict) -> dict[str, list[float]]:
+    """Loss curves one level down: {"runs": {name: {"losses": [...]}}} or a list of such dicts."""
+    found = {}
+    for key, value in data.items():
+        items = (
+            value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        )
+        for name, run in items:
+            if isinstance(run, dict) and isinstance(run.get("losses"), list) and run["losses"]:
+                found[str(run.get("name", f"{key} {name}" if isinstance(name, int) else name))] = run[
+                    "losses"
+                ]
+    return found
+
+
 def section_unknown(name: str, data: dict, path: Path) -> str:
+    """A result without its own section: its top-level numbers, and its loss curves if it has any."""
     date, machine = provenance(data, path)
-    scalars = [
-        [k, v] for k, v in data.items() if isinstance(v, (int, float, str)) and not isinstance(v, bool)
+    scalars = [[k, v] for k, v in data.items() if isinstance(v, (int, float, str, bool))]
+    out = [
+        f"## {name}",
+        f"{machine}, {date}. `benchmarks/results/{path.name}` (no dedicated section; top-level values):",
+        "",
+        _md_table(["key", "value"], scalars) if scalars else "(none)",
+        "",
     ]
-    return "\n".join(
-        [
-            f"## {name}",
-            f"{machine}, {date}. `benchmarks/results/{path.name}` (no dedicated section "
-            "yet; its top-level numbers):",
-            "",
-            _md_table(["key", "value"], scalars) if scalars else "(none)",
-            "",
-        ]
-    )
+    runs = _loss_runs(data)
+    if runs:
+        fig, ax, png = _figure(name, f"{name}: training loss", date, machine)
+        for label, losses in runs.items():
+            ax.plot(losses, linewidth=1.0, label=label)
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss")
+        ax.legend(fontsize=8)
+        out += [_save(fig, png), ""]
+    return "\n".join(out)
 
 
 SECTIONS = {
