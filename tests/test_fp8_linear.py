@@ -385,7 +385,7 @@ def test_auto_backend_uses_scaled_mm_on_fp8_gpus():
     try:
         torch._scaled_mm = lambda *a, **kw: calls.append(1) or real(*a, **kw)
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            y = layer(torch.randn(64, 256, device="cuda"))
+            y = layer(torch.randn(64, 256, device="cuda", requires_grad=True))
         y.float().sum().backward()
     finally:
         torch._scaled_mm = real
