@@ -20,7 +20,7 @@ import triton.language as tl
 
 from ..formats.fp8 import FP8Format
 from .adamw_twin import MomentFormat
-from .fp8_triton import decode, encode, fp8_constants, from_fp8_bits, group_offsets, group_params, to_fp8_bits
+from .fp8_triton import decode, encode, fast_divide, fp8_constants, group_offsets, group_params, to_fp8_bits
 
 # columns of the address table
 P, G, M_CODES, M_SCALES, M_EXPS, V_CODES, V_SCALES, V_EXPS, X_CODES, X_SCALES, X_EXPS, STEP = range(12)
@@ -55,14 +55,14 @@ def _load_moment(
 ):
     if COMPRESSED:
         scales = tl.load(row_ptr + COL + 1).to(tl.pointer_type(tl.float32))
-        q = from_fp8_bits(tl.load(_data(base_ptr, row_ptr, COL, offs), mask=mask, other=0), IS_E4M3)
+        bits = tl.load(_data(base_ptr, row_ptr, COL, offs), mask=mask, other=0)
         scale = tl.load(scales + gid, mask=gmask, other=0.0)
         if EXPAND:
             exps = tl.load(row_ptr + COL + 2).to(tl.pointer_type(tl.uint8))
             k16 = tl.load(exps + gid, mask=gmask, other=16).to(tl.float32)
         else:
             k16 = scale
-        return decode(q, scale, k16, EXPAND)
+        return decode(bits, scale, k16, EXPAND, IS_E4M3)
     else:
         return tl.load(_data(base_ptr, row_ptr, COL, offs), mask=mask, other=0.0)
 
@@ -188,7 +188,7 @@ def _adamw_kernel(
         denom = tl.sqrt(vmax) * inv_bc2_sqrt + eps
     else:
         denom = tl.sqrt(v) * inv_bc2_sqrt + eps
-    p = p - step_size * tl.math.fdiv(m, denom)  # approximate division (div.full): 2 ulp
+    p = p - step_size * fast_divide(m, denom)  # approximate division: 2 ulp
 
     tl.store(p_ptrs, p.to(p_base.dtype.element_ty), mask=mask)
     _store_moment(

@@ -13,7 +13,7 @@ import triton.language as tl
 
 from ..formats.fp8 import FP8Format
 from ..formats.group import GroupQuantized, group_layout
-from .fp8_triton import decode, encode, fp8_constants, from_fp8_bits, group_offsets, group_params, to_fp8_bits
+from .fp8_triton import decode, encode, fp8_constants, group_offsets, group_params, to_fp8_bits
 
 GROUPS_PER_PROGRAM = 8
 
@@ -69,10 +69,10 @@ def _dequantize_kernel(
     gid = tl.program_id(0).to(tl.int64) * GPP + tl.arange(0, GPP)
     offs, mask = group_offsets(gid, n_groups, cols, groups_per_row, GROUP, EVEN)
     gmask = gid < n_groups
-    q = from_fp8_bits(tl.load(codes_ptr + offs, mask=mask, other=0), IS_E4M3)
+    bits = tl.load(codes_ptr + offs, mask=mask, other=0)
     scale = tl.load(scales_ptr + gid, mask=gmask, other=0.0)
     k16 = tl.load(exps_ptr + gid, mask=gmask, other=16).to(tl.float32) if EXPAND else scale
-    x = decode(q, scale, k16, EXPAND)
+    x = decode(bits, scale, k16, EXPAND, IS_E4M3)
     tl.store(out_ptr + offs, x.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -39,6 +39,16 @@ def log2(x):
         return tl.log2(x)
 
 
+@triton.jit
+def fast_divide(a, b):
+    """a / b within 2 ulp for |b| < 2**126: on the GPU rcp.approx and a multiply (div.full adds
+    range checks, ~8 instructions per element here); the interpreter divides exactly."""
+    if FAST_MATH:
+        return libdevice.fast_dividef(a, b)
+    else:
+        return tl.math.fdiv(a, b)
+
+
 def fp8_constants(fmt: FP8Format) -> dict:
     """constexpr arguments describing `fmt` for the functions below."""
     return dict(
@@ -116,13 +126,25 @@ def from_fp8_bits(b, IS_E4M3: tl.constexpr):
 
 
 @triton.jit
+def smallest_positive(mag):
+    """Per group (row) of a [groups, G] tile of magnitudes: the smallest one above zero (+inf if
+    none). On the GPU as unsigned integers: bits - 1 wraps zero to the top, so one integer add
+    replaces a compare and a select per element."""
+    if FAST_MATH:
+        shifted = mag.to(tl.uint32, bitcast=True) - 1
+        return (tl.min(shifted, axis=1) + 1).to(tl.float32, bitcast=True)
+    else:
+        return tl.min(tl.where(mag > 0, mag, float("inf")), axis=1)
+
+
+@triton.jit
 def group_params(
     mag, EXPAND: tl.constexpr, FP8_MAX: tl.constexpr, LOG2_MAX: tl.constexpr, K_NUMERATOR: tl.constexpr
 ):
     """Per-group (scale a, exponent code 16k, k, 1/a) of a [groups, G] tile of magnitudes."""
     mx = tl.max(mag, axis=1)
     if EXPAND:
-        mn = tl.min(tl.where(mag > 0, mag, float("inf")), axis=1)
+        mn = smallest_positive(mag)
         log_mx = log2(mx)
         log_range = log_mx - log2(mn)
         # approximate division: k is stored, so a kernel/twin difference in k only picks another
@@ -150,22 +172,26 @@ def encode(x, mag, p0, p1, EXPAND: tl.constexpr):
     """Codes (float32, before rounding) of a [groups, G] tile; p0/p1 from group_params: (k, log2 a)
     with expansion, (1/a, unused) without."""
     if EXPAND:
-        y = tl.exp2(p0[:, None] * (log2(mag) - p1[:, None]))
-        if not FAST_MATH:  # numpy's log2(0) warns; on the GPU, ex2(k * lg2(0)) is already 0
-            y = tl.where(mag > 0, y, 0.0)
+        if FAST_MATH:  # one fma per element (k * log2 a is per group); on the GPU ex2(k * lg2(0)) is 0
+            y = tl.exp2(p0[:, None] * log2(mag) - (p0 * p1)[:, None])
+        else:  # the twin's order; numpy's log2(0) warns, hence the select
+            y = tl.where(mag > 0, tl.exp2(p0[:, None] * (log2(mag) - p1[:, None])), 0.0)
         return copysign(y, x)
     else:
         return x * p0[:, None]
 
 
 @triton.jit
-def decode(q, scale, k16, EXPAND: tl.constexpr):
-    """float32 values of a [groups, G] tile of codes q (float32) with per-group scale (and 16k)."""
+def decode(bits, scale, k16, EXPAND: tl.constexpr, IS_E4M3: tl.constexpr):
+    """float32 values of a [groups, G] tile of FP8 codes (uint8 bits) with per-group scale (and 16k)."""
+    q = from_fp8_bits(bits, IS_E4M3)
     if EXPAND:
         inv_k = tl.math.fdiv(tl.full(k16.shape, EXPONENT_DENOMINATOR, tl.float32), k16)
         x = tl.minimum(tl.exp2(log2(tl.abs(q)) * inv_k[:, None] + log2(scale)[:, None]), FLOAT32_MAX)
-        if not FAST_MATH:  # as in encode: on the GPU a zero code already decodes to 0
-            x = tl.where(q != 0, x, 0.0)
-        return copysign(x, q)
+        if FAST_MATH:  # a compare and a select (copysign costs 4 instructions here); a zero code
+            # is already 0 here (a -0 code decodes to +0: the same value)
+            return tl.where(q < 0, -x, x)
+        else:
+            return copysign(tl.where(q != 0, x, 0.0), q)
     else:
         return q * scale[:, None]
