@@ -1,8 +1,12 @@
 """Which saved activations compress_activations compresses, how they are held, and the report.
 
-An op kind is decided from the outermost torch function running when autograd saves a tensor
-(recorded by a TorchFunctionMode), falling back to the innermost nn.Module's class for ops that
-say nothing by themselves (the pow/mul/rsqrt of a hand-written RMSNorm count as NORM).
+An op kind is decided from the CALL SITE that is running when autograd saves a tensor: the
+innermost Python frame's current instruction is a call (or an operator such as `@`) into torch,
+and the name it calls (`F.linear`, `torch.layer_norm`, `x.softmax`, ...) gives the kind. The
+answer depends only on (code object, instruction offset), so it is worked out once per call site
+(from the bytecode's source positions) and then read from a dict: no TorchFunctionMode, no cost
+per op that saves nothing. For calls that say nothing by themselves (the pow/mul/rsqrt of a
+hand-written RMSNorm) the innermost nn.Module.forward on the Python stack gives the kind.
 
 The held format (docs/FORMAT.md, "Saved activations"): FP8 codes with power-of-two scales stored
 as one byte each (E8M0: byte b is 2**(b-127), 255 marks a NaN/Inf maximum), one per tensor or one
@@ -15,7 +19,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import dis
 import enum
+import functools
 
 import torch
 
@@ -52,8 +58,8 @@ for _kind, _names in {
     OpKind.ACTIVATION: "gelu silu relu relu6 sigmoid tanh softmax softmin mish elu selu celu leaky_relu "
     "hardswish hardsigmoid hardtanh softplus glu logsigmoid prelu",
     OpKind.ATTENTION: "scaled_dot_product_attention multi_head_attention_forward flex_attention",
-    OpKind.LOSS: "cross_entropy log_softmax nll_loss binary_cross_entropy binary_cross_entropy_with_logits "
-    "kl_div mse_loss l1_loss smooth_l1_loss huber_loss",
+    OpKind.LOSS: "cross_entropy cross_entropy_loss log_softmax nll_loss binary_cross_entropy "
+    "binary_cross_entropy_with_logits kl_div mse_loss l1_loss smooth_l1_loss huber_loss",
 }.items():
     for _name in _names.split():
         _KIND_BY_NAME[_name] = _kind
@@ -62,6 +68,56 @@ for _kind, _names in {
 def kind_of_function(func) -> OpKind:
     """The op kind of a torch function (by name: F.linear, torch.matmul, Tensor.__matmul__, ...)."""
     return _KIND_BY_NAME.get(getattr(func, "__name__", ""), OpKind.OTHER)
+
+
+_SITE_KINDS: dict = {}  # (code object, instruction offset) -> OpKind of the call made there
+_CALLEE_LOADS = frozenset(
+    "LOAD_ATTR LOAD_METHOD LOAD_GLOBAL LOAD_NAME LOAD_FAST LOAD_FAST_CHECK LOAD_FAST_BORROW LOAD_DEREF "
+    "LOAD_CLASSDEREF LOAD_SUPER_ATTR LOAD_FROM_DICT_OR_GLOBALS LOAD_FROM_DICT_OR_DEREF".split()
+)
+
+
+def kind_of_call_site(code, offset: int) -> OpKind:
+    """The op kind of the call (or operator) at bytecode `offset` of `code`: a frame's
+    (f_code, f_lasti) while torch runs the op. Cached per site; OTHER where it cannot tell."""
+    key = (code, offset)
+    kind = _SITE_KINDS.get(key)
+    if kind is None:
+        kind = _SITE_KINDS[key] = _classify_site(code, offset)
+    return kind
+
+
+@functools.lru_cache(maxsize=256)
+def _instructions(code) -> tuple:
+    return tuple(dis.get_instructions(code))
+
+
+def _classify_site(code, offset: int) -> OpKind:
+    """The callee of a call is the longest name load that starts where the call expression starts
+    and precedes it (`F.gelu` in `F.gelu(x)`, `mean` in `x.pow(2).mean(-1)`); an operator is
+    LINEAR for `@`. Needs source positions in the bytecode (Python >= 3.11)."""
+    if not hasattr(code, "co_positions"):
+        return OpKind.OTHER
+    instructions = _instructions(code)
+    index = next((i for i, ins in enumerate(instructions) if ins.offset == offset), None)
+    if index is None:
+        return OpKind.OTHER
+    call = instructions[index]
+    if call.opname in ("BINARY_OP", "BINARY_MATRIX_MULTIPLY", "INPLACE_MATRIX_MULTIPLY"):
+        return OpKind.LINEAR if "@" in call.argrepr or "MATRIX" in call.opname else OpKind.OTHER
+    where = call.positions
+    if "CALL" not in call.opname or where is None or where.lineno is None:
+        return OpKind.OTHER
+    start, end = (where.lineno, where.col_offset), (where.end_lineno, where.end_col_offset)
+    callee, callee_end = None, None
+    for ins in instructions[:index]:
+        pos = ins.positions
+        if ins.opname not in _CALLEE_LOADS or not isinstance(ins.argval, str) or pos is None:
+            continue
+        if (pos.lineno, pos.col_offset) == start and (pos.end_lineno, pos.end_col_offset) < end:
+            if callee_end is None or (pos.end_lineno, pos.end_col_offset) >= callee_end:
+                callee, callee_end = ins.argval, (pos.end_lineno, pos.end_col_offset)
+    return _KIND_BY_NAME.get(callee, OpKind.OTHER) if callee else OpKind.OTHER
 
 
 def kind_of_module(module: torch.nn.Module) -> OpKind:

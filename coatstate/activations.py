@@ -6,11 +6,19 @@
     print(ctx.stats.summary())
 
 How it works: a torch.autograd.graph.saved_tensors_hooks pair packs each saved tensor and
-unpacks it when backward needs it; a TorchFunctionMode records which op is running, and for ops
-that say nothing by themselves (a mul) the innermost nn.Module.forward on the Python stack gives
-the kind, so the policy (coatstate.activation_policy) can pick the granularity by op kind. On
-CUDA the Triton kernels of coatstate.kernels.activation_pack do the work, elsewhere their
-pure-torch twins in coatstate.activation_policy.
+unpacks it when backward needs it. The pack hook reads the op kind off the Python call site that
+is running the op (activation_policy.kind_of_call_site, cached per site), and for ops that say
+nothing by themselves (a mul) off the innermost nn.Module.forward on the Python stack, so the
+policy (coatstate.activation_policy) can pick the granularity by op kind. Nothing runs per op that
+saves nothing (no TorchFunctionMode): host time goes into saved tensors only. On CUDA the Triton
+kernels of coatstate.kernels.activation_pack do the work, elsewhere their pure-torch twins in
+coatstate.activation_policy.
+
+Attention: scaled_dot_product_attention saves q, k and v before its output; which input is which
+is known only from the op's autograd node, reachable once the output is saved (its grad_fn). So
+the inputs wait (uncompressed, as they are anyway) until the same op saves its output, then q and
+k are packed first (a qkv storage shared with v takes their granularity) and v after. Backends
+that save no output of their own (the math fallback) hold every input as `attention_v_out`.
 
 What is compressed is a REGION of memory, not a tensor: a dense tensor's own bytes, or, for a
 strided view such as the q, k and v that split one qkv projection, the whole storage it views
@@ -21,7 +29,9 @@ unpacked once for all the views that autograd unpacks together (a weak cache).
 
 Recomputed instead of stored: the output of an activation function (GELU, SiLU, ...) whose input
 the same call saved compressed, when a later op (the next linear) saves that output: backward
-applies the function again to the unpacked input (`ActivationPolicy.recompute`).
+applies the function again to the unpacked input (`ActivationPolicy.recompute`). The output is
+recognised by its autograd node (GeluBackward0, ...: _RECOMPUTABLE) and that node's sequence
+number, which the pack hook of the input noted.
 
 What is never compressed (each is reported in `stats.kept_reasons`):
 - parameters, buffers and views or casts of them; tensors created before the context was entered (the
@@ -43,13 +53,14 @@ RuntimeError instead of silently doing nothing.
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 import threading
 import weakref
 
 import torch
+import torch.nn.functional as F
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.overrides import TorchFunctionMode
 
 from coatstate import activation_policy as codec
 from coatstate.activation_policy import (
@@ -57,7 +68,7 @@ from coatstate.activation_policy import (
     ActivationStats,
     Granularity,
     OpKind,
-    kind_of_function,
+    kind_of_call_site,
     kind_of_module,
 )
 
@@ -68,19 +79,61 @@ _VIEW_OR_COPY_NODES = frozenset(
     "SliceBackward0 SelectBackward0 UnsqueezeBackward0 SqueezeBackward0 SqueezeBackward1 "
     "AsStridedBackward0 UnsafeViewBackward0 ReshapeAliasBackward0 AliasBackward0".split()
 )
+_RESHAPE_NODES = frozenset("ViewBackward0 UnsafeViewBackward0 ReshapeAliasBackward0 AliasBackward0".split())
 _COMPRESSIBLE = (torch.float32, torch.bfloat16, torch.float16)
+_K = None  # coatstate.kernels.activation_pack once imported
+_NODE_NAMES: dict = {}  # autograd node class -> its name()
 _MODULE_KINDS: dict = {}  # code object -> OpKind of the module whose forward it is, or None
 _SLOTS = 4096  # per-tensor scale slots per device buffer (kernel path)
 _MAX_STORAGE_PER_VIEW = 4  # a strided view packs its whole storage only up to this many times its size
+_MAX_SOURCES = 64  # activation inputs remembered for recomputing their outputs (newest kept)
+_next_sequence_nr = torch._C._autograd._get_sequence_nr  # number the next autograd node gets
+_is_compiling = torch.compiler.is_compiling
+
+# Activation functions whose output is f(saved input): autograd node name -> (f, its kwargs read
+# off the node's non-tensor attributes, which reading does not unpack).
+_RECOMPUTABLE = {
+    "GeluBackward0": lambda n: (F.gelu, {"approximate": n._saved_approximate}),
+    "SiluBackward0": lambda n: (F.silu, {}),
+    "MishBackward0": lambda n: (F.mish, {}),
+    "HardswishBackward0": lambda n: (F.hardswish, {}),
+    "HardsigmoidBackward0": lambda n: (F.hardsigmoid, {}),
+    "LeakyReluBackward0": lambda n: (F.leaky_relu, {"negative_slope": n._saved_negative_slope}),
+    "SoftplusBackward0": lambda n: (F.softplus, {"beta": n._saved_beta, "threshold": n._saved_threshold}),
+}
+
+
+def _kernels():
+    """coatstate.kernels.activation_pack, imported on first use (it imports triton)."""
+    global _K
+    if _K is None:
+        from coatstate.kernels import activation_pack
+
+        _K = activation_pack
+    return _K
+
+
+def _node_name(node) -> str:
+    """node.name(), cached per node class (one class per kind of autograd node)."""
+    name = _NODE_NAMES.get(type(node))
+    if name is None:
+        name = _NODE_NAMES[type(node)] = node.name()
+    return name
 
 
 def _derived_from_parameter(x: torch.Tensor) -> bool:
     """True if x is a chain of views/dtype casts of a leaf that requires grad (autocast's weights)."""
-    node = x.grad_fn
+    if x._is_view():  # the common cases in one step: an activation's view, weight.t()
+        base = x._base
+        if base.grad_fn is None:
+            return base.requires_grad
+        node = base.grad_fn
+    else:
+        node = x.grad_fn
     for _ in range(6):
         if node is None:
             return False
-        name = node.name()
+        name = _node_name(node)
         if name == "torch::autograd::AccumulateGrad":
             return True
         if name not in _VIEW_OR_COPY_NODES:
@@ -97,10 +150,12 @@ def _layout(x: torch.Tensor) -> tuple[int, int, bool, int]:
     (a permutation of a contiguous block), and its row length: the size of its stride-1 dim
     (1 if it has none)."""
     off = x.storage_offset()
+    if x.is_contiguous():  # the common case, without sorting: the stride-1 dim is the last one > 1
+        shape = x.shape
+        row = shape[-1] if shape and shape[-1] > 1 else next((n for n in reversed(shape) if n > 1), 1)
+        return off, off + x.numel() - 1, True, row
     dims = sorted((st, size) for size, st in zip(x.shape, x.stride(), strict=True) if size > 1)
     row = dims[0][1] if dims and dims[0][0] == 1 else 1
-    if x.is_contiguous():
-        return off, off + x.numel() - 1, True, row
     expected, dense = 1, True
     for st, size in dims:
         dense &= st == expected
@@ -166,7 +221,7 @@ class _Recomputed(_Region):
 
     func: object = None
     kwargs: dict | None = None
-    source: _Handle | weakref.ref | None = None  # weak until a save uses the region
+    source: _Handle | None = None
     shape: tuple[int, ...] = ()
     stride: tuple[int, ...] = ()
 
@@ -188,6 +243,18 @@ class _Handle:
     offset: int  # element offset of the view inside the region
 
 
+class _Pending:
+    """An attention input saved before its op's output, which tells q and k from v: `held` is
+    filled in when the output is saved (or when anything else needs it first)."""
+
+    __slots__ = ("tensor", "version", "held")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor: torch.Tensor | None = tensor
+        self.version = tensor._version
+        self.held: _Handle | _Kept | None = None
+
+
 @dataclasses.dataclass(eq=False)
 class _Kept:
     """A tensor held as is (detached), with its version at save time."""
@@ -196,50 +263,6 @@ class _Kept:
     version: int
     reason: str
     region: _KeptRegion | None = None  # keeps the region's entry alive for later saves inside it
-
-
-class _OpRecorder(TorchFunctionMode):
-    """Records the outermost torch function running (the mode is off while it runs)."""
-
-    def __init__(self, owner: compress_activations) -> None:
-        super().__init__()
-        self.owner = owner
-        self.current: OpKind | None = None
-        self.qk_ptrs: tuple[int, ...] = ()  # data pointers of an attention call's q and k
-        self.qk_nodes: tuple = ()  # and their grad_fns
-        self.packed: tuple[torch.Tensor, _Handle] | None = None  # first compressed save of this call
-        self._kinds: dict = {}
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        kind = self._kinds.get(func)
-        if kind is None:
-            kind = self._kinds[func] = kind_of_function(func)
-        if kind is OpKind.OTHER:  # the common case (views, adds, ...): calls never nest here, and
-            return func(*args, **kwargs)  # every other call restores `current` (None) on return
-        previous = self.current, self.qk_ptrs, self.qk_nodes, self.packed
-        self.current, self.packed = kind, None
-        if kind is OpKind.ATTENTION:
-            qk = list(args[:2]) + [kwargs.get(name) for name in ("query", "key")[len(args[:2]) :]]
-            qk = [t for t in qk if isinstance(t, torch.Tensor)]
-            self.qk_ptrs = tuple(t.data_ptr() for t in qk)
-            self.qk_nodes = tuple(t.grad_fn for t in qk if t.grad_fn is not None)
-        try:
-            out = func(*args, **kwargs)
-            if kind is OpKind.ACTIVATION and self.packed is not None:
-                self.owner._note_recomputable(func, args, kwargs, out, *self.packed)
-            return out
-        finally:
-            self.current, self.qk_ptrs, self.qk_nodes, self.packed = previous
-
-    def is_query_or_key(self, x: torch.Tensor) -> bool:
-        """x is the q or k of the running attention call, or autocast's cast of one."""
-        if x.data_ptr() in self.qk_ptrs:
-            return True
-        node = x.grad_fn
-        if node is not None and node.name() == "ToCopyBackward0":
-            node = node.next_functions[0][0]
-        return node is not None and any(node is n for n in self.qk_nodes)
 
 
 def _module_kind(frame) -> OpKind:
@@ -256,12 +279,6 @@ def _module_kind(frame) -> OpKind:
             return kind
         frame = frame.f_back
     return OpKind.OTHER
-
-
-def _sequence_now() -> int:
-    """Sequence number the next autograd node created on this thread gets."""
-    with torch.enable_grad():
-        return torch.empty(0, requires_grad=True).view(0).grad_fn._sequence_nr() + 1
 
 
 class compress_activations:  # noqa: N801  (a context manager used like a function)
@@ -283,47 +300,44 @@ class compress_activations:  # noqa: N801  (a context manager used like a functi
             raise TypeError(f"unknown option(s) {unknown}; ActivationPolicy fields are {sorted(fields)}")
         self.policy = dataclasses.replace(policy, **overrides)
         self.stats = ActivationStats()
+        self._granularity = {kind: self.policy.granularity(kind) for kind in OpKind}
+        self._min_numel = max(self.policy.min_numel, 1)
+        self._recompute = self.policy.recompute
         self._regions: dict[int, list[weakref.ref]] = {}  # storage pointer -> held regions in it
-        self._recipes: dict[int, _Recomputed] = {}  # storage pointer -> how to recompute its values
+        self._sources: dict[int, tuple] = {}  # node sequence nr -> (weak handle, storage ptr) of its input
+        self._pending: list[_Pending] = []  # attention inputs waiting for their op's output
+        self._pending_seq = -1  # sequence number of the attention node they belong to
         self._first_seq = 0  # autograd nodes numbered below this existed before __enter__
         self._thread = None
         self._slots: dict = {}  # device -> (amax int32 slots, scale byte slots, next free slot)
-        self._recorder: _OpRecorder | None = None
         self._hooks = None
 
     # -- context ---------------------------------------------------------------------------
     def __enter__(self) -> compress_activations:
-        if torch.compiler.is_compiling():
+        if _is_compiling():
             _refuse_compiled()
         if self._hooks is not None:
             raise RuntimeError("this compress_activations context is already active; create a new one")
-        self._first_seq, self._thread = _sequence_now(), threading.get_ident()
-        self._recorder = _OpRecorder(self)
-        self._recorder.__enter__()
+        self._first_seq, self._thread = _next_sequence_nr(), threading.get_ident()
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
+        self._resolve_pending()
         self._hooks.__exit__(*exc)
-        self._recorder.__exit__(*exc)
-        self._hooks, self._recorder = None, None
+        self._hooks = None
         self._regions.clear()
-        self._recipes.clear()
+        self._sources.clear()
         self._slots.clear()
-
-    def _kind(self) -> OpKind:
-        kind = self._recorder.current if self._recorder is not None else None
-        if kind is None or kind is OpKind.OTHER:
-            return _module_kind(sys._getframe(2))  # from the op's caller up
-        return kind
 
     # -- pack ------------------------------------------------------------------------------
     def _keep(self, x: torch.Tensor, reason: str, count_bytes: int | None = None) -> _Kept:
-        self.stats.kept += 1
-        self.stats.kept_reasons[reason] += 1
-        self.stats.bytes_kept[reason] += x.numel() * x.element_size() if count_bytes is None else count_bytes
-        return _Kept(x.detach(), x._version, reason)
+        stats = self.stats
+        stats.kept += 1
+        stats.kept_reasons[reason] += 1
+        stats.bytes_kept[reason] += x.numel() * x.element_size() if count_bytes is None else count_bytes
+        return _Kept(x.detach() if x.requires_grad else x, x._version, reason)
 
     def _always_kept(self, x: torch.Tensor) -> str | None:
         if x.dtype not in _COMPRESSIBLE:
@@ -333,13 +347,62 @@ class compress_activations:  # noqa: N801  (a context manager used like a functi
             if x.requires_grad:
                 return "parameter or other leaf requiring grad"
             return "no grad_fn (buffers, frozen parameters, statistics such as mean, rstd, logsumexp)"
-        if x.numel() < max(self.policy.min_numel, 1):
+        if x.numel() < self._min_numel:
             return f"smaller than min_numel={self.policy.min_numel}"
         if node._sequence_nr() < self._first_seq and threading.get_ident() == self._thread:
             return "created before the context"
         if _derived_from_parameter(x):
             return "parameter cast or view"
         return None
+
+    def _pack(self, x: torch.Tensor):
+        if _is_compiling():
+            _refuse_compiled()
+        if self._pending and _next_sequence_nr() != self._pending_seq + 1:
+            self._resolve_pending()  # an attention op that saved no output of its own (math backend)
+        reason = self._always_kept(x)
+        if reason is not None:
+            return self._keep(x, reason)
+        frame = sys._getframe(1)  # the Python code calling the op that saves x
+        kind = kind_of_call_site(frame.f_code, frame.f_lasti)
+        if kind is OpKind.OTHER:
+            kind = _module_kind(frame)
+        if kind is OpKind.ATTENTION:
+            return self._attention(x)
+        return self._hold(
+            x, self._granularity[kind], kind.value, kind is OpKind.ACTIVATION and self._recompute
+        )
+
+    def _attention(self, x: torch.Tensor):
+        """q, k, v wait for the op's output, whose grad_fn lists the op's inputs in order."""
+        seq = _next_sequence_nr() - 1  # the attention op's node: made before it saves anything
+        node = x.grad_fn
+        if node._sequence_nr() != seq:  # an input
+            pending = _Pending(x)
+            self._pending.append(pending)
+            self._pending_seq = seq
+            return pending
+        inputs = [n for n, _ in node.next_functions[:2] if n is not None]  # q's and k's grad_fns
+        pending, self._pending = self._pending, []
+        pending.sort(key=lambda p: not any(p.tensor.grad_fn is n for n in inputs))  # q, k first
+        for p in pending:
+            qk = any(p.tensor.grad_fn is n for n in inputs)
+            self._settle(p, "attention" if qk else "attention_v_out")
+        return self._hold(x, self.policy.attention_v_out, "attention_v_out")
+
+    def _settle(self, pending: _Pending, label: str) -> None:
+        x, pending.tensor = pending.tensor, None
+        if x._version != pending.version:  # modified in place since: keep it so that backward raises
+            kept = self._keep(x, f"policy keeps {label}")
+            kept.version = pending.version
+            pending.held = kept
+        else:
+            pending.held = self._hold(x, getattr(self.policy, label), label)
+
+    def _resolve_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        for p in pending:
+            self._settle(p, "attention_v_out")
 
     def _find(self, ptr: int, x: torch.Tensor, lo: int, hi: int) -> _Region | None:
         refs = self._regions.get(ptr)
@@ -359,12 +422,9 @@ class compress_activations:  # noqa: N801  (a context manager used like a functi
             refs[:] = [r for r in refs if r() is not None and not r().storage.expired()]
         refs.append(weakref.ref(region))
 
-    def _pack(self, x: torch.Tensor):
-        if torch.compiler.is_compiling():
-            _refuse_compiled()
-        reason = self._always_kept(x)
-        if reason is not None:
-            return self._keep(x, reason)
+    def _hold(self, x: torch.Tensor, granularity: Granularity, label: str, source: bool = False):
+        """Pack x (or share the region that already holds its memory, or keep it); `source`: x is
+        the input of an activation function whose output may be recomputed from it."""
         lo, hi, dense, row = _layout(x)
         if not dense and any(st == 0 and n > 1 for n, st in zip(x.shape, x.stride(), strict=True)):
             return self._keep(x, "expanded (stride-0) view")
@@ -374,54 +434,40 @@ class compress_activations:  # noqa: N801  (a context manager used like a functi
         if region is not None:
             self.stats.shared += 1
             region.shared = True
-            return self._view_of(region, x)
-        if dense:
-            start, stop = lo, hi + 1
+            handle = self._view_of(region, x)
         else:
-            stop = storage.nbytes() // x.element_size()
-            start = 0 if stop <= _MAX_STORAGE_PER_VIEW * x.numel() else None
-        kind = self._kind()
-        granularity, label = self.policy.granularity(kind), kind.value
-        if kind is OpKind.ATTENTION and not self._recorder.is_query_or_key(x):
-            granularity, label = self.policy.attention_v_out, "attention_v_out"
-        place = (StorageWeakRef(storage), start, stop, x.dtype, x.device, x._version)
-        if granularity is Granularity.KEEP:
-            reason = f"policy keeps {label}"
-            if start is None:
-                return self._keep(x, reason)
-            kept = self._keep(x, reason, (stop - start) * x.element_size())
-            kept.region = _KeptRegion(*place, reason=reason)
-            self._register(ptr, kept.region)
-            return kept
-        if start is None:  # a sparse view of a large storage: pack a contiguous copy, unshared
-            base = x.contiguous()
-            place = (
-                StorageWeakRef(base.untyped_storage()),
-                0,
-                base.numel(),
-                x.dtype,
-                x.device,
-                base._version,
-            )
-            region = self._compress(base, place, granularity, row, label)
-            return self._view_of(region, base)
-        region = self._recompute_region(ptr, x, lo, hi)
-        if region is None:
-            region = self._compress(x, place, granularity, row, label)
-        else:
-            self.stats.recomputed += 1
-            self.stats.bytes_recomputed += (stop - start) * x.element_size()
-        self._register(ptr, region)
-        return self._view_of(region, x)
+            if dense:
+                start, stop = lo, hi + 1
+            else:
+                stop = storage.nbytes() // x.element_size()
+                start = 0 if stop <= _MAX_STORAGE_PER_VIEW * x.numel() else None
+            place = (StorageWeakRef(storage), start, stop, x.dtype, x.device, x._version)
+            if granularity is Granularity.KEEP:
+                reason = f"policy keeps {label}"
+                if start is None:
+                    return self._keep(x, reason)
+                kept = self._keep(x, reason, (stop - start) * x.element_size())
+                kept.region = _KeptRegion(*place, reason=reason)
+                self._register(ptr, kept.region)
+                return kept
+            if start is None:  # a sparse view of a large storage: pack a contiguous copy, unshared
+                base = x.contiguous()
+                n = base.numel()
+                place = (StorageWeakRef(base.untyped_storage()), 0, n, x.dtype, x.device, base._version)
+                return self._view_of(self._compress(base, place, granularity, row, label), base)
+            region = self._recompute_region(ptr, x, place) if self._sources else None
+            if region is None:
+                region = self._compress(x, place, granularity, row, label)
+            self._register(ptr, region)
+            handle = self._view_of(region, x)
+        if source and isinstance(handle, _Handle) and isinstance(handle.region, _Packed):
+            self._note_source(handle, ptr)
+        return handle
 
     def _view_of(self, region: _Region, x: torch.Tensor):
         if isinstance(region, _KeptRegion):
             return _Kept(x.detach(), x._version, region.reason, region)
-        handle = _Handle(region, tuple(x.shape), x.stride(), x.storage_offset() - region.start)
-        recorder = self._recorder
-        if recorder is not None and recorder.packed is None and isinstance(region, _Packed):
-            recorder.packed = (x, handle)  # the running call saved x compressed (see _note_recomputable)
-        return handle
+        return _Handle(region, tuple(x.shape), x.stride(), x.storage_offset() - region.start)
 
     def _use_triton(self, x: torch.Tensor) -> bool:
         backend = self.policy.backend
@@ -432,30 +478,28 @@ class compress_activations:  # noqa: N801  (a context manager used like a functi
     ) -> _Packed:
         policy = self.policy
         start, n = place[1], place[2] - place[1]
-        self.stats.packed += 1
-        self.stats.packed_by_kind[f"{label}/{granularity.value}"] += 1
-        self.stats.bytes_original += n * x.element_size()
+        stats = self.stats
+        stats.packed += 1
+        stats.packed_by_kind[f"{label}/{granularity.value}"] += 1
+        stats.bytes_original += n * x.element_size()
         row = row if 0 < row and n % row == 0 else n
-        fields = {"granularity": granularity, "row": row, "group_size": policy.group_size, "fmt": policy.fmt}
+        fmt, group_size = policy.fmt, policy.group_size
+        packed = _Packed(*place, granularity=granularity, row=row, group_size=group_size, fmt=fmt)
         if self._use_triton(x):
-            from coatstate.kernels import activation_pack as K
-
+            K = _kernels()
             base = x if x.storage_offset() == start else x.as_strided((n,), (1,), start)
+            packed.kernel = True
             if granularity is Granularity.TENSOR:
-                amax, scales, slot = self._slot(x.device)
-                codes = K.pack_tensor_flat(base, n, policy.fmt, amax, scales, slot)
-                packed = _Packed(*place, codes=codes, scales=scales, slot=slot, kernel=True, **fields)
+                amax, packed.scales, packed.slot = self._slot(x.device)
+                packed.codes = K.pack_tensor_flat(base, n, fmt, amax, packed.scales, packed.slot)
             else:
-                codes = K.pack_groups_flat(base, n, row, policy.group_size, policy.fmt)
-                packed = _Packed(*place, codes=codes, kernel=True, **fields)
+                packed.codes = K.pack_groups_flat(base, n, row, group_size, fmt)
         elif granularity is Granularity.TENSOR:
-            codes, scales = codec.pack_tensor(x.as_strided((n,), (1,), start), policy.fmt)
-            packed = _Packed(*place, codes=codes, scales=scales, **fields)
+            packed.codes, packed.scales = codec.pack_tensor(x.as_strided((n,), (1,), start), fmt)
         else:
             rows2d = x.as_strided((n // row, row), (row, 1), start)
-            codes, scales = codec.pack_groups(rows2d, policy.group_size, policy.fmt)
-            packed = _Packed(*place, codes=codes, scales=scales, **fields)
-        self.stats.bytes_packed += packed.nbytes
+            packed.codes, packed.scales = codec.pack_groups(rows2d, group_size, fmt)
+        stats.bytes_packed += packed.nbytes
         return packed
 
     def _slot(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -470,45 +514,50 @@ class compress_activations:  # noqa: N801  (a context manager used like a functi
         return amax, scales, used
 
     # -- recomputation of activation-function outputs --------------------------------------
-    def _note_recomputable(self, func, args, kwargs, out, saved: torch.Tensor, source: _Handle) -> None:
-        """`out = func(args[0], **kwargs)` and this call saved args[0] compressed: remember how to
-        recompute `out` from it, in case a later op saves `out`."""
-        if not self.policy.recompute or not isinstance(out, torch.Tensor) or kwargs.get("inplace"):
-            return
-        if len(args) != 1 or args[0].data_ptr() != saved.data_ptr() or out.data_ptr() == saved.data_ptr():
-            return
-        if not isinstance(source.region, _Packed) or out.dtype not in _COMPRESSIBLE:
-            return
-        lo, hi, dense, _ = _layout(out)
-        if not dense or out.numel() == 0:
-            return
-        storage = out.untyped_storage()
-        region = _Recomputed(
-            StorageWeakRef(storage),
-            lo,
-            hi + 1,
-            out.dtype,
-            out.device,
-            out._version,
-            func=func,
-            kwargs=dict(kwargs),
-            source=weakref.ref(source),
-            shape=tuple(out.shape),
-            stride=out.stride(),
-        )
-        self._recipes[storage.data_ptr()] = region
+    def _note_source(self, handle: _Handle, ptr: int) -> None:
+        """The activation op being run saved its input compressed as `handle`: remember it under
+        the op's node, in case a later op saves the op's output."""
+        sources = self._sources
+        if len(sources) >= _MAX_SOURCES:
+            del sources[next(iter(sources))]
+        sources[_next_sequence_nr() - 1] = (weakref.ref(handle), ptr)
 
-    def _recompute_region(self, ptr: int, x: torch.Tensor, lo: int, hi: int) -> _Recomputed | None:
-        region = self._recipes.get(ptr)
-        if region is None or not region.holds(x, lo, hi):
+    def _recompute_region(self, ptr: int, x: torch.Tensor, place: tuple) -> _Recomputed | None:
+        """A region that recomputes x in backward, if x is (a reshape of) the whole output of an
+        activation function whose contiguous input was saved compressed."""
+        node = x.grad_fn
+        for _ in range(3):  # the next linear saves a view of the output (its rows flattened)
+            entry = self._sources.get(node._sequence_nr())
+            if entry is not None:
+                break
+            nexts = node.next_functions if _node_name(node) in _RESHAPE_NODES else ()
+            if len(nexts) != 1 or nexts[0][0] is None:
+                return None
+            node = nexts[0][0]
+        else:
             return None
-        del self._recipes[ptr]
-        region.source = region.source()  # held from now on: backward recomputes from it
-        return region if region.source is not None else None
+        source = entry[0]()
+        recipe = _RECOMPUTABLE.get(_node_name(node))
+        if recipe is None or source is None or entry[1] == ptr or not x.is_contiguous():
+            return None  # (an in-place activation writes into its input's storage)
+        shape = source.shape
+        stride = torch.empty(shape, device="meta").stride()
+        if source.stride != stride or x.numel() != math.prod(shape):
+            return None
+        del self._sources[node._sequence_nr()]
+        func, kwargs = recipe(node)
+        region = _Recomputed(*place, func=func, kwargs=kwargs, source=source, shape=shape, stride=stride)
+        self.stats.recomputed += 1
+        self.stats.bytes_recomputed += (place[2] - place[1]) * x.element_size()
+        return region
 
     # -- unpack ----------------------------------------------------------------------------
     def _unpack(self, saved):
-        if isinstance(saved, _Kept):
+        if type(saved) is _Pending:
+            if saved.held is None:
+                self._resolve_pending()
+            saved = saved.held
+        if type(saved) is _Kept:
             if saved.tensor._version != saved.version:
                 t = saved.tensor
                 raise RuntimeError(
@@ -537,8 +586,7 @@ class compress_activations:  # noqa: N801  (a context manager used like a functi
                 ).copy_(out)
             flat = out.as_strided((out.numel(),), (1,), out.storage_offset())
         elif region.kernel:
-            from coatstate.kernels import activation_pack as K
-
+            K = _kernels()
             if region.granularity is Granularity.TENSOR:
                 flat = K.unpack_tensor_flat(
                     region.codes, region.scales, region.slot, region.fmt, region.dtype

@@ -45,6 +45,7 @@ from ..formats.tensorwise import AMAX_BLOCK
 from .fp8_triton import FAST_MATH, from_fp8_bits, group_offsets, round_to_fp8_grid
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # absent from CPU builds
 _BLOCK = 4096  # elements per program of the per-tensor kernels
 _AMAX_ITERS = 4  # blocks per program of the amax kernel: fewer atomics on one address
 _GROUP_TILE = 4096  # elements per program of the per-group kernels
@@ -236,30 +237,41 @@ class _Launcher:
         self.compiled: dict[tuple, CompiledKernel] = {}
 
     def __call__(self, grid: tuple[int, ...], args: tuple, constexprs: dict) -> None:
-        device = args[0].device.index
-        key = (device, *constexprs.values())
+        device = args[0].get_device()
+        key = [device, *constexprs.values()]
         for a in args:
-            if isinstance(a, torch.Tensor):
-                key += (a.dtype, a.data_ptr() % 16 == 0)
-            else:
+            if type(a) is int:
                 key += (a == 1, a % 16 == 0, a >= 2**31)
+            else:
+                key += (a.dtype, a.data_ptr() % 16 == 0)
+        key = tuple(key)
         compiled = self.compiled.get(key) if _Launcher.mode else None
         if compiled is not None:
             try:
-                if _Launcher.mode == 2:
-                    g = (*grid, 1, 1)
-                    stream = torch._C._cuda_getCurrentRawStream(device)
-                    compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata,
-                                 None, None, None, *args, *constexprs.values())  # fmt: skip
-                else:
-                    compiled[(*grid, 1, 1)[:3]](*args, *constexprs.values())
+                self.launch(compiled, device, grid, args, constexprs)
                 return
             except (TypeError, AttributeError):
                 _Launcher.mode -= 1
                 return self(grid, args, constexprs)
-        compiled = self.kernel[grid](*args, **constexprs, num_warps=8)
+        compiled = self.compile(grid, args, constexprs)
         if isinstance(compiled, CompiledKernel) and _Launcher.mode:
             self.compiled[key] = compiled
+
+    def launch(
+        self, compiled: CompiledKernel, device: int, grid: tuple, args: tuple, constexprs: dict
+    ) -> None:
+        """Launch an already compiled kernel (the path of every call after the first)."""
+        if _Launcher.mode == 2:
+            g = (*grid, 1, 1)
+            stream = _current_stream(device)
+            compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata,
+                         None, None, None, *args, *constexprs.values())  # fmt: skip
+        else:
+            compiled[(*grid, 1, 1)[:3]](*args, *constexprs.values())
+
+    def compile(self, grid: tuple, args: tuple, constexprs: dict):
+        """triton's full launch, which compiles the kernel for a new specialization."""
+        return self.kernel[grid](*args, **constexprs, num_warps=8)
 
 
 _amax = _Launcher(_amax_kernel)
@@ -268,28 +280,38 @@ _unpack_tensor = _Launcher(_unpack_tensor_kernel)
 _pack_groups = _Launcher(_pack_groups_kernel)
 _unpack_groups = _Launcher(_unpack_groups_kernel)
 _CONSTANTS: dict = {}
+_AMAX_CONSTANTS = {"BLOCK": _BLOCK, "ITERS": _AMAX_ITERS}
 
 
-def _encode_constants(fmt: FP8Format) -> dict:
-    const = _CONSTANTS.get(fmt)
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # (triton.cdiv is a constexpr function: several microseconds per host call)
+
+
+def _encode_constants(fmt: FP8Format, **extra) -> dict:
+    """constexprs of a pack kernel (cached: the launchers' keys are built from them per call)."""
+    key = (fmt, *extra.items())
+    const = _CONSTANTS.get(key)
     if const is None:
-        const = _CONSTANTS[fmt] = {
+        const = _CONSTANTS[key] = {
             "FP8_MAX": fmt.max,
             "MANT": fmt.mantissa_bits,
             "EMIN": fmt.min_normal_exponent,
             **scale_constants(fmt),
             "IS_E4M3": fmt is FP8Format.E4M3,
+            **extra,
         }
     return const
 
 
-def _decode_constants(fmt: FP8Format, dtype: torch.dtype) -> dict:
-    const = _CONSTANTS.get((fmt, dtype))
+def _decode_constants(fmt: FP8Format, dtype: torch.dtype, **extra) -> dict:
+    key = (fmt, dtype, *extra.items())
+    const = _CONSTANTS.get(key)
     if const is None:
-        const = _CONSTANTS[(fmt, dtype)] = {
+        const = _CONSTANTS[key] = {
             "OUT_MAX": float(torch.finfo(dtype).max),
             "BF16": dtype == torch.bfloat16,
             "IS_E4M3": fmt is FP8Format.E4M3,
+            **extra,
         }
     return const
 
@@ -298,15 +320,9 @@ def pack_tensor_flat(x, n: int, fmt: FP8Format, amax, scales, slot: int) -> torc
     """Codes (n,) uint8 of the n elements at x's data pointer (dense); the scale byte goes to
     scales[slot], the maximum through amax[slot] (int32, zero before the call)."""
     codes = torch.empty(n, dtype=torch.uint8, device=x.device)
-    _amax(
-        (max(1, triton.cdiv(n, _BLOCK * _AMAX_ITERS)),),
-        (x, amax, slot, n),
-        {"BLOCK": _BLOCK, "ITERS": _AMAX_ITERS},
-    )
+    _amax((max(1, _cdiv(n, _BLOCK * _AMAX_ITERS)),), (x, amax, slot, n), _AMAX_CONSTANTS)
     _pack_tensor(
-        (max(1, triton.cdiv(n, _BLOCK)),),
-        (x, amax, codes, scales, slot, n),
-        {**_encode_constants(fmt), "BLOCK": _BLOCK},
+        (max(1, _cdiv(n, _BLOCK)),), (x, amax, codes, scales, slot, n), _encode_constants(fmt, BLOCK=_BLOCK)
     )
     return codes
 
@@ -315,11 +331,8 @@ def unpack_tensor_flat(codes, scales, slot: int, fmt: FP8Format, dtype: torch.dt
     """The (n,) tensor in `dtype` from pack_tensor_flat's codes and scales[slot]."""
     n = codes.numel()
     out = torch.empty(n, dtype=dtype, device=codes.device)
-    _unpack_tensor(
-        (max(1, triton.cdiv(n, _BLOCK)),),
-        (codes, scales, out, slot, n),
-        {**_decode_constants(fmt, dtype), "BLOCK": _BLOCK},
-    )
+    const = _decode_constants(fmt, dtype, BLOCK=_BLOCK)
+    _unpack_tensor((max(1, _cdiv(n, _BLOCK)),), (codes, scales, out, slot, n), const)
     return out
 
 
@@ -327,7 +340,7 @@ def _group_layout(n: int, cols: int, group_size: int) -> tuple[int, int, int, bo
     if group_size < 1 or group_size & (group_size - 1) or group_size > 1024:
         raise ValueError(f"group_size must be a power of two in [1, 1024] for the kernel; got {group_size}")
     rows = n // cols if cols else 0
-    groups_per_row = max(1, triton.cdiv(cols, group_size))
+    groups_per_row = max(1, _cdiv(cols, group_size))
     return (
         rows * groups_per_row,
         cols,
@@ -343,8 +356,8 @@ def pack_groups_flat(x, n: int, cols: int, group_size: int, fmt: FP8Format) -> t
     n_groups, cols, per_row, even, block = _group_layout(n, cols, group_size)
     buf = torch.empty(n + n_groups, dtype=torch.uint8, device=x.device)
     if n_groups:
-        const = {**_encode_constants(fmt), "G": group_size, "EVEN": even, "BLOCK_GROUPS": block}
-        _pack_groups((triton.cdiv(n_groups, block),), (x, buf, n, n_groups, cols, per_row), const)
+        const = _encode_constants(fmt, G=group_size, EVEN=even, BLOCK_GROUPS=block)
+        _pack_groups((_cdiv(n_groups, block),), (x, buf, n, n_groups, cols, per_row), const)
     return buf
 
 
@@ -353,8 +366,8 @@ def unpack_groups_flat(buf, n: int, cols: int, group_size: int, fmt: FP8Format, 
     n_groups, cols, per_row, even, block = _group_layout(n, cols, group_size)
     out = torch.empty(n, dtype=dtype, device=buf.device)
     if n_groups:
-        const = {**_decode_constants(fmt, dtype), "G": group_size, "EVEN": even, "BLOCK_GROUPS": block}
-        _unpack_groups((triton.cdiv(n_groups, block),), (buf, out, n, n_groups, cols, per_row), const)
+        const = _decode_constants(fmt, dtype, G=group_size, EVEN=even, BLOCK_GROUPS=block)
+        _unpack_groups((_cdiv(n_groups, block),), (buf, out, n, n_groups, cols, per_row), const)
     return out
 
 
@@ -404,7 +417,7 @@ def pack_groups(x2d: torch.Tensor, group_size: int = 16, fmt: FP8Format | str = 
     rows, cols = x2d.shape
     n = x2d.numel()
     buf = pack_groups_flat(x2d, n, cols, group_size, fmt)
-    per_row = max(1, triton.cdiv(cols, group_size))
+    per_row = max(1, _cdiv(cols, group_size))
     scales = (
         buf[n:].view(rows, per_row)
         if n
@@ -419,7 +432,7 @@ def unpack_groups(codes2d: torch.Tensor, scales: torch.Tensor, group_size: int, 
     if codes2d.dim() != 2:
         raise ValueError(f"codes2d must be 2-D; got shape {tuple(codes2d.shape)}")
     rows, cols = codes2d.shape
-    want = (rows, max(1, triton.cdiv(cols, group_size)))
+    want = (rows, max(1, _cdiv(cols, group_size)))
     if tuple(scales.shape) != want or scales.dtype != torch.uint8:
         raise ValueError(
             f"scales must be uint8 exponent bytes of shape {want}; got {scales.dtype} {tuple(scales.shape)}"
@@ -508,7 +521,7 @@ def pack_tensorwise(x: torch.Tensor, fmt: FP8Format | str = "e4m3") -> tuple[tor
     fmt = FP8Format.parse(fmt)
     n = x.numel()
     codes = torch.empty(x.shape, dtype=fmt.dtype, device=x.device)
-    n_partial = max(1, triton.cdiv(n, AMAX_BLOCK))
+    n_partial = max(1, _cdiv(n, AMAX_BLOCK))
     partial = torch.empty(n_partial, dtype=torch.float32, device=x.device)
     scale = torch.empty(2, dtype=torch.float32, device=x.device)
     _gemm_partial_amax_kernel[(n_partial,)](x, partial, n, BLOCK=AMAX_BLOCK, **_launch_options())
@@ -534,7 +547,7 @@ def unpack_tensorwise(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dty
         raise TypeError(f"dtype must be float32, bfloat16 or float16; got {dtype}")
     out = torch.empty(codes.shape, dtype=dtype, device=codes.device)
     n = codes.numel()
-    grid = (max(1, triton.cdiv(n, AMAX_BLOCK)),)
+    grid = (max(1, _cdiv(n, AMAX_BLOCK)),)
     _gemm_unpack_kernel[grid](
         codes, scale.float(), out, n, BF16=dtype == torch.bfloat16, BLOCK=AMAX_BLOCK, **_launch_options()
     )

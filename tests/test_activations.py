@@ -29,7 +29,7 @@ from coatstate.activations import compress_activations
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from models import GPT, Llama, ModelConfig  # noqa: E402
+from models import GPT, Llama, ModelConfig, RMSNorm  # noqa: E402
 
 _INTERPRETER_SCRIPT = textwrap.dedent(
     """
@@ -309,6 +309,60 @@ def test_activation_output_is_recomputed_not_stored():
     assert stats[True].activation_bytes_original == stats[False].activation_bytes_original
 
 
+def test_op_kinds_come_from_call_sites_without_a_torch_function_mode():
+    """The kind is read off the Python call running the op (F.linear, `@`, x.softmax, ...) and,
+    for ops that say nothing (the muls of a hand-written RMSNorm), off the module on the stack;
+    nothing hooks every torch call."""
+    torch.manual_seed(0)
+    lin, norm = nn.Linear(64, 64), RMSNorm(64)
+    w = nn.Parameter(torch.randn(64, 64))
+    x, target = torch.randn(32, 64), torch.randint(0, 64, (32,))
+    with compress_activations(min_numel=0, other="keep") as ctx:
+        assert not torch._C._is_torch_function_mode_enabled()
+        h = [lin(x) + i for i in range(7)]  # seven distinct activations
+        loss = (
+            (h[0] @ w).sum()  # linear: an operator
+            + torch.matmul(h[1], w).sum()  # linear: a torch function
+            + F.layer_norm(h[2], (64,)).sum()  # norm: a Python function calling torch.layer_norm
+            + h[3].softmax(-1).square().sum()  # activation (saves its output)
+            + norm(h[4]).sum()  # norm by the module: pow saves h, rsqrt its output, mul h*r
+            + torch.sin(h[5]).sum()  # other: kept by this policy
+            + F.cross_entropy(h[6], target)  # loss: its log-probabilities kept
+        )
+    loss.backward()
+    print(ctx.stats.summary(), dict(ctx.stats.packed_by_kind))
+    # (the square's input is the softmax output: shared, not packed again)
+    assert dict(ctx.stats.packed_by_kind) == {"linear/tensor": 2, "norm/group": 4, "activation/group": 1}
+    reasons = ctx.stats.kept_reasons
+    assert reasons["policy keeps other"] >= 1 and reasons["policy keeps loss"] == 1, reasons
+
+
+def test_math_attention_keeps_inputs_and_in_place_change_raises():
+    """The math backend saves no output of its own, so q/k cannot be told from v: its saves are
+    held as attention_v_out (kept by default), and an in-place change of one before backward raises
+    as autograd would."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 32, 16, requires_grad=True) for _ in range(3))
+    for modify in (False, True):
+        qq, kk, vv = q * 1, k * 1, v * 1
+        with sdpa_kernel(SDPBackend.MATH), compress_activations(min_numel=0) as ctx:
+            out = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True)
+            if modify:
+                vv.add_(1.0)
+        loss = out.square().sum()
+        if modify:
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                loss.backward()
+            continue
+        loss.backward()
+        assert ctx.stats.packed == 0 and ctx.stats.kept_reasons["policy keeps attention_v_out"] > 0
+        with sdpa_kernel(SDPBackend.MATH):
+            ref = F.scaled_dot_product_attention(q, k, v, is_causal=True).square().sum()
+        assert torch.equal(q.grad, torch.autograd.grad(ref, q)[0]), "kept tensors must give exact gradients"
+
+
 def test_integer_and_bool_tensors_pass_through():
     emb = nn.Embedding(100, 32)
     idx = torch.randint(0, 100, (4, 1000))
@@ -453,6 +507,7 @@ def test_gradient_fidelity_and_bytes(arch, autocast, device="cpu"):
     )
     assert cos[worst] >= 0.999, f"{worst}: cosine {cos[worst]:.6f}"
     assert s.ratio >= 1.8, f"only {s.ratio:.2f}x smaller"
+    assert s.recomputed == cfg.layers, "GELU/SiLU outputs (saved through a reshape by GPT) not recomputed"
 
 
 @pytest.mark.gpu

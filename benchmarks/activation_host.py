@@ -1,0 +1,186 @@
+"""Host (Python) time of compress_activations per training step, measured on CPU.
+
+    python benchmarks/activation_host.py                  # 24 layers, as GPT-2-medium; ~1 min
+    python benchmarks/activation_host.py --rounds 5       # quicker, noisier
+
+On the H200 the GPT-2-medium step is host-bound with compression on (benchmarks/activation_memory.py:
+the GPU time per step is that of the uncompressed step, the host's is not), so what counts is the
+Python work per saved tensor and per op. This script isolates it: a GPT with the GPT-2-medium
+layer count (--layers 24) but tiny tensors (d=32, seq 16, batch 1) on one CPU thread, so the
+compute is negligible and every forward saves the same tensors, in the same number, as the big
+model does (min_numel=0: every activation is as big as min_numel there).
+
+Times are CPU time of the calling thread (time.thread_time: other processes on a busy machine
+do not add to it; one torch thread, and the CPU autograd engine runs on the caller's thread).
+Variants, each timed for forward and backward separately (median over --rounds rounds, the
+variants interleaved in each round so machine load affects all alike):
+- none: no hooks;
+- hooks only: compress_activations with every kind kept (its bookkeeping, no packing);
+- compress (torch twin): the default policy on the pure-torch codec (the CPU path: its cost is
+  the codec's dozen torch ops per tensor, not what the GPU path runs);
+- compress (kernel path, no launch): the default policy on the path CUDA runs (backend="triton"),
+  with the two methods of kernels.activation_pack._Launcher that reach the GPU (compile, launch)
+  replaced by no-ops: every other host step of the GPU path runs (buffers, slots, argument
+  specialization keys, bookkeeping). Its codes are garbage, so its backward computes garbage
+  gradients, but the same host work.
+
+Reported per variant: ms per forward and backward, the overhead over `none`, and that overhead per
+saved tensor (every save autograd makes) and per op (torch function calls in the forward, counted
+once with a TorchFunctionMode outside the timing); for the compressing variants also the extra
+host time per compressed tensor over `hooks only`. JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from models import GPT, ModelConfig  # noqa: E402
+
+from coatstate.activations import compress_activations  # noqa: E402
+
+_KEEP_ALL = dict.fromkeys(
+    ("linear", "norm", "activation", "attention", "attention_v_out", "loss", "other"), "keep"
+)
+
+
+def _parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--dim", type=int, default=32)
+    p.add_argument("--seq", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--steps", type=int, default=5, help="steps per variant per round (median taken)")
+    p.add_argument("--out", default="benchmarks/results/activation_host.json")
+    return p.parse_args()
+
+
+@contextlib.contextmanager
+def _no_launch():
+    """The kernel path with the GPU calls of activation_pack._Launcher replaced by no-ops."""
+    from coatstate.kernels import activation_pack as K
+    from triton.compiler.compiler import CompiledKernel
+
+    stub = object.__new__(CompiledKernel)  # a compiled kernel as far as the launcher's cache cares
+    stub.module = stub._module_pid = None  # (read when it is collected)
+    saved = K._Launcher.compile, K._Launcher.launch
+    K._Launcher.compile = lambda self, grid, args, constexprs: stub
+    K._Launcher.launch = lambda self, compiled, device, grid, args, constexprs: None
+    try:
+        yield
+    finally:
+        K._Launcher.compile, K._Launcher.launch = saved
+
+
+def _variants() -> dict:
+    return {
+        "none": lambda: contextlib.nullcontext(),
+        "hooks only (all kept)": lambda: compress_activations(min_numel=0, **_KEEP_ALL),
+        "compress (torch twin)": lambda: compress_activations(min_numel=0, backend="torch"),
+        "compress (kernel path, no launch)": lambda: compress_activations(min_numel=0, backend="triton"),
+    }
+
+
+class _CountOps(TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _step(model, idx, make_ctx) -> tuple[float, float, object]:
+    ctx = make_ctx()
+    t0 = time.thread_time()
+    with ctx:
+        loss = model(idx, idx)
+    t1 = time.thread_time()
+    loss.backward()  # (on CPU the autograd engine runs on this thread)
+    t2 = time.thread_time()
+    return (t1 - t0) * 1e3, (t2 - t1) * 1e3, ctx
+
+
+def main() -> None:
+    args = _parse()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab=64, layers=args.layers, dim=args.dim, heads=2, seq=args.seq)
+    model = GPT(cfg)
+    idx = torch.randint(0, cfg.vocab, (1, cfg.seq))
+    variants = _variants()
+    counter = _CountOps()
+    with counter:
+        model(idx, idx)
+    stats = {}
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
+    with _no_launch():
+        for r in range(args.rounds + 1):  # round 0 warms up (call-site and kernel caches)
+            for name, make in variants.items():
+                steps = [_step(model, idx, make) for _ in range(args.steps)]
+                model.zero_grad(set_to_none=True)
+                if r:
+                    fwd = statistics.median(s[0] for s in steps)
+                    bwd = statistics.median(s[1] for s in steps)
+                    times[name].append((fwd, bwd))
+                stats[name] = getattr(steps[-1][2], "stats", None)
+    rows = []
+    base = None
+    for name, t in times.items():
+        fwd = statistics.median(x[0] for x in t)
+        bwd = statistics.median(x[1] for x in t)
+        row = {"variant": name, "fwd_ms": fwd, "bwd_ms": bwd}
+        s = stats[name]
+        if s is not None:
+            row.update(
+                saves=s.packed + s.kept + s.shared + s.recomputed,
+                packed=s.packed,
+                recomputed=s.recomputed,
+                shared=s.shared,
+                kept=s.kept,
+            )
+        if base is None:
+            base = row
+        else:
+            row["fwd_overhead_ms"] = fwd - base["fwd_ms"]
+            row["bwd_overhead_ms"] = bwd - base["bwd_ms"]
+            row["fwd_us_per_save"] = 1e3 * row["fwd_overhead_ms"] / row["saves"]
+            row["fwd_us_per_op"] = 1e3 * row["fwd_overhead_ms"] / counter.calls
+        rows.append(row)
+    hooks = rows[1]
+    for row in rows[2:]:
+        row["fwd_us_per_packed_over_hooks"] = 1e3 * (row["fwd_ms"] - hooks["fwd_ms"]) / max(1, row["packed"])
+        row["bwd_us_per_packed_over_hooks"] = 1e3 * (row["bwd_ms"] - hooks["bwd_ms"]) / max(1, row["packed"])
+    print(
+        f"GPT {args.layers} layers, d={args.dim}, seq {args.seq}, batch 1, CPU, 1 thread; "
+        f"{counter.calls} torch calls and {rows[1]['saves']} saved tensors per forward; median of "
+        f"{args.rounds} rounds"
+    )
+    head = f"{'variant':<36} {'fwd ms':>8} {'bwd ms':>8} {'+fwd ms':>8} {'us/save':>8} {'us/op':>7}"
+    print(head + f" {'us/packed':>10}")
+    for r in rows:
+        print(
+            f"{r['variant']:<36} {r['fwd_ms']:8.2f} {r['bwd_ms']:8.2f} {r.get('fwd_overhead_ms', 0):8.2f} "
+            f"{r.get('fwd_us_per_save', 0):8.2f} {r.get('fwd_us_per_op', 0):7.2f} "
+            f"{r.get('fwd_us_per_packed_over_hooks', 0):10.1f}"
+        )
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result = {"args": vars(args), "torch": torch.__version__, "python": sys.version.split()[0]}
+    result.update(ops_per_forward=counter.calls, rows=rows)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
