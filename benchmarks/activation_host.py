@@ -2,6 +2,7 @@
 
     python benchmarks/activation_host.py                  # 24 layers, as GPT-2-medium; ~1 min
     python benchmarks/activation_host.py --rounds 5       # quicker, noisier
+    python benchmarks/activation_host.py --baseline old.json   # also compare with a run on older code
 
 On the H200 the GPT-2-medium step is host-bound with compression on (benchmarks/activation_memory.py:
 the GPU time per step is that of the uncompressed step, the host's is not), so what counts is the
@@ -61,6 +62,11 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--steps", type=int, default=5, help="steps per variant per round (median taken)")
     p.add_argument("--out", default="benchmarks/results/activation_host.json")
+    p.add_argument(
+        "--baseline",
+        default=None,
+        help="JSON of an earlier run of this script (e.g. on older code) to compare with",
+    )
     return p.parse_args()
 
 
@@ -178,6 +184,18 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {"args": vars(args), "torch": torch.__version__, "python": sys.version.split()[0]}
     result.update(ops_per_forward=counter.calls, rows=rows)
+    if args.baseline:
+        baseline = json.loads(Path(args.baseline).read_text())
+        result["baseline"] = baseline
+        before = {r["variant"]: r for r in baseline["rows"]}
+        for r in rows[1:]:
+            b = before.get(r["variant"])
+            if b is not None:
+                ratio = r["fwd_overhead_ms"] / b["fwd_overhead_ms"]
+                print(
+                    f"{r['variant']:<36} forward overhead {b['fwd_overhead_ms']:.2f} -> "
+                    f"{r['fwd_overhead_ms']:.2f} ms ({ratio:.2f}x) vs baseline"
+                )
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")
 

@@ -24,6 +24,7 @@ import enum
 import functools
 
 import torch
+import torch.nn.functional as F
 
 from coatstate.formats.fp8 import FP8Format, round_to_fp8_grid
 
@@ -70,7 +71,8 @@ def kind_of_function(func) -> OpKind:
     return _KIND_BY_NAME.get(getattr(func, "__name__", ""), OpKind.OTHER)
 
 
-_SITE_KINDS: dict = {}  # (code object, instruction offset) -> OpKind of the call made there
+_SITE_KINDS: dict = {}  # (id(code), offset) -> OpKind of the call made there
+_SITE_CODES: dict = {}  # id(code) -> code: kept alive so that its id stays its own
 _CALLEE_LOADS = frozenset(
     "LOAD_ATTR LOAD_METHOD LOAD_GLOBAL LOAD_NAME LOAD_FAST LOAD_FAST_CHECK LOAD_FAST_BORROW LOAD_DEREF "
     "LOAD_CLASSDEREF LOAD_SUPER_ATTR LOAD_FROM_DICT_OR_GLOBALS LOAD_FROM_DICT_OR_DEREF".split()
@@ -80,9 +82,10 @@ _CALLEE_LOADS = frozenset(
 def kind_of_call_site(code, offset: int) -> OpKind:
     """The op kind of the call (or operator) at bytecode `offset` of `code`: a frame's
     (f_code, f_lasti) while torch runs the op. Cached per site; OTHER where it cannot tell."""
-    key = (code, offset)
+    key = (id(code), offset)  # (hashing a code object hashes its bytecode and constants)
     kind = _SITE_KINDS.get(key)
     if kind is None:
+        _SITE_CODES[key[0]] = code
         kind = _SITE_KINDS[key] = _classify_site(code, offset)
     return kind
 
@@ -128,6 +131,40 @@ def kind_of_module(module: torch.nn.Module) -> OpKind:
     if cls.__module__ == "torch.nn.modules.activation" and not issubclass(cls, torch.nn.MultiheadAttention):
         return OpKind.ACTIVATION
     return OpKind.OTHER
+
+
+_MODULE_KINDS: dict = {}  # id(code) -> (code, OpKind of the module whose forward it is, or None)
+
+
+def kind_on_stack(frame) -> OpKind:
+    """Kind of the innermost nn.Module whose forward is on the Python stack from `frame` up."""
+    for _ in range(10):
+        if frame is None:
+            break
+        code = frame.f_code
+        entry = _MODULE_KINDS.get(id(code))  # (the entry keeps `code`, so its id stays its own)
+        if entry is None:  # first sight of this code: is it a module's forward?
+            owner = frame.f_locals.get("self") if code.co_name == "forward" else None
+            entry = (code, kind_of_module(owner) if isinstance(owner, torch.nn.Module) else None)
+            _MODULE_KINDS[id(code)] = entry
+        kind = entry[1]
+        if kind is not None:
+            return kind
+        frame = frame.f_back
+    return OpKind.OTHER
+
+
+# Activation functions whose output is f(saved input): autograd node name -> (f, its kwargs read
+# off the node's non-tensor attributes, which reading does not unpack).
+RECOMPUTABLE = {
+    "GeluBackward0": lambda n: (F.gelu, {"approximate": n._saved_approximate}),
+    "SiluBackward0": lambda n: (F.silu, {}),
+    "MishBackward0": lambda n: (F.mish, {}),
+    "HardswishBackward0": lambda n: (F.hardswish, {}),
+    "HardsigmoidBackward0": lambda n: (F.hardsigmoid, {}),
+    "LeakyReluBackward0": lambda n: (F.leaky_relu, {"negative_slope": n._saved_negative_slope}),
+    "SoftplusBackward0": lambda n: (F.softplus, {"beta": n._saved_beta, "threshold": n._saved_threshold}),
+}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -59,17 +59,17 @@ import threading
 import weakref
 
 import torch
-import torch.nn.functional as F
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from coatstate import activation_policy as codec
 from coatstate.activation_policy import (
+    RECOMPUTABLE,
     ActivationPolicy,
     ActivationStats,
     Granularity,
     OpKind,
     kind_of_call_site,
-    kind_of_module,
+    kind_on_stack,
 )
 
 __all__ = ["ActivationPolicy", "ActivationStats", "Granularity", "OpKind", "compress_activations"]
@@ -81,26 +81,18 @@ _VIEW_OR_COPY_NODES = frozenset(
 )
 _RESHAPE_NODES = frozenset("ViewBackward0 UnsafeViewBackward0 ReshapeAliasBackward0 AliasBackward0".split())
 _COMPRESSIBLE = (torch.float32, torch.bfloat16, torch.float16)
+_KIND_KEYS: dict = {}  # (label, granularity) -> "label/granularity" of stats.packed_by_kind
 _K = None  # coatstate.kernels.activation_pack once imported
 _NODE_NAMES: dict = {}  # autograd node class -> its name()
-_MODULE_KINDS: dict = {}  # code object -> OpKind of the module whose forward it is, or None
 _SLOTS = 4096  # per-tensor scale slots per device buffer (kernel path)
 _MAX_STORAGE_PER_VIEW = 4  # a strided view packs its whole storage only up to this many times its size
 _MAX_SOURCES = 64  # activation inputs remembered for recomputing their outputs (newest kept)
 _next_sequence_nr = torch._C._autograd._get_sequence_nr  # number the next autograd node gets
 _is_compiling = torch.compiler.is_compiling
-
-# Activation functions whose output is f(saved input): autograd node name -> (f, its kwargs read
-# off the node's non-tensor attributes, which reading does not unpack).
-_RECOMPUTABLE = {
-    "GeluBackward0": lambda n: (F.gelu, {"approximate": n._saved_approximate}),
-    "SiluBackward0": lambda n: (F.silu, {}),
-    "MishBackward0": lambda n: (F.mish, {}),
-    "HardswishBackward0": lambda n: (F.hardswish, {}),
-    "HardsigmoidBackward0": lambda n: (F.hardsigmoid, {}),
-    "LeakyReluBackward0": lambda n: (F.leaky_relu, {"negative_slope": n._saved_negative_slope}),
-    "SoftplusBackward0": lambda n: (F.softplus, {"beta": n._saved_beta, "threshold": n._saved_threshold}),
-}
+# Enum members as plain globals: in the hot path `OpKind.OTHER` and `.value` go through Python-level
+# descriptors (enum's), a microsecond here and there per saved tensor.
+_OTHER, _ATTENTION, _ACTIVATION = OpKind.OTHER, OpKind.ATTENTION, OpKind.ACTIVATION
+_KEEP, _TENSOR = Granularity.KEEP, Granularity.TENSOR
 
 
 def _kernels():
@@ -211,7 +203,7 @@ class _Packed(_Region):
     @property
     def nbytes(self) -> int:
         if self.kernel:
-            return self.codes.numel() + (self.granularity is Granularity.TENSOR)
+            return self.codes.numel() + (self.granularity is _TENSOR)
         return self.codes.numel() + self.scales.numel()
 
 
@@ -233,14 +225,16 @@ class _KeptRegion(_Region):
     reason: str = ""
 
 
-@dataclasses.dataclass(eq=False)
 class _Handle:
     """What autograd holds for one compressed save: its region and how to view it."""
 
-    region: _Region
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int  # element offset of the view inside the region
+    __slots__ = ("region", "shape", "stride", "offset", "__weakref__")  # (one per save: no __dict__)
+
+    def __init__(self, region: _Region, shape: tuple, stride: tuple, offset: int) -> None:
+        self.region = region
+        self.shape = shape
+        self.stride = stride
+        self.offset = offset  # element offset of the view inside the region
 
 
 class _Pending:
@@ -255,30 +249,16 @@ class _Pending:
         self.held: _Handle | _Kept | None = None
 
 
-@dataclasses.dataclass(eq=False)
 class _Kept:
     """A tensor held as is (detached), with its version at save time."""
 
-    tensor: torch.Tensor
-    version: int
-    reason: str
-    region: _KeptRegion | None = None  # keeps the region's entry alive for later saves inside it
+    __slots__ = ("tensor", "version", "reason", "region")
 
-
-def _module_kind(frame) -> OpKind:
-    """Kind of the innermost nn.Module whose forward is on the Python stack from `frame` up."""
-    for _ in range(10):
-        if frame is None:
-            break
-        code = frame.f_code
-        kind = _MODULE_KINDS.get(code, False)
-        if kind is False:  # first sight of this code: is it a module's forward?
-            owner = frame.f_locals.get("self") if code.co_name == "forward" else None
-            kind = _MODULE_KINDS[code] = kind_of_module(owner) if isinstance(owner, torch.nn.Module) else None
-        if kind is not None:
-            return kind
-        frame = frame.f_back
-    return OpKind.OTHER
+    def __init__(self, tensor: torch.Tensor, version: int, reason: str, region: _KeptRegion | None = None):
+        self.tensor = tensor
+        self.version = version
+        self.reason = reason
+        self.region = region  # keeps the region's entry alive for later saves inside it
 
 
 class compress_activations:  # noqa: N801  (a context manager used like a function)
@@ -300,7 +280,7 @@ class compress_activations:  # noqa: N801  (a context manager used like a functi
             raise TypeError(f"unknown option(s) {unknown}; ActivationPolicy fields are {sorted(fields)}")
         self.policy = dataclasses.replace(policy, **overrides)
         self.stats = ActivationStats()
-        self._granularity = {kind: self.policy.granularity(kind) for kind in OpKind}
+        self._granularity = {kind: (self.policy.granularity(kind), kind.value) for kind in OpKind}
         self._min_numel = max(self.policy.min_numel, 1)
         self._recompute = self.policy.recompute
         self._regions: dict[int, list[weakref.ref]] = {}  # storage pointer -> held regions in it
@@ -356,8 +336,6 @@ class compress_activations:  # noqa: N801  (a context manager used like a functi
         return None
 
     def _pack(self, x: torch.Tensor):
-        if _is_compiling():
-            _refuse_compiled()
         if self._pending and _next_sequence_nr() != self._pending_seq + 1:
             self._resolve_pending()  # an attention op that saved no output of its own (math backend)
         reason = self._always_kept(x)
@@ -365,13 +343,12 @@ class compress_activations:  # noqa: N801  (a context manager used like a functi
             return self._keep(x, reason)
         frame = sys._getframe(1)  # the Python code calling the op that saves x
         kind = kind_of_call_site(frame.f_code, frame.f_lasti)
-        if kind is OpKind.OTHER:
-            kind = _module_kind(frame)
-        if kind is OpKind.ATTENTION:
+        if kind is _OTHER:
+            kind = kind_on_stack(frame)
+        if kind is _ATTENTION:
             return self._attention(x)
-        return self._hold(
-            x, self._granularity[kind], kind.value, kind is OpKind.ACTIVATION and self._recompute
-        )
+        granularity, label = self._granularity[kind]
+        return self._hold(x, granularity, label, kind is _ACTIVATION and self._recompute)
 
     def _attention(self, x: torch.Tensor):
         """q, k, v wait for the op's output, whose grad_fn lists the op's inputs in order."""
@@ -425,6 +402,8 @@ class compress_activations:  # noqa: N801  (a context manager used like a functi
     def _hold(self, x: torch.Tensor, granularity: Granularity, label: str, source: bool = False):
         """Pack x (or share the region that already holds its memory, or keep it); `source`: x is
         the input of an activation function whose output may be recomputed from it."""
+        if _is_compiling():  # (here, not per save: a traced hook reaches this with any real activation)
+            _refuse_compiled()
         lo, hi, dense, row = _layout(x)
         if not dense and any(st == 0 and n > 1 for n, st in zip(x.shape, x.stride(), strict=True)):
             return self._keep(x, "expanded (stride-0) view")
@@ -442,7 +421,7 @@ class compress_activations:  # noqa: N801  (a context manager used like a functi
                 stop = storage.nbytes() // x.element_size()
                 start = 0 if stop <= _MAX_STORAGE_PER_VIEW * x.numel() else None
             place = (StorageWeakRef(storage), start, stop, x.dtype, x.device, x._version)
-            if granularity is Granularity.KEEP:
+            if granularity is _KEEP:
                 reason = f"policy keeps {label}"
                 if start is None:
                     return self._keep(x, reason)
@@ -480,7 +459,10 @@ class compress_activations:  # noqa: N801  (a context manager used like a functi
         start, n = place[1], place[2] - place[1]
         stats = self.stats
         stats.packed += 1
-        stats.packed_by_kind[f"{label}/{granularity.value}"] += 1
+        key = _KIND_KEYS.get((label, granularity))
+        if key is None:
+            key = _KIND_KEYS[(label, granularity)] = f"{label}/{granularity.value}"
+        stats.packed_by_kind[key] += 1
         stats.bytes_original += n * x.element_size()
         row = row if 0 < row and n % row == 0 else n
         fmt, group_size = policy.fmt, policy.group_size
@@ -489,12 +471,12 @@ class compress_activations:  # noqa: N801  (a context manager used like a functi
             K = _kernels()
             base = x if x.storage_offset() == start else x.as_strided((n,), (1,), start)
             packed.kernel = True
-            if granularity is Granularity.TENSOR:
+            if granularity is _TENSOR:
                 amax, packed.scales, packed.slot = self._slot(x.device)
                 packed.codes = K.pack_tensor_flat(base, n, fmt, amax, packed.scales, packed.slot)
             else:
                 packed.codes = K.pack_groups_flat(base, n, row, group_size, fmt)
-        elif granularity is Granularity.TENSOR:
+        elif granularity is _TENSOR:
             packed.codes, packed.scales = codec.pack_tensor(x.as_strided((n,), (1,), start), fmt)
         else:
             rows2d = x.as_strided((n // row, row), (row, 1), start)
@@ -537,7 +519,7 @@ class compress_activations:  # noqa: N801  (a context manager used like a functi
         else:
             return None
         source = entry[0]()
-        recipe = _RECOMPUTABLE.get(_node_name(node))
+        recipe = RECOMPUTABLE.get(_node_name(node))
         if recipe is None or source is None or entry[1] == ptr or not x.is_contiguous():
             return None  # (an in-place activation writes into its input's storage)
         shape = source.shape
@@ -587,7 +569,7 @@ class compress_activations:  # noqa: N801  (a context manager used like a functi
             flat = out.as_strided((out.numel(),), (1,), out.storage_offset())
         elif region.kernel:
             K = _kernels()
-            if region.granularity is Granularity.TENSOR:
+            if region.granularity is _TENSOR:
                 flat = K.unpack_tensor_flat(
                     region.codes, region.scales, region.slot, region.fmt, region.dtype
                 )
@@ -596,7 +578,7 @@ class compress_activations:  # noqa: N801  (a context manager used like a functi
                 flat = K.unpack_groups_flat(
                     region.codes, n, region.row, region.group_size, region.fmt, region.dtype
                 )
-        elif region.granularity is Granularity.TENSOR:
+        elif region.granularity is _TENSOR:
             flat = codec.unpack_tensor(region.codes, region.scales, region.dtype)
         else:
             flat = codec.unpack_groups(region.codes, region.scales, region.group_size, region.dtype).reshape(
