@@ -89,6 +89,7 @@ _MAX_STORAGE_PER_VIEW = 4  # a strided view packs its whole storage only up to t
 _MAX_SOURCES = 64  # activation inputs remembered for recomputing their outputs (newest kept)
 _next_sequence_nr = torch._C._autograd._get_sequence_nr  # number the next autograd node gets
 _is_compiling = torch.compiler.is_compiling
+_thread_id = threading.get_ident
 # Enum members as plain globals: in the hot path `OpKind.OTHER` and `.value` go through Python-level
 # descriptors (enum's), a microsecond here and there per saved tensor.
 _OTHER, _ATTENTION, _ACTIVATION = OpKind.OTHER, OpKind.ATTENTION, OpKind.ACTIVATION
@@ -284,9 +285,11 @@ class compress_activations:  # noqa: N801  (a context manager used like a functi
         self._min_numel = max(self.policy.min_numel, 1)
         self._recompute = self.policy.recompute
         self._regions: dict[int, list[weakref.ref]] = {}  # storage pointer -> held regions in it
-        self._sources: dict[int, tuple] = {}  # node sequence nr -> (weak handle, storage ptr) of its input
+        self._sources: dict[
+            tuple, tuple
+        ] = {}  # (thread, node sequence nr) -> (weak handle, ptr) of its input
         self._pending: list[_Pending] = []  # attention inputs waiting for their op's output
-        self._pending_seq = -1  # sequence number of the attention node they belong to
+        self._pending_seq = (0, -1)  # (thread, sequence number) of the attention node they belong to
         self._first_seq = 0  # autograd nodes numbered below this existed before __enter__
         self._thread = None
         self._slots: dict = {}  # device -> (amax int32 slots, scale byte slots, next free slot)
@@ -336,7 +339,7 @@ class compress_activations:  # noqa: N801  (a context manager used like a functi
         return None
 
     def _pack(self, x: torch.Tensor):
-        if self._pending and _next_sequence_nr() != self._pending_seq + 1:
+        if self._pending and (_thread_id(), _next_sequence_nr() - 1) != self._pending_seq:
             self._resolve_pending()  # an attention op that saved no output of its own (math backend)
         reason = self._always_kept(x)
         if reason is not None:
@@ -353,11 +356,12 @@ class compress_activations:  # noqa: N801  (a context manager used like a functi
     def _attention(self, x: torch.Tensor):
         """q, k, v wait for the op's output, whose grad_fn lists the op's inputs in order."""
         seq = _next_sequence_nr() - 1  # the attention op's node: made before it saves anything
+        # (sequence numbers count per thread)
         node = x.grad_fn
         if node._sequence_nr() != seq:  # an input
             pending = _Pending(x)
             self._pending.append(pending)
-            self._pending_seq = seq
+            self._pending_seq = (_thread_id(), seq)
             return pending
         inputs = [n for n, _ in node.next_functions[:2] if n is not None]  # q's and k's grad_fns
         pending, self._pending = self._pending, []
@@ -502,14 +506,14 @@ class compress_activations:  # noqa: N801  (a context manager used like a functi
         sources = self._sources
         if len(sources) >= _MAX_SOURCES:
             del sources[next(iter(sources))]
-        sources[_next_sequence_nr() - 1] = (weakref.ref(handle), ptr)
+        sources[(_thread_id(), _next_sequence_nr() - 1)] = (weakref.ref(handle), ptr)
 
     def _recompute_region(self, ptr: int, x: torch.Tensor, place: tuple) -> _Recomputed | None:
         """A region that recomputes x in backward, if x is (a reshape of) the whole output of an
         activation function whose contiguous input was saved compressed."""
-        node = x.grad_fn
+        node, thread = x.grad_fn, _thread_id()  # (sequence numbers count per thread)
         for _ in range(3):  # the next linear saves a view of the output (its rows flattened)
-            entry = self._sources.get(node._sequence_nr())
+            entry = self._sources.get((thread, node._sequence_nr()))
             if entry is not None:
                 break
             nexts = node.next_functions if _node_name(node) in _RESHAPE_NODES else ()
@@ -526,7 +530,7 @@ class compress_activations:  # noqa: N801  (a context manager used like a functi
         stride = torch.empty(shape, device="meta").stride()
         if source.stride != stride or x.numel() != math.prod(shape):
             return None
-        del self._sources[node._sequence_nr()]
+        del self._sources[(thread, node._sequence_nr())]
         func, kwargs = recipe(node)
         region = _Recomputed(*place, func=func, kwargs=kwargs, source=source, shape=shape, stride=stride)
         self.stats.recomputed += 1
