@@ -3,6 +3,7 @@
     python benchmarks/activation_host.py                  # 24 layers, as GPT-2-medium; ~1 min
     python benchmarks/activation_host.py --rounds 5       # quicker, noisier
     python benchmarks/activation_host.py --baseline old.json   # also compare with a run on older code
+    python benchmarks/activation_host.py --device cuda --out benchmarks/results/activation_host_cuda.json
 
 On the H200 the GPT-2-medium step is host-bound with compression on (benchmarks/activation_memory.py:
 the GPU time per step is that of the uncompressed step, the host's is not), so what counts is the
@@ -24,6 +25,11 @@ variants interleaved in each round so machine load affects all alike):
   replaced by no-ops: every other host step of the GPU path runs (buffers, slots, argument
   specialization keys, bookkeeping). Its codes are garbage, so its backward computes garbage
   gradients, but the same host work.
+
+--device cuda runs the same tiny model on the GPU (compute still negligible: the step is host-bound
+by construction) with "compress (kernel path)" launching the real kernels instead of the torch
+twin, so that the difference to "kernel path, no launch" is what the launches cost the host. There
+the forward is timed by the wall clock (host time to issue it) and the backward to its end.
 
 Reported per variant: ms per forward and backward, the overhead over `none`, and that overhead per
 saved tensor (every save autograd makes) and per op (torch function calls in the forward, counted
@@ -56,6 +62,7 @@ _KEEP_ALL = dict.fromkeys(
 
 def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--dim", type=int, default=32)
     p.add_argument("--seq", type=int, default=16)
@@ -79,21 +86,35 @@ def _no_launch():
     stub = object.__new__(CompiledKernel)  # a compiled kernel as far as the launcher's cache cares
     stub.module = stub._module_pid = None  # (read when it is collected)
     saved = K._Launcher.compile, K._Launcher.launch
+    launchers = [v for v in vars(K).values() if isinstance(v, K._Launcher)]
+    caches = [launcher.compiled for launcher in launchers]
     K._Launcher.compile = lambda self, grid, args, constexprs: stub
     K._Launcher.launch = lambda self, compiled, device, grid, args, constexprs: None
+    for launcher in launchers:
+        launcher.compiled = {}  # (the stub must not stay in the real caches)
     try:
         yield
     finally:
         K._Launcher.compile, K._Launcher.launch = saved
+        for launcher, cache in zip(launchers, caches, strict=True):
+            launcher.compiled = cache
 
 
-def _variants() -> dict:
-    return {
-        "none": lambda: contextlib.nullcontext(),
-        "hooks only (all kept)": lambda: compress_activations(min_numel=0, **_KEEP_ALL),
-        "compress (torch twin)": lambda: compress_activations(min_numel=0, backend="torch"),
-        "compress (kernel path, no launch)": lambda: compress_activations(min_numel=0, backend="triton"),
+def _variants(device: str) -> dict:
+    """name -> (context factory, whether the kernel launches are stubbed out)."""
+    out = {
+        "none": (contextlib.nullcontext, False),
+        "hooks only (all kept)": (lambda: compress_activations(min_numel=0, **_KEEP_ALL), False),
     }
+    if device == "cuda":
+        out["compress (kernel path)"] = (lambda: compress_activations(min_numel=0, backend="triton"), False)
+    else:
+        out["compress (torch twin)"] = (lambda: compress_activations(min_numel=0, backend="torch"), False)
+    out["compress (kernel path, no launch)"] = (
+        lambda: compress_activations(min_numel=0, backend="triton"),
+        True,
+    )
+    return out
 
 
 class _CountOps(TorchFunctionMode):
@@ -108,6 +129,15 @@ class _CountOps(TorchFunctionMode):
 
 def _step(model, idx, make_ctx) -> tuple[float, float, object]:
     ctx = make_ctx()
+    if idx.is_cuda:  # host time to issue the forward; backward (other threads) to its end
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with ctx:
+            loss = model(idx, idx)
+        t1 = time.perf_counter()
+        loss.backward()
+        torch.cuda.synchronize()
+        return (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3, ctx
     t0 = time.thread_time()
     with ctx:
         loss = model(idx, idx)
@@ -122,17 +152,19 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     cfg = ModelConfig(vocab=64, layers=args.layers, dim=args.dim, heads=2, seq=args.seq)
-    model = GPT(cfg)
-    idx = torch.randint(0, cfg.vocab, (1, cfg.seq))
-    variants = _variants()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda but CUDA is not available; run on CPU (the default)")
+    model = GPT(cfg).to(args.device)
+    idx = torch.randint(0, cfg.vocab, (1, cfg.seq), device=args.device)
+    variants = _variants(args.device)
     counter = _CountOps()
     with counter:
         model(idx, idx)
     stats = {}
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
-    with _no_launch():
-        for r in range(args.rounds + 1):  # round 0 warms up (call-site and kernel caches)
-            for name, make in variants.items():
+    for r in range(args.rounds + 1):  # round 0 warms up (call-site and kernel caches)
+        for name, (make, stubbed) in variants.items():
+            with _no_launch() if stubbed else contextlib.nullcontext():
                 steps = [_step(model, idx, make) for _ in range(args.steps)]
                 model.zero_grad(set_to_none=True)
                 if r:
@@ -168,7 +200,7 @@ def main() -> None:
         row["fwd_us_per_packed_over_hooks"] = 1e3 * (row["fwd_ms"] - hooks["fwd_ms"]) / max(1, row["packed"])
         row["bwd_us_per_packed_over_hooks"] = 1e3 * (row["bwd_ms"] - hooks["bwd_ms"]) / max(1, row["packed"])
     print(
-        f"GPT {args.layers} layers, d={args.dim}, seq {args.seq}, batch 1, CPU, 1 thread; "
+        f"GPT {args.layers} layers, d={args.dim}, seq {args.seq}, batch 1, {args.device}, 1 CPU thread; "
         f"{counter.calls} torch calls and {rows[1]['saves']} saved tensors per forward; median of "
         f"{args.rounds} rounds"
     )
