@@ -5,6 +5,7 @@ from coatstate.formats import FP8Format, GroupQuantized, dequantize, quantize
 from coatstate.activation_policy import ActivationPolicy, ActivationStats, Granularity, OpKind
 from coatstate.activations import compress_activations
 from coatstate.checkpoint import Checkpoint, CheckpointError, load, read, read_header, read_state_dict, save
+from coatstate.nn import FP8Linear, FP8LinearConfig, convert_to_fp8, fp8_fallbacks
 from coatstate.optim import CompressedAdamW, compress_adamw_state_dict, to_adamw_state_dict
 
 __version__ = "0.1.0"
@@ -15,9 +16,13 @@ __all__ = [
     "Checkpoint",
     "CheckpointError",
     "CompressedAdamW",
+    "FP8Linear",
+    "FP8LinearConfig",
     "Granularity",
     "OpKind",
     "compress_activations",
+    "convert_to_fp8",
+    "fp8_fallbacks",
     "load",
     "read",
     "read_header",
