@@ -102,7 +102,9 @@ def _classify_site(code, offset: int) -> OpKind:
     if not hasattr(code, "co_positions"):
         return OpKind.OTHER
     instructions = _instructions(code)
-    index = next((i for i, ins in enumerate(instructions) if ins.offset == offset), None)
+    # the instruction at `offset`, or the one whose inline cache entries it points into (a frame
+    # that called a Python function reports the end of the call's caches on 3.11 and 3.12)
+    index = next((i for i in range(len(instructions) - 1, -1, -1) if instructions[i].offset <= offset), None)
     if index is None:
         return OpKind.OTHER
     call = instructions[index]

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
 import weakref
 from pathlib import Path
 
@@ -335,6 +336,34 @@ def test_op_kinds_come_from_call_sites_without_a_torch_function_mode():
     assert dict(ctx.stats.packed_by_kind) == {"linear/tensor": 2, "norm/group": 4, "activation/group": 1}
     reasons = ctx.stats.kept_reasons
     assert reasons["policy keeps other"] >= 1 and reasons["policy keeps loss"] == 1, reasons
+
+
+def test_call_site_kind_with_python_level_callees():
+    """A frame that called a Python function reports an offset inside the call's inline caches
+    (3.11, 3.12): the site is still the call. Multi-line calls and method chains resolve to the
+    name called last."""
+    from coatstate.activation_policy import OpKind, kind_of_call_site
+
+    seen = []
+
+    def record(*args, **kwargs):
+        frame = sys._getframe(1)
+        seen.append(kind_of_call_site(frame.f_code, frame.f_lasti))
+        return types.SimpleNamespace(softmax=record)
+
+    linear, layer_norm, scaled_dot_product_attention = record, record, record
+    linear(1, 2)
+    scaled_dot_product_attention(
+        1,
+        2,
+        is_causal=True,
+    )
+    layer_norm(3).softmax(-1)
+    types.SimpleNamespace(sin=record).sin(1)
+    want = [OpKind.LINEAR, OpKind.ATTENTION, OpKind.NORM, OpKind.ACTIVATION, OpKind.OTHER]
+    if sys.version_info < (3, 11):  # no source positions in the bytecode: every site is OTHER
+        want = [OpKind.OTHER] * len(want)
+    assert seen == want, seen
 
 
 def test_math_attention_keeps_inputs_and_in_place_change_raises():
