@@ -56,6 +56,7 @@ import dataclasses
 import math
 import sys
 import threading
+import warnings
 import weakref
 
 import torch
@@ -301,6 +302,8 @@ class compress_activations:  # noqa: N801  (a context manager used like a functi
             _refuse_compiled()
         if self._hooks is not None:
             raise RuntimeError("this compress_activations context is already active; create a new one")
+        if sys.version_info < (3, 11):
+            warnings.warn(_OLD_PYTHON, stacklevel=2)
         self._first_seq, self._thread = _next_sequence_nr(), threading.get_ident()
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
@@ -593,6 +596,12 @@ class compress_activations:  # noqa: N801  (a context manager used like a functi
         return flat
 
 
+_OLD_PYTHON = (
+    "compress_activations on Python < 3.11: its bytecode has no source positions, so op kinds come "
+    "only from the module running the op (norms, activation-function modules); F.linear, matmul and "
+    "attention count as 'other' (per-group by default, attention v/out compressed). Use Python >= 3.11 "
+    "for COAT's policy, or set `other=` to the granularity you want for them."
+)
 _COMPILE_ERROR = (
     "compress_activations cannot run inside a torch.compile'd function (its hooks would be traced "
     "away or do nothing): enter it OUTSIDE the compiled call, e.g. `with compress_activations(): "
