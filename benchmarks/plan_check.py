@@ -37,7 +37,7 @@ from models import GPT, ModelConfig  # noqa: E402
 
 from coatstate import CompressedAdamW  # noqa: E402
 from coatstate.activations import compress_activations  # noqa: E402
-from coatstate.planner import Variant, plan  # noqa: E402
+from coatstate.planner import Variant, plan, spec_from_factory  # noqa: E402
 from coatstate.planner_trace import KEEP_ALL  # noqa: E402
 
 VARIANTS = [
@@ -136,7 +136,7 @@ def main() -> int:
     t0 = time.perf_counter()
     gpu_memory = torch.cuda.get_device_properties(0).total_memory if device == "cuda" else 80e9
     predicted = plan(
-        lambda: GPT(cfg),
+        spec_from_factory(lambda: GPT(cfg), f"benchmarks/models.py GPT ({args.layers} x {args.dim})"),
         seq=args.seq,
         batch=args.batch,
         param_dtype="fp32",

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import sys
 from collections.abc import Callable, Iterable
 
 import torch
@@ -35,8 +36,9 @@ from coatstate.activation_policy import ActivationPolicy, Granularity
 from coatstate.activations import compress_activations
 
 KEEP_ALL = {
-    name: Granularity.KEEP
-    for name in ("linear", "norm", "activation", "attention", "attention_v_out", "loss", "other")
+    f.name: Granularity.KEEP
+    for f in dataclasses.fields(ActivationPolicy)
+    if isinstance(getattr(ActivationPolicy(), f.name), Granularity)
 }
 """A policy that compresses nothing: the uncompressed run, counted by the same ActivationStats."""
 
@@ -50,6 +52,17 @@ class LiveBytes(TorchDispatchMode):
         self.live: dict[int, tuple[StorageWeakRef, int]] = {}
         self.current = 0
         self.peak = 0
+        self.pause_codes: set = set()  # code objects of functions whose temporaries are left out
+
+    def _paused(self) -> bool:
+        f = sys._getframe(2)
+        for _ in range(64):
+            if f is None:
+                return False
+            if f.f_code in self.pause_codes:
+                return True
+            f = f.f_back
+        return False
 
     def sweep(self) -> int:
         """Drop freed storages; returns the bytes alive now."""
@@ -69,7 +82,8 @@ class LiveBytes(TorchDispatchMode):
                     continue
                 self.live[key] = (StorageWeakRef(st), st.nbytes())
                 self.current += st.nbytes()
-        self.peak = max(self.peak, self.current)
+        if not (self.pause_codes and self._paused()):
+            self.peak = max(self.peak, self.current)
         return out
 
 
@@ -125,7 +139,8 @@ def call_loss(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
 
 @dataclasses.dataclass(frozen=True)
 class RunBytes:
-    """One trace run: per-layer bytes (the last traced layer) and the rest."""
+    """One trace run: bytes per layer (from entering the last but one traced layer to entering
+    the last) and the rest."""
 
     saved_layer: float
     saved_rest: float
@@ -143,9 +158,22 @@ def _run(model, layers: nn.ModuleList, idx, *, compress: bool, autocast: bool, v
     static |= {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
     ctx = compress_activations() if compress else compress_activations(**KEEP_ALL)
     tracker = LiveBytes(static)
-    marks: list[tuple[int, int]] = []  # (saved, live) at each layer boundary
+    # On CPU, pack/unpack run as chains of float32 torch ops whose temporaries are several times
+    # the tensor; on CUDA one Triton kernel writes codes or the unpacked tensor directly. The
+    # temporaries are left out of the peak (found by the hooks' frames on the stack: wrapping the
+    # hooks would change the call site compress_activations reads); what a hook returns or keeps
+    # still counts.
+    tracker.pause_codes = {
+        getattr(type(ctx), n).__code__
+        for n in ("_pack", "_unpack")
+        if hasattr(getattr(type(ctx), n, None), "__code__")
+    }
+    # (saved, live) on entering each layer. A layer's bytes are those added from entering it to
+    # entering the next: by then the caller has dropped the layer's input (x = layer(x)), which
+    # a snapshot at the layer's own exit would still count.
+    marks: list[tuple[int, int]] = []
     mark = lambda *_: marks.append((ctx.stats.activation_bytes_held, tracker.sweep()))  # noqa: E731
-    hooks = [h for m in layers for h in (m.register_forward_pre_hook(mark), m.register_forward_hook(mark))]
+    hooks = [m.register_forward_pre_hook(mark) for m in layers]
     try:
         with tracker:
             with ctx, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
@@ -157,7 +185,8 @@ def _run(model, layers: nn.ModuleList, idx, *, compress: bool, autocast: bool, v
     finally:
         for h in hooks:
             h.remove()
-    (s0, l0), (s1, l1) = forward_marks[-2], forward_marks[-1]
+    # one layer: the model has just that one (trace() traces at least 2 otherwise), all is "rest"
+    (s0, l0), (s1, l1) = forward_marks[-2:] if len(forward_marks) >= 2 else ((0, 0), (0, 0))
     n = len(layers)
     return RunBytes(
         s1 - s0, saved_end - n * (s1 - s0), l1 - l0, live_end - n * (l1 - l0), max(0, tracker.peak - live_end)
@@ -229,7 +258,7 @@ def trace(
     'fp8' (the same, with nn.Linear layers swapped by `fp8_convert`). build(k) returns the model
     with k repeated layers on CPU, or on the meta device (then materialized with placeholders).
     """
-    k = max(1, min(trace_layers, layers))
+    k = min(max(2, trace_layers), layers)
     b, s = trace_shape(seq, hidden, ActivationPolicy().min_numel)
     points = ((b, s), (2 * b, s))
     out, model = {}, None

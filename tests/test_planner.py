@@ -105,7 +105,7 @@ def test_fsdp2_shards_states_and_keeps_precision_decisions():
 def _gpt2_json(tmp_path: Path) -> Path:
     cfg = {
         "model_type": "gpt2",
-        "n_embd": 64,
+        "n_embd": 256,
         "n_layer": 3,
         "n_head": 4,
         "vocab_size": 1000,
@@ -120,7 +120,7 @@ def test_cli_json_config_without_transformers(tmp_path, capsys):
     path = _gpt2_json(tmp_path)
     assert main(["plan", str(path), "--seq", "128", "--batch", "4", "--gpu-memory", "1GB", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    d = 64
+    d = 256
     per_layer = 12 * d * d + 13 * d
     assert out["params"] == 1000 * d + 256 * d + 2 * d + 3 * per_layer
     names = [r["variant"] for r in out["rows"]]
