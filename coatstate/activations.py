@@ -94,7 +94,7 @@ _thread_id = threading.get_ident
 # Enum members as plain globals: in the hot path `OpKind.OTHER` and `.value` go through Python-level
 # descriptors (enum's), a microsecond here and there per saved tensor.
 _OTHER, _ATTENTION, _ACTIVATION = OpKind.OTHER, OpKind.ATTENTION, OpKind.ACTIVATION
-_KEEP, _TENSOR = Granularity.KEEP, Granularity.TENSOR
+_KEEP, _TENSOR, _BF16 = Granularity.KEEP, Granularity.TENSOR, Granularity.BF16
 
 
 def _kernels():
@@ -204,6 +204,8 @@ class _Packed(_Region):
 
     @property
     def nbytes(self) -> int:
+        if self.granularity is _BF16:
+            return self.codes.numel() * 2
         if self.kernel:
             return self.codes.numel() + (self.granularity is _TENSOR)
         return self.codes.numel() + self.scales.numel()
@@ -428,6 +430,8 @@ class compress_activations:  # noqa: N801  (a context manager used like a functi
                 stop = storage.nbytes() // x.element_size()
                 start = 0 if stop <= _MAX_STORAGE_PER_VIEW * x.numel() else None
             place = (StorageWeakRef(storage), start, stop, x.dtype, x.device, x._version)
+            if granularity is _BF16 and x.dtype is not torch.float32:
+                granularity = _KEEP  # already 16-bit: holding it as bfloat16 would save nothing
             if granularity is _KEEP:
                 reason = f"policy keeps {label}"
                 if start is None:
@@ -474,7 +478,9 @@ class compress_activations:  # noqa: N801  (a context manager used like a functi
         row = row if 0 < row and n % row == 0 else n
         fmt, group_size = policy.fmt, policy.group_size
         packed = _Packed(*place, granularity=granularity, row=row, group_size=group_size, fmt=fmt)
-        if self._use_triton(x):
+        if granularity is _BF16:
+            packed.codes = x.as_strided((n,), (1,), start).to(torch.bfloat16)
+        elif self._use_triton(x):
             K = _kernels()
             base = x if x.storage_offset() == start else x.as_strided((n,), (1,), start)
             packed.kernel = True
@@ -574,6 +580,8 @@ class compress_activations:  # noqa: N801  (a context manager used like a functi
                     region.shape, region.stride, dtype=out.dtype, device=out.device
                 ).copy_(out)
             flat = out.as_strided((out.numel(),), (1,), out.storage_offset())
+        elif region.granularity is _BF16:
+            flat = region.codes.to(region.dtype)
         elif region.kernel:
             K = _kernels()
             if region.granularity is _TENSOR:

@@ -333,7 +333,7 @@ def test_op_kinds_come_from_call_sites_without_a_torch_function_mode():
     loss.backward()
     print(ctx.stats.summary(), dict(ctx.stats.packed_by_kind))
     # (the square's input is the softmax output: shared, not packed again)
-    assert dict(ctx.stats.packed_by_kind) == {"linear/tensor": 2, "norm/group": 4, "activation/group": 1}
+    assert dict(ctx.stats.packed_by_kind) == {"linear/tensor": 2, "norm/bf16": 4, "activation/group": 1}
     reasons = ctx.stats.kept_reasons
     assert reasons["policy keeps other"] >= 1 and reasons["policy keeps loss"] == 1, reasons
 
