@@ -131,7 +131,7 @@ class Plan:
             "master": local * 4 if s["master_weights"] and s["param_dtype"] != "fp32" else 0,
             "optimizer": optimizer_bytes(self.shapes, v.optimizer, n, self.optimizer_options),
             "activations": saved,
-            "transient": peak_act - saved + fsdp,
+            "transient": max(peak_act - saved, 0) + fsdp,  # the fitted peak can dip below the saved bytes
         }
         out["peak"] = sum(out.values())
         return out
