@@ -82,6 +82,12 @@ def _why_uncompressed(group: dict, shape: torch.Size) -> str:
     return f"{math.prod(shape)} elements < min_numel={group.get('min_numel')}"
 
 
+def _options(group: dict) -> tuple:
+    """The param-group options a prepared launch depends on (a change, e.g. amsgrad switched on,
+    creates states and launches anew)."""
+    return (group["amsgrad"], *(group.get(k, v) for k, v in FORMAT_DEFAULTS.items()))
+
+
 def _same(a: list, b: list) -> bool:
     return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
 
@@ -94,6 +100,8 @@ class _Prepared:
     fused: list
     twin: list
     launches: list
+    options: tuple
+    """the group's options that shape states and launches (amsgrad, formats) when prepared"""
 
 
 @dataclasses.dataclass
@@ -335,7 +343,11 @@ class CompressedAdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             prepared = self._prepared.get(id(group))
             with_grad = [p for p in group["params"] if p.grad is not None]
-            if prepared is None or not _same(prepared.params, with_grad):
+            if (
+                prepared is None
+                or not _same(prepared.params, with_grad)
+                or prepared.options != _options(group)
+            ):
                 prepared = self._prepare(group, with_grad)
             grads = [local_tensor(p.grad) for p in prepared.fused]
             if prepared.fused:
@@ -386,7 +398,9 @@ class CompressedAdamW(torch.optim.Optimizer):
                 self._fused_cache[(id(group), id(launch))] = _LaunchRecord(
                     [fused[i] for i in launch.index], launch
                 )
-        prepared = self._prepared[id(group)] = _Prepared(list(with_grad), fused, twin, launches)
+        prepared = self._prepared[id(group)] = _Prepared(
+            list(with_grad), fused, twin, launches, _options(group)
+        )
         return prepared
 
     def _twin_step(self, group, params, grad_scale, found_inf) -> None:

@@ -322,8 +322,9 @@ def _(
 
 
 _PLANS: dict[tuple, _Plan] = {}
-_MAX_PLANS = 64
-"""launch plans by the addresses they were built for (a few per optimizer: one per launch)"""
+_MAX_PLANS = 16
+"""launch plans of the compiled path, by the addresses they were built for (one per launch; a
+plan holds its tensors, so few are kept)"""
 
 
 @torch.compiler.disable  # a launch, never traced (dynamo would trace Triton's interpreter on CPU)

@@ -113,6 +113,26 @@ def _track(a, b, opt_twin, opt_fused, steps, in_dim, lr=1e-2):
     assert opt_fused.nonfinite_parameters() == []
 
 
+def test_fused_step_follows_option_and_parameter_set_changes():
+    """The fused launches are prepared once and reused; switching amsgrad on, freezing a layer and
+    unfreezing it again must give the twin's results (launches rebuilt, states created)."""
+    a, b = _models(), _models()
+    opt_twin = coatstate.CompressedAdamW(a.parameters(), lr=1e-2, min_numel=1, fused=False)
+    opt_fused = coatstate.CompressedAdamW(b.parameters(), lr=1e-2, min_numel=1, fused=True)
+    for i in range(6):
+        x = torch.randn(32, 96, device=DEVICE)
+        for model, opt in ((a, opt_twin), (b, opt_fused)):
+            opt.param_groups[0]["amsgrad"] = i >= 2
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            if i == 3:
+                model[0].weight.grad = None  # a frozen step: skipped, as torch does
+            opt.step()
+        _assert_tracks(a, b, 1e-2, i)
+    assert "max_exp_avg_sq_codes" in opt_fused.state[b[2].weight]
+    assert opt_twin.state[a[0].weight]["step"].item() == opt_fused.state[b[0].weight]["step"].item() == 5
+
+
 def test_fused_step_reports_nonfinite_gradients():
     model = _models()
     opt = coatstate.CompressedAdamW(model.parameters(), min_numel=1, fused=True)
