@@ -53,6 +53,7 @@ RuntimeError instead of silently doing nothing.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import sys
 import threading
@@ -617,7 +618,16 @@ _COMPILE_ERROR = (
 )
 
 
-@torch._dynamo.disable
-def _refuse_compiled() -> None:
-    """Raised at run time: dynamo leaves this call out of the graph instead of tracing the raise."""
+def _raise_compile_error() -> None:
     raise RuntimeError(_COMPILE_ERROR)
+
+
+@functools.cache
+def _disabled_raise():
+    return torch.compiler.disable(_raise_compile_error)
+
+
+def _refuse_compiled() -> None:
+    """Raised at run time: dynamo leaves the raising call out of the graph instead of tracing the
+    raise (wrapped at first use: torch.compiler.disable imports dynamo, ~1 s at import time)."""
+    _disabled_raise()()
