@@ -127,9 +127,10 @@ def from_fp8_bits(b, IS_E4M3: tl.constexpr):
 
 @triton.jit
 def smallest_positive(mag):
-    """Per group (row) of a [groups, G] tile of magnitudes: the smallest one above zero (+inf if
-    none). On the GPU as unsigned integers: bits - 1 wraps zero to the top, so one integer add
-    replaces a compare and a select per element."""
+    """Per group (row) of a [groups, G] tile of magnitudes: the smallest one above zero. On the
+    GPU as unsigned integers: bits - 1 wraps zero to the top, so one integer add replaces a compare
+    and a select per element. An all-zero group gives +inf in the interpreter and 0 on the GPU;
+    group_params selects on max > 0, so either is unused."""
     if FAST_MATH:
         shifted = mag.to(tl.uint32, bitcast=True) - 1
         return (tl.min(shifted, axis=1) + 1).to(tl.float32, bitcast=True)
