@@ -1,0 +1,266 @@
+"""The sections of docs/benchmarks.md whose results come from the GPU machine: optimizer step (GPU),
+FSDP2 training, FP8 linear training, the memory planner check and the host cost of activation
+compression (CPU and CUDA in one table). benchmarks/report.py imports them into its SECTIONS.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from report_common import _f, _figure, _md_table, _save, provenance
+
+
+def section_optimizer_step(data: dict, path: Path) -> str:
+    date, machine = provenance(data, path)
+    meta = data.get("meta", {})
+    rows = data["rows"]
+    bw = meta.get("copy_bandwidth_Bps")
+
+    def step(r: dict) -> float:  # the headline: back to back where recorded, else the synced median
+        return r.get("pipelined_ms") or r["step_ms"]
+
+    def mb(r: dict) -> float | None:
+        return None if r.get("peak_extra_bytes") is None else r["peak_extra_bytes"] / 1e6
+
+    header = "optimizer|params dtype|state B/param|step ms (back to back)|synced ms|floor ms|x floor"
+    table = [
+        [r["name"], r.get("dtype", "?"), f"{r['state_bytes_per_param']:.3f}", _f(r.get("pipelined_ms"))]
+        + [f"{r['step_ms']:.2f}", f"{r['floor_ms']:.2f}", f"{step(r) / r['floor_ms']:.2f}"]
+        + [_f(r.get("first_step_s")), _f(mb(r), ".0f")]
+        for r in rows
+    ]
+    old = sum(r.get("pipelined_ms") is None for r in rows)
+    out = [
+        "## Optimizer step (GPU)",
+        f"{machine}, {date}, torch {meta.get('torch', '?')}"
+        + (f", copy bandwidth measured in the same run {bw / 1e12:.2f} TB/s" if bw else "")
+        + ". Source: `python benchmarks/optimizer_step.py` -> `benchmarks/results/optimizer_step.json`. "
+        "Floor = bytes the step must move / copy bandwidth; x floor = step ms / floor ms. Step ms is the "
+        "GPU time per step with steps run back to back, as in a training loop where the host queues the "
+        "next step while the GPU works; synced ms is the median of single steps each followed by a "
+        "synchronisation, so it also counts the host's launch time wherever the GPU would idle. First "
+        "step s includes Triton compilation; peak extra MB is the memory a step allocates.",
+        "",
+        _md_table(header.split("|") + ["first step s", "peak extra MB"], table),
+        "",
+    ]
+    if old:
+        out += [f"{old} row(s) from an older run record no back-to-back time: x floor uses synced ms.", ""]
+    for dtype in dict.fromkeys(r.get("dtype", "?") for r in rows):
+        sub = [r for r in rows if r.get("dtype", "?") == dtype]
+        fig, ax, png = _figure(
+            f"optimizer_step_{dtype}", f"Optimizer step vs bandwidth floor ({dtype} params)", date, machine
+        )
+        y = [2.5 * i for i in range(len(sub))]
+        ax.barh([v - 0.45 for v in y], [step(r) for r in sub], height=0.9, label="step (back to back)")
+        ax.barh([v + 0.45 for v in y], [r["floor_ms"] for r in sub], height=0.9, color="0.7", label="floor")
+        for v, r in zip(y, sub, strict=True):
+            ax.text(
+                step(r),
+                v - 0.45,
+                f" {step(r):.1f} ms, {step(r) / r['floor_ms']:.2f}x floor",
+                va="center",
+                fontsize=7,
+            )
+        ax.set_yticks(y, [f"{r['name']} ({r['state_bytes_per_param']:.2f} B/param)" for r in sub], fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xscale("log")  # the peers are 10-50x off the floor; on a log axis the fast rows stay readable
+        ax.margins(x=0.3)
+        ax.set_xlabel("ms per step, log scale (floor = bytes moved / copy bandwidth)")
+        ax.legend(fontsize=8, loc="lower right")
+        out += [_save(fig, png), ""]
+    return "\n".join(out)
+
+
+def _per_gpu(values) -> str:
+    """One number where every rank agrees, else min-max over ranks."""
+    values = values if isinstance(values, list) else [values]
+    lo, hi = min(values), max(values)
+    return f"{lo:.2f}" if round(lo, 2) == round(hi, 2) else f"{lo:.2f}-{hi:.2f}"
+
+
+def section_fsdp_train(data: dict, path: Path) -> str:
+    date, machine = provenance(data, path)
+    meta, runs, eq = data["meta"], data["runs"], data.get("equivalence", {})
+    cfg, world = meta.get("config", {}), meta.get("world_size", "?")
+    checks = {
+        "fsdp_vs_one_process": "FSDP2 run against the same model and optimizer in one process",
+        "dcp_reload": "DCP save, then load into a fresh FSDP2 model",
+        "dcp_dir_read": "coatstate.read of the DCP directory (whole tensors)",
+    }
+    verdict = lambda r: "bit for bit" if r["bit_exact"] else f"DIFFERS in {len(r['differing'])} tensors"
+    out = [
+        "## FSDP2 training",
+        f"{machine} x {world}, {date}, torch {meta.get('torch', '?')}. Source: `torchrun --standalone "
+        f"--nproc-per-node {world} benchmarks/fsdp_train.py` -> `benchmarks/results/fsdp_train.json`.",
+        "",
+        "Equivalence: a small MLP with an uneven row count sharded with fully_shard, trained "
+        f"{cfg.get('check_steps', '?')} steps with CompressedAdamW; parameters and every state tensor "
+        f"compared bit for bit (fused Triton step used: {'yes' if eq.get('fused_step_used') else 'no'}).",
+        "",
+        _md_table(
+            ["check", "tensors", "result"],
+            [[checks.get(k, k), r["tensors"], verdict(r)] for k, r in eq.items() if isinstance(r, dict)],
+        ),
+        "",
+    ]
+    if not runs:
+        return "\n".join(out)
+    out += [
+        f"Throughput: a {runs[0]['params'] / 1e9:.2f}B-parameter GPT ({cfg.get('layers', '?')} layers "
+        f"x {cfg.get('dim', '?')}), batch {cfg.get('batch', '?')} x seq {cfg.get('seq', '?')} per GPU, "
+        f"FSDP2 with bf16 compute and fp32 reduce, median of {cfg.get('steps', '?')} steps after "
+        f"{cfg.get('warmup', '?')} warm-up steps; peak = max allocated memory per GPU. coatstate = "
+        "CompressedAdamW + compress_activations, coatstate_optimizer = CompressedAdamW alone, torch = "
+        "torch.optim.AdamW(fused=True).",
+        "",
+        _md_table(
+            ["", *(r["variant"] for r in runs)],
+            [
+                ["tokens/s, all GPUs", *(f"{r['tokens_per_s']:,.0f}" for r in runs)],
+                ["tokens/s per GPU", *(f"{r['tokens_per_s_per_gpu']:,.0f}" for r in runs)],
+                ["step ms", *(f"{r['step_ms']:.1f}" for r in runs)],
+                ["peak GiB per GPU", *(_per_gpu(r["peak_gib_per_gpu"]) for r in runs)],
+                ["optimizer state MiB per GPU", *(_per_gpu(r["optimizer_state_mib_per_gpu"]) for r in runs)],
+            ],
+        ),
+        "",
+    ]
+    base = next((r for r in runs if r["variant"] == "torch"), None)
+    if base:
+        peak = lambda r: max(r["peak_gib_per_gpu"]) / max(base["peak_gib_per_gpu"])
+        ratios = [
+            f"{r['variant']} {r['tokens_per_s'] / base['tokens_per_s']:.2f}x the tokens/s at "
+            f"{peak(r):.2f}x the peak"
+            for r in runs
+            if r is not base
+        ]
+        out += ["Against torch: " + "; ".join(ratios) + ".", ""]
+    return "\n".join(out)
+
+
+def section_fp8_linear_train(data: dict, path: Path) -> str:
+    date, machine = provenance(data, path)
+    model, results, summary = data["model"], data["results"], data.get("summary", {})
+    rows, notes = [], []
+    for method, r in results.items():
+        if "error" in r:
+            notes.append(f"{method} failed: {r['error']}")
+            continue
+        s, m, big = r["same_batch"], summary.get(method, {}), r.get("largest_batch") or {}
+        # {} fallbacks: every linear layer ran in FP8
+        mine = [
+            f"{k} {'yes' if v is True else 'no' if v is False else v or 'none'}"
+            for k, v in (r.get("notes") or {}).items()
+        ]
+        if not big:
+            why = r.get("largest_batch_skipped") or r.get("largest_batch_error") or "same batch only"
+            mine.append(f"no largest batch ({why})")
+        notes += [f"{method}: {', '.join(mine)}"] if mine else []
+        rows.append(
+            [
+                method,
+                f"{s['tokens_per_s']:,.0f}",
+                _f(m.get("speedup_vs_bf16")) + "x",
+                f"{s['peak_allocated_gib']:.2f}",
+            ]
+            + [_f(m.get("memory_reduction_vs_bf16")) + "x", big.get("batch", "-")]
+            + [_f(big.get("tokens_per_s"), ",.0f")]
+        )
+    header = "method|tokens/s|speedup vs bf16|peak GiB|memory reduction vs bf16|largest batch|tokens/s there"
+    out = [
+        "## FP8 linear training",
+        f"{machine}, {date}, torch {data.get('torch', '?')}. A {model['params'] / 1e9:.2f}B-parameter "
+        f"Llama-style model ({model['layers']} layers x {model['dim']}, seq {model['seq']}), fp32 master "
+        "weights under bf16 autocast, the head in bf16 everywhere. bf16 = bf16 GEMMs + fused AdamW; "
+        "torchao = torchao float8 (tensorwise scaling, compiled blocks) + fused AdamW; coatstate = "
+        "convert_to_fp8 + compress_activations + CompressedAdamW; coatstate_fp8_only = convert_to_fp8 + "
+        f"fused AdamW (the FP8 GEMMs alone). Tokens/s = median of {data.get('steps', '?')} synchronized "
+        f"steps at batch {data.get('batch', '?')}; memory reduction = bf16 peak / method peak (allocated); "
+        "largest batch: doubling, then bisection. Source: "
+        f"`{data.get('command', 'python benchmarks/fp8_linear_train.py')}` -> "
+        "`benchmarks/results/fp8_linear_train.json`.",
+        "",
+        _md_table(header.split("|"), rows),
+        "",
+    ]
+    return "\n".join(out + ([f"Notes: {'; '.join(notes)}.", ""] if notes else []))
+
+
+def section_plan_check(data: dict, path: Path) -> str:
+    date, machine = provenance(data, path)
+    plan = data.get("plan", {})
+    setup = plan.get("setup", {})
+    rows = [
+        [r["variant"], quantity, f"{c['predicted'] / 1e9:.3f}", f"{c['measured'] / 1e9:.3f}"]
+        + [
+            f"{round(100 * c['rel_error'], 2) + 0.0:+.2f}",
+            f"±{100 * c['tolerance']:.0f}%",
+            "yes" if c["ok"] else "NO",
+        ]
+        for r in data["rows"]
+        for quantity, c in r["checks"].items()
+    ]
+    return "\n".join(
+        [
+            "## Memory planner check",
+            f"{machine}, {date}, torch {data.get('torch', '?')}. `coatstate plan` for "
+            f"{plan.get('model', 'the activation-memory model')}, seq {setup.get('seq', '?')}, batch "
+            f"{setup.get('batch', '?')}, {setup.get('param_dtype', '?')} params under bf16 autocast, made on "
+            "CPU, against a few measured training steps per variant. Static = parameters + gradients + "
+            "optimizer state (bytes allocated before a step); peak = max allocated over the steps; error = "
+            "predicted / measured - 1. Source: `python benchmarks/plan_check.py` -> "
+            "`benchmarks/results/plan_check.json`. "
+            + ("All checks pass." if data.get("all_ok") else "**Not every check passes.**"),
+            "",
+            _md_table("variant|quantity|predicted GB|measured GB|error %|bound|ok".split("|"), rows),
+            "",
+        ]
+    )
+
+
+def section_activation_host(data: dict, path: Path) -> str:
+    """activation_host.json (CPU) and activation_host_cuda.json in one table."""
+    parts, rows = [], []
+    for p in (path, path.with_name("activation_host_cuda.json")):
+        if not p.exists():
+            parts.append(f"`{p.name}`: not measured yet")
+            continue
+        d = data if p == path else json.loads(p.read_text())
+        date, machine = provenance(d, p)
+        device = d.get("args", {}).get("device", "?")
+        parts.append(f"{device}: {machine}, {date}")
+        for r in d["rows"]:
+            fwd, bwd = (r.get(f"{k}_us_per_packed_over_hooks") for k in ("fwd", "bwd"))
+            rows.append(
+                [
+                    device,
+                    r["variant"],
+                    f"{r['fwd_ms']:.2f}",
+                    f"{r['bwd_ms']:.2f}",
+                    _f(r.get("fwd_us_per_save"), ".1f"),
+                ]
+                + [_f(r.get("fwd_us_per_op"), ".1f"), "-" if fwd is None else f"{fwd:.1f} / {_f(bwd, '.1f')}"]
+            )
+    args = data.get("args", {})
+    return "\n".join(
+        [
+            "## Activation compression: host cost",
+            "; ".join(parts) + ". Source: `python benchmarks/activation_host.py` (and `--device cuda --out "
+            "benchmarks/results/activation_host_cuda.json`).",
+            "",
+            f"A GPT with {args.get('layers', '?')} layers but tiny tensors (d={args.get('dim', '?')}, seq "
+            f"{args.get('seq', '?')}, batch 1; {data.get('ops_per_forward', '?')} torch calls per forward), "
+            "so the step is all host work: what compress_activations costs in Python per saved tensor and "
+            "per op. On CPU the times are the calling thread's CPU time; on CUDA the forward is the wall "
+            "time to issue it and the backward runs to its end. us/save and us/op: forward overhead over "
+            "`none` per saved tensor and per op; us/packed: time over `hooks only` per compressed tensor, "
+            f"forward / backward. Median of {args.get('rounds', '?')} rounds. On CPU, compress runs the "
+            "pure-torch codec (torch twin) or the GPU path's host steps with the kernel launches made no-ops "
+            "(no launch); on CUDA the kernel path launches the real kernels.",
+            "",
+            _md_table("device|variant|fwd ms|bwd ms|us/save|us/op|us/packed".split("|"), rows),
+            "",
+        ]
+    )
