@@ -130,11 +130,30 @@ def main(argv=None) -> int:
     plot = args.plot or (str(ROOT / "docs" / "img" / "training_parity.png") if default_out else None)
     if plot:
         try:
-            plot_loss_curves(report, Path(plot))
+            _plot(report, Path(plot))
             print(f"wrote {plot}")
         except ImportError:
             print("matplotlib is not installed (pip install -e '.[plots]'): no PNG written", file=sys.stderr)
     return 0 if ok else 1
+
+
+def _plot(report: dict, path: Path) -> None:
+    """Both loss curves (and the compressed-activation one) in one PNG, via report.py's helpers."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    runs = {v["name"]: v["losses"] for v in report["variants"]}
+    plot_loss_curves(
+        ax, runs, {v["name"]: f"{v['name']} (final {v['final_loss']:.4f})" for v in report["variants"]}
+    )
+    ax.set_xlabel("step")
+    ax.set_title("Byte-level GPT on the stdlib source: training loss")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
 
 
 if __name__ == "__main__":
