@@ -1,8 +1,10 @@
 """The two FP8 formats and exact round-to-nearest-even onto their grids.
 
-Rounding is done in float32 arithmetic (scale by a power of two, add and subtract 1.5 * 2**23)
-so that a value is already on the FP8 grid before any cast: the cast itself is then exact on
-the CPU, on the GPU and in Triton's interpreter (whose own float32 -> float8 cast is not RNE).
+torch's float32 -> float8 cast rounds to nearest even; it does not saturate (out-of-range values
+become NaN for E4M3), so values are clamped first. Checked for every float32 bit pattern, both
+formats, against a float32 bit-arithmetic rounding (tests/exhaustive_fp8_cast.py: 0 mismatches).
+The Triton kernels round with that bit arithmetic under the interpreter, whose own cast is not
+RNE (kernels/fp8_triton.py), and with the GPU's cvt.rn.satfinite otherwise.
 """
 
 from __future__ import annotations
@@ -62,21 +64,12 @@ class FP8Format(str, enum.Enum):
 
 
 _BY_NAME = {f.value: f for f in FP8Format}
-_RNE_MAGIC = 12582912.0  # 1.5 * 2**23: adding then subtracting it rounds |t| < 2**22 to an integer
 
 
 def round_to_fp8_grid(y: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
-    """Round float32 `y` to the nearest FP8 value (ties to even), saturating at +-FP8_MAX.
-
-    Mirrors kernels' `_round_to_fp8`: the result is exactly representable, so `.to(fmt.dtype)`
-    is an exact cast.
-    """
-    y = y.float().clamp(-fmt.max, fmt.max)
-    bits = y.view(torch.int32)
-    exponent = ((bits >> 23) & 0xFF) - 127
-    exponent = exponent.clamp(min=fmt.min_normal_exponent)
-    # 2**(mantissa_bits - exponent): the spacing of the grid is its reciprocal
-    inv_ulp = ((fmt.mantissa_bits - exponent + 127) << 23).view(torch.float32)
-    ulp = ((exponent - fmt.mantissa_bits + 127) << 23).view(torch.float32)
-    magnitude = ((y.abs() * inv_ulp + _RNE_MAGIC) - _RNE_MAGIC) * ulp
-    return torch.copysign(magnitude, y)  # keeps -0.0, as torch's own cast does
+    """Round float32 `y` to the nearest FP8 value (ties to even), saturating at +-FP8_MAX; NaN
+    stays NaN and -0.0 stays -0.0. The result is exactly representable, so `.to(fmt.dtype)` is an
+    exact cast. (Same bits as rounding with float32 bit arithmetic, in one pass: 32 -> 7 ns per
+    element on a 16M-element tensor; inside the row-blocked CPU step, where the temporaries stay in
+    cache, the step is about as fast either way: 62 vs 61 ns per parameter.)"""
+    return y.float().clamp(-fmt.max, fmt.max).to(fmt.dtype).float()
