@@ -42,6 +42,7 @@ from report_gpu import (
     section_fsdp_train,
     section_optimizer_step,
     section_plan_check,
+    section_table7,
 )
 
 
@@ -288,6 +289,8 @@ SECTIONS = {
     "plan_check": section_plan_check,
     "activation_host": section_activation_host,
     "fp8_linear_parity": section_fp8_linear_parity,
+    "table7": section_table7,
+    "table7_x2_4layers": section_table7,
 }
 COVERED = {"activation_host_cuda"}  # shown in another file's section
 

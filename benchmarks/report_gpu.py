@@ -264,3 +264,61 @@ def section_activation_host(data: dict, path: Path) -> str:
             "",
         ]
     )
+
+
+def section_table7(data: dict, path: Path) -> str:
+    """benchmarks/table7.py: Llama-2-7B shapes under FSDP2 beside COAT's Table 7."""
+    date, machine = provenance(data, path)
+    meta, paper = data["meta"], data["paper"]
+    model = meta["model"]
+    rows = []
+    for name, s in data["setups"].items():
+        if "batch" not in s:
+            rows.append([name] + ["failed: " + str(s.get("error", "?"))] + [""] * 7)
+            continue
+        b, big, r = s["batch"], s.get("largest") or {}, data["ratios"].get(name, {})
+        rows.append(
+            [
+                name,
+                f"{max(b['optimizer_gib_per_rank']):.2f}",
+                f"{max(b['activation_gib_per_rank']):.2f}",
+                f"{max(b['peak_gib_per_rank']):.2f}",
+                f"{r.get('peak_reduction_at_batch', float('nan')):.2f}x",
+                f"{b['tokens_per_s_per_gpu']:,.0f}",
+                str(big.get("batch", "-")),
+                f"{big['tokens_per_s_per_gpu']:,.0f}" if big else "-",
+                f"{r.get('speed_at_largest', float('nan')):.2f}x",
+            ]
+        )
+    for p in paper.values():
+        rows.append(
+            [
+                f"paper: {p['name']}",
+                _f(p.get("optimizer_gb")),
+                _f(p.get("activation_gb")),
+                _f(p.get("peak_gb")),
+                f"{paper['bf16']['peak_gb'] / p['peak_gb']:.2f}x",
+                "-",
+                str(p["batch"]),
+                f"{p['tokens_per_s']:,}",
+                f"{p['tokens_per_s'] / paper['bf16']['tokens_per_s']:.2f}x",
+            ]
+        )
+    head = "setup|optimizer GiB/GPU|activations GiB/GPU|peak GiB/GPU|peak reduction vs bf16|"
+    head += f"tokens/s/GPU at batch {meta['batch']}|largest batch|tokens/s/GPU there|speed vs bf16 there"
+    shape = (
+        f"{model['layers']} layers of Llama-2-7B's shape (d {model['dim']}, {model['heads']} heads, "
+        f"SwiGLU {model['hidden']}, seq {model['seq']}; {model['params'] / 1e9:.2f}B params)"
+    )
+    return "\n".join(
+        [
+            "## Llama-2-7B shapes beside COAT's Table 7",
+            f"{machine} x {meta['world_size']}, {date}, torch {meta.get('torch', '?')}. FSDP2, {shape}, "
+            f"batch {meta['batch']} per GPU. The paper's rows: Llama-2-7B, 32 layers, 4 GPUs, GB. The "
+            "largest batch is bounded by the search's limits (see the JSON). Source: "
+            f"`benchmarks/table7.py` -> `benchmarks/results/{path.name}`.",
+            "",
+            _md_table(head.split("|"), rows),
+            "",
+        ]
+    )
