@@ -4,8 +4,8 @@
     torch.ops.coatstate.group_dequantize(codes, scales, exponents, group_size, fmt, dtype) -> x
     torch.ops.coatstate.fused_adamw_(...)   (kernels/adamw_launch.py: the whole optimizer step)
 
-Each runs the Triton kernel on CUDA and the pure-torch twin elsewhere (Triton's interpreter too
-when TRITON_INTERPRET=1). Codes travel as uint8 bit patterns (`.view(torch.float8_e4m3fn)` gives
+Each runs the Triton kernel on CUDA and the pure-torch twin elsewhere (fused_adamw_ also runs
+its kernel under Triton's interpreter when TRITON_INTERPRET=1). Codes travel as uint8 bit patterns (`.view(torch.float8_e4m3fn)` gives
 the FP8 values; torch has few float8 ops for tracing tools to use); `exponents` is an empty
 uint8 tensor when expansion is off (an op returns tensors, never None).
 """
