@@ -35,7 +35,12 @@ def test_training_parity_script_writes_json_and_png(tmp_path):
     )
     report = json.loads(out.read_text())
     assert [len(v["losses"]) for v in report["variants"]] == [6, 6, 6]
-    assert png.stat().st_size > 10_000
+    try:
+        import matplotlib  # noqa: F401  (an optional extra: the script skips the PNG without it)
+    except ImportError:
+        assert not png.exists()
+    else:
+        assert png.stat().st_size > 10_000
 
 
 def test_activation_memory_script_runs_on_cpu(tmp_path):
