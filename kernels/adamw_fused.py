@@ -20,7 +20,7 @@ import triton.language as tl
 
 from ..formats.fp8 import FP8Format
 from .adamw_twin import MomentFormat
-from .fp8_triton import decode, encode, fast_divide, fp8_constants, group_offsets, group_params, to_fp8_bits
+from .fp8_triton import encode_store, fast_divide, fp8_constants, group_offsets, load_decode
 
 # columns of the address table
 P, G, M_CODES, M_SCALES, M_EXPS, V_CODES, V_SCALES, V_EXPS, X_CODES, X_SCALES, X_EXPS, STEP = range(12)
@@ -41,6 +41,18 @@ def _data(base_ptr, row_ptr, COL: tl.constexpr, offs):
 
 
 @triton.jit
+def _group_pointers(row_ptr, COL: tl.constexpr, gid, EXPAND: tl.constexpr):
+    """Pointers to the per-group scales and exponent codes of groups `gid` of the moment in
+    column COL of a tensor's table row (the exponent pointer is unused without expansion)."""
+    scales = tl.load(row_ptr + COL + 1).to(tl.pointer_type(tl.float32)) + gid
+    if EXPAND:
+        exps = tl.load(row_ptr + COL + 2).to(tl.pointer_type(tl.uint8)) + gid
+    else:
+        exps = scales
+    return scales, exps
+
+
+@triton.jit
 def _load_moment(
     base_ptr,
     row_ptr,
@@ -54,15 +66,8 @@ def _load_moment(
     IS_E4M3: tl.constexpr,
 ):
     if COMPRESSED:
-        scales = tl.load(row_ptr + COL + 1).to(tl.pointer_type(tl.float32))
-        bits = tl.load(_data(base_ptr, row_ptr, COL, offs), mask=mask, other=0)
-        scale = tl.load(scales + gid, mask=gmask, other=0.0)
-        if EXPAND:
-            exps = tl.load(row_ptr + COL + 2).to(tl.pointer_type(tl.uint8))
-            k16 = tl.load(exps + gid, mask=gmask, other=16).to(tl.float32)
-        else:
-            k16 = scale
-        return decode(bits, scale, k16, EXPAND, IS_E4M3)
+        scales, exps = _group_pointers(row_ptr, COL, gid, EXPAND)
+        return load_decode(_data(base_ptr, row_ptr, COL, offs), scales, exps, mask, gmask, EXPAND, IS_E4M3)
     else:
         return tl.load(_data(base_ptr, row_ptr, COL, offs), mask=mask, other=0.0)
 
@@ -87,19 +92,22 @@ def _store_moment(
     IS_E4M3: tl.constexpr,
 ):
     if COMPRESSED:
-        mag = tl.abs(x)
-        a, k16, p0, p1 = group_params(mag, EXPAND, FP8_MAX, LOG2_MAX, K_NUMERATOR)
-        y = encode(x, mag, p0, p1, EXPAND)
-        scales = tl.load(row_ptr + COL + 1).to(tl.pointer_type(tl.float32))
-        tl.store(
+        scales, exps = _group_pointers(row_ptr, COL, gid, EXPAND)
+        encode_store(
+            x,
             _data(base_ptr, row_ptr, COL, offs),
-            to_fp8_bits(y, FP8_MAX, MBITS, EMIN, IS_E4M3),
-            mask=mask,
+            scales,
+            exps,
+            mask,
+            gmask,
+            EXPAND,
+            FP8_MAX,
+            MBITS,
+            EMIN,
+            LOG2_MAX,
+            K_NUMERATOR,
+            IS_E4M3,
         )
-        tl.store(scales + gid, a, mask=gmask)
-        if EXPAND:
-            exps = tl.load(row_ptr + COL + 2).to(tl.pointer_type(tl.uint8))
-            tl.store(exps + gid, k16.to(tl.uint8), mask=gmask)
     else:
         tl.store(_data(base_ptr, row_ptr, COL, offs), x, mask=mask)
 

@@ -13,7 +13,7 @@ import triton.language as tl
 
 from ..formats.fp8 import FP8Format
 from ..formats.group import GroupQuantized, group_layout
-from .fp8_triton import decode, encode, fp8_constants, group_offsets, group_params, to_fp8_bits
+from .fp8_triton import encode_store, fp8_constants, group_offsets, load_decode
 
 GROUPS_PER_PROGRAM = 8
 
@@ -41,14 +41,21 @@ def _quantize_kernel(
     gid = tl.program_id(0).to(tl.int64) * GPP + tl.arange(0, GPP)
     offs, mask = group_offsets(gid, n_groups, cols, groups_per_row, GROUP, EVEN)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    mag = tl.abs(x)
-    a, k16, p0, p1 = group_params(mag, EXPAND, FP8_MAX, LOG2_MAX, K_NUMERATOR)
-    y = encode(x, mag, p0, p1, EXPAND)
-    tl.store(codes_ptr + offs, to_fp8_bits(y, FP8_MAX, MBITS, EMIN, IS_E4M3), mask=mask)
-    gmask = gid < n_groups
-    tl.store(scales_ptr + gid, a, mask=gmask)
-    if EXPAND:
-        tl.store(exps_ptr + gid, k16.to(tl.uint8), mask=gmask)
+    encode_store(
+        x,
+        codes_ptr + offs,
+        scales_ptr + gid,
+        exps_ptr + gid,
+        mask,
+        gid < n_groups,
+        EXPAND,
+        FP8_MAX,
+        MBITS,
+        EMIN,
+        LOG2_MAX,
+        K_NUMERATOR,
+        IS_E4M3,
+    )
 
 
 @triton.jit
@@ -68,11 +75,7 @@ def _dequantize_kernel(
 ):
     gid = tl.program_id(0).to(tl.int64) * GPP + tl.arange(0, GPP)
     offs, mask = group_offsets(gid, n_groups, cols, groups_per_row, GROUP, EVEN)
-    gmask = gid < n_groups
-    bits = tl.load(codes_ptr + offs, mask=mask, other=0)
-    scale = tl.load(scales_ptr + gid, mask=gmask, other=0.0)
-    k16 = tl.load(exps_ptr + gid, mask=gmask, other=16).to(tl.float32) if EXPAND else scale
-    x = decode(bits, scale, k16, EXPAND, IS_E4M3)
+    x = load_decode(codes_ptr + offs, scales_ptr + gid, exps_ptr + gid, mask, gid < n_groups, EXPAND, IS_E4M3)
     tl.store(out_ptr + offs, x.to(out_ptr.dtype.element_ty), mask=mask)
 
 

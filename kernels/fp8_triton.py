@@ -196,3 +196,43 @@ def decode(bits, scale, k16, EXPAND: tl.constexpr, IS_E4M3: tl.constexpr):
             return copysign(tl.where(q != 0, x, 0.0), q)
     else:
         return q * scale[:, None]
+
+
+@triton.jit
+def encode_store(
+    x,
+    codes_ptrs,
+    scale_ptrs,
+    exp_ptrs,
+    mask,
+    gmask,
+    EXPAND: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MBITS: tl.constexpr,
+    EMIN: tl.constexpr,
+    LOG2_MAX: tl.constexpr,
+    K_NUMERATOR: tl.constexpr,
+    IS_E4M3: tl.constexpr,
+):
+    """Quantize a [groups, G] float32 tile into the group format and store its codes (uint8),
+    per-group scales and, with expansion, exponent codes (the codec and the fused step)."""
+    mag = tl.abs(x)
+    a, k16, p0, p1 = group_params(mag, EXPAND, FP8_MAX, LOG2_MAX, K_NUMERATOR)
+    y = encode(x, mag, p0, p1, EXPAND)
+    tl.store(codes_ptrs, to_fp8_bits(y, FP8_MAX, MBITS, EMIN, IS_E4M3), mask=mask)
+    tl.store(scale_ptrs, a, mask=gmask)
+    if EXPAND:
+        tl.store(exp_ptrs, k16.to(tl.uint8), mask=gmask)
+
+
+@triton.jit
+def load_decode(codes_ptrs, scale_ptrs, exp_ptrs, mask, gmask, EXPAND: tl.constexpr, IS_E4M3: tl.constexpr):
+    """Load a [groups, G] tile in the group format (codes, per-group scales and, with expansion,
+    exponent codes) and return its float32 values (the codec and the fused step)."""
+    bits = tl.load(codes_ptrs, mask=mask, other=0)
+    scale = tl.load(scale_ptrs, mask=gmask, other=0.0)
+    if EXPAND:
+        k16 = tl.load(exp_ptrs, mask=gmask, other=16).to(tl.float32)
+    else:
+        k16 = scale
+    return decode(bits, scale, k16, EXPAND, IS_E4M3)

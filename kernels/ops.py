@@ -5,9 +5,10 @@
     torch.ops.coatstate.fused_adamw_(...)   (kernels/adamw_launch.py: the whole optimizer step)
 
 Each runs the Triton kernel on CUDA and the pure-torch twin elsewhere (fused_adamw_ also runs
-its kernel under Triton's interpreter when TRITON_INTERPRET=1). Codes travel as uint8 bit patterns (`.view(torch.float8_e4m3fn)` gives
-the FP8 values; torch has few float8 ops for tracing tools to use); `exponents` is an empty
-uint8 tensor when expansion is off (an op returns tensors, never None).
+its kernel under Triton's interpreter when TRITON_INTERPRET=1). Codes travel as uint8 bit
+patterns (`.view(torch.float8_e4m3fn)` gives the FP8 values; torch has few float8 ops for
+tracing tools to use); `exponents` is an empty uint8 tensor when expansion is off (an op returns
+tensors, never None).
 """
 
 from __future__ import annotations
