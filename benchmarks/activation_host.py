@@ -53,11 +53,8 @@ from torch.overrides import TorchFunctionMode
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import GPT, ModelConfig  # noqa: E402
 
+from coatstate.activation_policy import KEEP_ALL  # noqa: E402
 from coatstate.activations import compress_activations  # noqa: E402
-
-_KEEP_ALL = dict.fromkeys(
-    ("linear", "norm", "activation", "attention", "attention_v_out", "loss", "other"), "keep"
-)
 
 
 def _parse() -> argparse.Namespace:
@@ -104,7 +101,7 @@ def _variants(device: str) -> dict:
     """name -> (context factory, whether the kernel launches are stubbed out)."""
     out = {
         "none": (contextlib.nullcontext, False),
-        "hooks only (all kept)": (lambda: compress_activations(min_numel=0, **_KEEP_ALL), False),
+        "hooks only (all kept)": (lambda: compress_activations(min_numel=0, **KEEP_ALL), False),
     }
     if device == "cuda":
         out["compress (kernel path)"] = (lambda: compress_activations(min_numel=0, backend="triton"), False)

@@ -35,13 +35,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import MODELS, ModelConfig  # noqa: E402
 
-from coatstate.activation_policy import Granularity  # noqa: E402
+from coatstate.activation_policy import KEEP_ALL  # noqa: E402
 from coatstate.activations import compress_activations  # noqa: E402
-
-_KEEP_ALL = {
-    k: Granularity.KEEP
-    for k in ("linear", "norm", "activation", "attention", "attention_v_out", "loss", "other")
-}
 
 
 def _parse() -> argparse.Namespace:
@@ -68,7 +63,7 @@ def _contexts():
         "none": lambda: contextlib.nullcontext(),
         "compress_activations": lambda: compress_activations(),
         "compress, recompute=False": lambda: compress_activations(recompute=False),
-        "hooks only (all kept)": lambda: compress_activations(**_KEEP_ALL),
+        "hooks only (all kept)": lambda: compress_activations(**KEEP_ALL),
         "save_on_cpu": lambda: torch.autograd.graph.save_on_cpu(pin_memory=True),
     }
 

@@ -44,15 +44,6 @@ OPTIMIZERS = {
 REFERENCE = "torch AdamW foreach=True"
 
 
-def state_bytes(opt: torch.optim.Optimizer) -> int:
-    return sum(
-        t.numel() * t.element_size()
-        for s in opt.state.values()
-        for k, t in s.items()
-        if k != "step" and isinstance(t, torch.Tensor)
-    )
-
-
 def time_optimizer(make, shapes, steps: int, warmup: int) -> dict:
     g = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s, generator=g) * 0.02) for s in shapes]
@@ -68,8 +59,8 @@ def time_optimizer(make, shapes, steps: int, warmup: int) -> dict:
     n = sum(p.numel() for p in params)
     timed = times[warmup:]
     return {
-        "state_bytes": state_bytes(opt),
-        "state_bytes_per_param": state_bytes(opt) / n,
+        "state_bytes": coatstate.optimizer_state_bytes(opt),
+        "state_bytes_per_param": coatstate.optimizer_state_bytes(opt) / n,
         "step_ms": 1e3 * statistics.median(timed),
         "step_ms_min": 1e3 * min(timed),
         "first_step_ms": 1e3 * times[0],

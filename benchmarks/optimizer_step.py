@@ -69,20 +69,6 @@ def copy_bandwidth(device) -> float:
     return 2 * x.numel() * 4 / statistics.median(times)
 
 
-def state_bytes(opt) -> int:
-    total = 0
-    for s in opt.state.values():
-        for k, v in s.items():
-            if k == "step" or not isinstance(v, torch.Tensor):
-                continue
-            if type(v) is not torch.Tensor and hasattr(v, "__tensor_flatten__"):  # torchao subclasses
-                names, _ = v.__tensor_flatten__()
-                total += sum(getattr(v, n).numel() * getattr(v, n).element_size() for n in names)
-            else:
-                total += v.numel() * v.element_size()
-    return total
-
-
 def make_optimizers(which):
     out = {}
     if "torch" in which:
@@ -188,7 +174,7 @@ def run_one(name, factory, shapes, dtype, steps, warmup, device):
     pipelined = a.elapsed_time(b) / steps
     peak_extra = torch.cuda.max_memory_allocated() - base
     n = sum(p.numel() for p in params)
-    sb = state_bytes(opt)
+    sb = coatstate.optimizer_state_bytes(opt)
     n_comp = sum(p.numel() for p in params if p.dim() >= 2 and p.numel() >= 4096)
     result = dict(
         name=name,

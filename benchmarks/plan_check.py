@@ -35,10 +35,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import GPT, ModelConfig  # noqa: E402
 
-from coatstate import CompressedAdamW  # noqa: E402
+from coatstate import CompressedAdamW, optimizer_state_bytes  # noqa: E402
+from coatstate.activation_policy import KEEP_ALL  # noqa: E402
 from coatstate.activations import compress_activations  # noqa: E402
 from coatstate.planner import Variant, plan, spec_from_factory  # noqa: E402
-from coatstate.planner_trace import KEEP_ALL  # noqa: E402
 
 VARIANTS = [
     Variant("torch AdamW", "adamw", "none"),
@@ -66,13 +66,6 @@ def _parse() -> argparse.Namespace:
     if args.smoke:
         args.device, args.layers, args.seq, args.batch, args.steps, args.warmup = "cpu", 2, 128, 2, 1, 0
     return args
-
-
-def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
-    """Bytes the optimizer holds, step counters left out (as CompressedAdamW.state_bytes())."""
-    if isinstance(opt, CompressedAdamW):
-        return opt.state_bytes()
-    return sum(t.numel() * t.element_size() for s in opt.state.values() for k, t in s.items() if k != "step")
 
 
 def measure(cfg: ModelConfig, variant: Variant, args, device: str) -> dict:

@@ -1,12 +1,17 @@
 """coatstate: FP8 optimizer states and activations (COAT) for PyTorch training."""
 
 from coatstate import formats
-from coatstate.formats import FP8Format, GroupQuantized, dequantize, quantize
 from coatstate.activation_policy import ActivationPolicy, ActivationStats, Granularity, OpKind
 from coatstate.activations import compress_activations
 from coatstate.checkpoint import Checkpoint, CheckpointError, load, read, read_header, read_state_dict, save
+from coatstate.formats import FP8Format, GroupQuantized, dequantize, quantize
 from coatstate.nn import FP8Linear, FP8LinearConfig, convert_to_fp8, fp8_fallbacks
-from coatstate.optim import CompressedAdamW, compress_adamw_state_dict, to_adamw_state_dict
+from coatstate.optim import (
+    CompressedAdamW,
+    compress_adamw_state_dict,
+    optimizer_state_bytes,
+    to_adamw_state_dict,
+)
 
 __version__ = "0.1.0"
 
@@ -34,6 +39,7 @@ __all__ = [
     "compress_adamw_state_dict",
     "dequantize",
     "formats",
+    "optimizer_state_bytes",
     "quantize",
     "to_adamw_state_dict",
 ]

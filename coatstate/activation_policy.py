@@ -243,6 +243,15 @@ KEPT_NOT_ACTIVATION = (
 """Reasons for keeping a tensor that stays alive anyway: they are not activation memory."""
 
 
+KEEP_ALL = {
+    f.name: Granularity.KEEP
+    for f in dataclasses.fields(ActivationPolicy)
+    if isinstance(getattr(ActivationPolicy(), f.name), Granularity)
+}
+"""Overrides for a policy that compresses nothing, `compress_activations(**KEEP_ALL)`: the
+uncompressed baseline, counted by the same ActivationStats."""
+
+
 @dataclasses.dataclass
 class ActivationStats:
     """What a compress_activations context did (counts and bytes at pack time)."""

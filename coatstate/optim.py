@@ -82,6 +82,25 @@ def _why_uncompressed(group: dict, shape: torch.Size) -> str:
     return f"{math.prod(shape)} elements < min_numel={group.get('min_numel')}"
 
 
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of any optimizer's state tensors held on this process, step counters left out: a
+    DTensor counts its local shard, a tensor subclass (torchao's low-bit states) what it stores."""
+
+    def nbytes(t: torch.Tensor) -> int:
+        if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
+            names, _ = t.__tensor_flatten__()  # a DTensor also names its device_mesh here
+            inner = (getattr(t, n) for n in names)
+            return sum(nbytes(x) for x in inner if isinstance(x, torch.Tensor))
+        return t.numel() * t.element_size()
+
+    return sum(
+        nbytes(t)
+        for state in optimizer.state.values()
+        for key, t in state.items()
+        if key != "step" and isinstance(t, torch.Tensor)
+    )
+
+
 def _options(group: dict) -> tuple:
     """The param-group options a prepared launch depends on (a change, e.g. amsgrad switched on,
     creates states and launches anew)."""
@@ -231,13 +250,7 @@ class CompressedAdamW(torch.optim.Optimizer):
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state held on this process (codes, scales, exponents, fp32 moments)."""
-        total = 0
-        for state in self.state.values():
-            for key, t in state.items():
-                if key != "step" and isinstance(t, torch.Tensor):
-                    lt = local_tensor(t)
-                    total += lt.numel() * lt.element_size()
-        return total
+        return optimizer_state_bytes(self)
 
     def _report_once(self) -> None:
         kept = self.uncompressed_parameters()

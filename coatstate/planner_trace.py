@@ -32,15 +32,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from coatstate.activation_policy import ActivationPolicy, Granularity
+from coatstate.activation_policy import KEEP_ALL, ActivationPolicy
 from coatstate.activations import compress_activations
-
-KEEP_ALL = {
-    f.name: Granularity.KEEP
-    for f in dataclasses.fields(ActivationPolicy)
-    if isinstance(getattr(ActivationPolicy(), f.name), Granularity)
-}
-"""A policy that compresses nothing: the uncompressed run, counted by the same ActivationStats."""
 
 
 class LiveBytes(TorchDispatchMode):

@@ -23,14 +23,10 @@ import torch
 from tqdm import tqdm
 
 import coatstate
+from coatstate.activation_policy import KEEP_ALL
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from models import GPT, ModelConfig  # noqa: E402 - the shared model definitions
-
-KEEP_ALL = {
-    kind: "keep" for kind in ("linear", "norm", "activation", "attention", "attention_v_out", "other")
-}
-"""A compress_activations policy that compresses nothing: it only counts what autograd saves."""
 
 
 def stdlib_corpus(max_bytes: int = 8 * 2**20) -> torch.Tensor:
@@ -91,16 +87,6 @@ def build(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.optim.Optimi
     return model, opt
 
 
-def state_bytes(opt: torch.optim.Optimizer) -> int:
-    """Bytes of optimizer state tensors (moments, codes, scales, exponents; not the step counter)."""
-    return sum(
-        t.numel() * t.element_size()
-        for s in opt.state.values()
-        for k, t in s.items()
-        if isinstance(t, torch.Tensor) and k != "step"
-    )
-
-
 def train(args: argparse.Namespace, progress: bool = True) -> dict:
     """Train as `args` says. Returns losses, timings and byte counts, plus "model" and "opt"."""
     device = torch.device(args.device)
@@ -142,7 +128,7 @@ def train(args: argparse.Namespace, progress: bool = True) -> dict:
         compress_activations=args.compress_activations,
         params=sum(p.numel() for p in model.parameters()),
         final_loss=sum(tail) / max(1, len(tail)),
-        state_bytes=state_bytes(opt),
+        state_bytes=coatstate.optimizer_state_bytes(opt),
         activation_bytes_saved=act_original,
         activation_bytes_held=act_held,
         step_ms=1e3 * sorted(timed)[len(timed) // 2] if timed else float("nan"),

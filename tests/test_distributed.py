@@ -418,6 +418,9 @@ def _placement_worker(rank, world_size, port):
     p.grad = distribute_tensor(torch.randn(64, 256), mesh, [Shard(1)])
     with pytest.raises(ValueError, match="Shard\\(0\\) or Replicate"):
         CompressedAdamW([p]).step()
-    CompressedAdamW([p], compress=False).step()  # float32 moments work with any placement
+    opt = CompressedAdamW([p], compress=False)
+    opt.step()  # float32 moments work with any placement
     assert math.isfinite(float(p.to_local().sum()))
+    # DTensor states count their local shard (the DTensor's flatten protocol also names its mesh)
+    assert opt.state_bytes() == coatstate.optimizer_state_bytes(opt) == 2 * p.to_local().numel() * 4
     dist.destroy_process_group()

@@ -11,11 +11,11 @@ import pytest
 import torch
 from torch import nn
 
-from coatstate import CompressedAdamW, compress_activations
+from coatstate import CompressedAdamW, compress_activations, optimizer_state_bytes
+from coatstate.activation_policy import KEEP_ALL
 from coatstate.cli import main
 from coatstate.planner import Variant, plan, resolve_model
 from coatstate.planner_memory import optimizer_bytes
-from coatstate.planner_trace import KEEP_ALL
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -28,9 +28,7 @@ def _real_state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     opt.step()  # states are allocated at the first step; their size does not depend on values
-    if isinstance(opt, CompressedAdamW):
-        return opt.state_bytes()
-    return sum(t.numel() * t.element_size() for s in opt.state.values() for k, t in s.items() if k != "step")
+    return optimizer_state_bytes(opt)
 
 
 def _saved_bytes(model: nn.Module, batch: int, seq: int, vocab: int, compress: bool) -> int:
