@@ -67,6 +67,11 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5, help="steps per variant per round (median taken)")
     p.add_argument("--out", default="benchmarks/results/activation_host.json")
     p.add_argument(
+        "--cprofile",
+        default=None,
+        help="write cProfile tables (by own time) of each compressing variant's steps to this file",
+    )
+    p.add_argument(
         "--baseline",
         default=None,
         help="JSON of an earlier run of this script (e.g. on older code) to compare with",
@@ -105,6 +110,10 @@ def _variants(device: str) -> dict:
     }
     if device == "cuda":
         out["compress (kernel path)"] = (lambda: compress_activations(min_numel=0, backend="triton"), False)
+        out["compress (kernel path, recompute=False)"] = (
+            lambda: compress_activations(min_numel=0, backend="triton", recompute=False),
+            False,
+        )
     else:
         out["compress (torch twin)"] = (lambda: compress_activations(min_numel=0, backend="torch"), False)
     out["compress (kernel path, no launch)"] = (
@@ -142,6 +151,28 @@ def _step(model, idx, make_ctx) -> tuple[float, float, object]:
     loss.backward()  # (on CPU the autograd engine runs on this thread)
     t2 = time.thread_time()
     return (t1 - t0) * 1e3, (t2 - t1) * 1e3, ctx
+
+
+def _cprofile(model, idx, variants, args) -> None:
+    """Where the host time of each compressing variant goes: cProfile, by own time."""
+    import cProfile
+    import io
+    import pstats
+
+    text = io.StringIO()
+    for name, (make, stubbed) in list(variants.items())[1:]:
+        prof = cProfile.Profile()
+        with _no_launch() if stubbed else contextlib.nullcontext():
+            prof.enable()
+            for _ in range(args.steps):
+                _step(model, idx, make)
+            prof.disable()
+        model.zero_grad(set_to_none=True)
+        text.write(f"== {name}: {args.steps} steps\n")
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+    Path(args.cprofile).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.cprofile).write_text(text.getvalue())
+    print(f"wrote {args.cprofile}")
 
 
 def main() -> None:
@@ -209,6 +240,8 @@ def main() -> None:
             f"{r.get('fwd_us_per_save', 0):8.2f} {r.get('fwd_us_per_op', 0):7.2f} "
             f"{r.get('fwd_us_per_packed_over_hooks', 0):10.1f}"
         )
+    if args.cprofile:
+        _cprofile(model, idx, variants, args)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {"args": vars(args), "torch": torch.__version__, "python": sys.version.split()[0]}

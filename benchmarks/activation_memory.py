@@ -124,20 +124,41 @@ def _measure(name, make_ctx, model, opt, batches, args, device):
 
 
 def _profile(model, opt, batches, args, device) -> None:
-    """torch.profiler tables of two compress_activations steps, by device and by host time."""
+    """torch.profiler tables of two compress_activations steps, by device and by host time, and
+    per variant the GPU's busy time against the wall time of the same two steps (busy << wall:
+    the GPU waits for the host)."""
     from torch.profiler import ProfilerActivity, profile
 
     out = Path(args.profile)
     out.mkdir(parents=True, exist_ok=True)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     autocast = not args.no_autocast
-    for i in range(2):  # warm
-        _step(model, opt, batches[i], compress_activations, autocast, device)
-    with profile(activities=activities) as prof:
-        for i in range(2):
-            _step(model, opt, batches[i], compress_activations, autocast, device)
-        if device == "cuda":
-            torch.cuda.synchronize()
+    busy = {}
+    variants = {
+        "none": contextlib.nullcontext,
+        "compress_activations": compress_activations,
+        "compress, recompute=False": lambda: compress_activations(recompute=False),
+    }
+    for name, make in variants.items():
+        for i in range(2):  # warm
+            _step(model, opt, batches[i], make, autocast, device)
+        _sync(device)
+        with profile(activities=activities) as prof:
+            t0 = time.perf_counter()
+            for i in range(2):
+                _step(model, opt, batches[i], make, autocast, device)
+            _sync(device)
+            wall = time.perf_counter() - t0
+        averages = prof.key_averages()
+        dev = sum(getattr(e, "self_device_time_total", 0) for e in averages) / 1e3
+        busy[name] = {"wall_ms_per_step": wall * 500, "device_ms_per_step": dev / 2}
+        if name == "compress_activations":
+            keys = ["self_cpu_time_total", "cpu_time_total"]
+            for key in (["self_device_time_total"] if device == "cuda" else []) + keys:
+                table = averages.table(sort_by=key, row_limit=60, max_name_column_width=70)
+                (out / f"profile_{key}.txt").write_text(table)
+    (out / "busy.json").write_text(json.dumps(busy, indent=1))
+    print("profiled (ms per step):", json.dumps(busy))
     import cProfile
     import io
     import pstats
@@ -150,12 +171,12 @@ def _profile(model, opt, batches, args, device) -> None:
     text = io.StringIO()
     pstats.Stats(py, stream=text).sort_stats("tottime").print_stats(45)
     (out / "python_tottime.txt").write_text(text.getvalue())
-    averages = prof.key_averages()
-    keys = ["self_cpu_time_total", "cpu_time_total"]
-    for key in (["self_cuda_time_total"] if device == "cuda" else []) + keys:
-        table = averages.table(sort_by=key, row_limit=60, max_name_column_width=70)
-        (out / f"profile_{key}.txt").write_text(table)
     print(f"wrote profiler tables to {out}")
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 def main() -> None:
