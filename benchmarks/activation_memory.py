@@ -2,10 +2,12 @@
 
     python benchmarks/activation_memory.py                 # H200: GPT-2-medium shape, bf16 autocast
     python benchmarks/activation_memory.py --device cpu --layers 2 --seq 128 --batch 2   # smoke test
+    python benchmarks/activation_memory.py --compiled      # also the torch.compile'd model
 
 Variants: no hooks; compress_activations (default policy); the same without recomputing
 activation-function outputs; compress_activations with every kind kept (its hooks' own cost:
-no kernels run); torch.autograd.graph.save_on_cpu. --profile DIR also writes torch.profiler
+no kernels run); torch.autograd.graph.save_on_cpu; with --compiled, the torch.compile'd model
+uncompressed and with the context around the compiled call. --profile DIR also writes torch.profiler
 tables of two compress_activations steps (by CUDA and by CPU time) to DIR.
 
 Activation memory = peak allocated during a training step minus what is allocated before it
@@ -28,6 +30,7 @@ import json
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -39,7 +42,7 @@ from coatstate.activation_policy import KEEP_ALL  # noqa: E402
 from coatstate.activations import compress_activations  # noqa: E402
 
 
-def _parse() -> argparse.Namespace:
+def _parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda")
     p.add_argument("--arch", choices=sorted(MODELS), default="gpt")
@@ -55,7 +58,13 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--no-autocast", action="store_true", help="fp32 instead of bf16 autocast")
     p.add_argument("--out", default="benchmarks/results/activation_memory.json")
     p.add_argument("--profile", default=None, help="write torch.profiler tables here")
-    return p.parse_args()
+    p.add_argument(
+        "--compiled",
+        action="store_true",
+        help="also measure the model under torch.compile: uncompressed, and with the context "
+        "entered outside the compiled call (compiled_fp32 kept, the default, and 'bf16')",
+    )
+    return p.parse_args(argv)
 
 
 def _contexts():
@@ -65,6 +74,15 @@ def _contexts():
         "compress, recompute=False": lambda: compress_activations(recompute=False),
         "hooks only (all kept)": lambda: compress_activations(**KEEP_ALL),
         "save_on_cpu": lambda: torch.autograd.graph.save_on_cpu(pin_memory=True),
+    }
+
+
+def _compiled_contexts():
+    """Variants of the torch.compile'd model (ratios are to its own uncompressed step)."""
+    return {
+        "compiled: none": lambda: contextlib.nullcontext(),
+        "compiled: compress": lambda: compress_activations(),
+        "compiled: compress, fp32 bf16": lambda: compress_activations(compiled_fp32="bf16"),
     }
 
 
@@ -179,8 +197,8 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def main() -> None:
-    args = _parse()
+def main(argv=None) -> None:
+    args = _parse(argv)
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda but CUDA is not available; use --device cpu for a smoke test")
@@ -203,17 +221,23 @@ def main() -> None:
         for _ in range(4)
     ]
     rows = [_measure(name, make, model, opt, batches, args, device) for name, make in _contexts().items()]
+    if args.compiled:
+        compiled = torch.compile(model)
+        with warnings.catch_warnings():  # (the default policy warns that float32 saves are kept)
+            warnings.simplefilter("ignore", UserWarning)
+            for name, make in _compiled_contexts().items():
+                rows.append(_measure(name, make, compiled, opt, batches, args, device))
     if args.profile:
         _profile(model, opt, batches, args, device)
-    base = rows[0]
     print(
         f"{args.arch}: {args.layers} layers, d={args.dim}, seq {args.seq}, batch {args.batch}, "
         f"vocab {args.vocab}, {'fp32' if args.no_autocast else 'bf16 autocast'}, loss chunks "
         f"{args.loss_chunks}, {device}"
     )
-    header = f"{'variant':<26} {'act. MiB':>10} {'x none':>8} {'step ms':>9} {'x none':>8} {'host fwd':>9}"
+    header = f"{'variant':<30} {'act. MiB':>10} {'x none':>8} {'step ms':>9} {'x none':>8} {'host fwd':>9}"
     print(header + "  saved MiB orig->held")
     for r in rows:
+        base = rows[0] if not r["variant"].startswith("compiled") else rows[len(_contexts())]
         act = r.get("activation_bytes")
         if act is not None:
             act_s = f"{act / 2**20:10.1f} {act / base['activation_bytes']:8.3f}"
@@ -223,7 +247,7 @@ def main() -> None:
         if "saved_bytes_held" in r:
             saved = f"  {r['saved_bytes_original'] / 2**20:.1f} -> {r['saved_bytes_held'] / 2**20:.1f}"
         print(
-            f"{r['variant']:<26} {act_s} {r['step_ms']:9.2f} {r['step_ms'] / base['step_ms']:8.3f} "
+            f"{r['variant']:<30} {act_s} {r['step_ms']:9.2f} {r['step_ms'] / base['step_ms']:8.3f} "
             f"{r['host_fwd_ms']:9.2f}{saved}"
         )
     out = Path(args.out)

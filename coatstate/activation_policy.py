@@ -198,7 +198,16 @@ class ActivationPolicy:
     loss: Granularity = Granularity.KEEP
     """Log-probabilities saved by cross_entropy: kept, FP8 log-probs would distort exp() badly."""
     other: Granularity = Granularity.GROUP
-    """Everything else (elementwise products of SwiGLU and RoPE, ops of compiled graphs)."""
+    """Everything else (elementwise products of SwiGLU and RoPE, ...)."""
+    compiled: Granularity = Granularity.GROUP
+    """16-bit tensors that a torch.compile'd graph saves (entered outside the compiled call): the
+    op that made them is not visible at run time, so one granularity serves them all (matmul and
+    attention inputs, activation-function inputs)."""
+    compiled_fp32: Granularity = Granularity.KEEP
+    """float32 tensors a compiled graph saves: kept by default. Under autocast these are the
+    residual stream that norms read, norm statistics and attention's logsumexp, which cannot be
+    told apart at run time; the logsumexp does not survive even bfloat16 (backward takes exp of
+    scores minus it). Without autocast everything is float32: choose "bf16" or "group" there."""
     fmt: FP8Format = FP8Format.E4M3
     """FP8 format of the codes."""
     group_size: int = 16
@@ -212,7 +221,7 @@ class ActivationPolicy:
     are not stored again when a later op saves them: backward recomputes them from that input."""
 
     def __post_init__(self) -> None:
-        for name in [k.value for k in OpKind] + ["attention_v_out"]:
+        for name in [k.value for k in OpKind] + ["attention_v_out", "compiled", "compiled_fp32"]:
             value = getattr(self, name)
             try:
                 object.__setattr__(self, name, Granularity(value))
@@ -239,6 +248,7 @@ KEPT_NOT_ACTIVATION = (
     "parameter or other leaf requiring grad",
     "created before the context",
     "parameter cast or view",
+    "input of a compiled graph",
 )
 """Reasons for keeping a tensor that stays alive anyway: they are not activation memory."""
 

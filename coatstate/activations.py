@@ -45,9 +45,12 @@ autograd's own check off). Compressed regions are snapshots taken at save time.
 
 Works with non-reentrant torch.utils.checkpoint (the region's tensors go to checkpoint's own
 hooks, which take precedence, and pass through). Around a torch.compile'd call the compiled
-graph's saved tensors are compressed at run time with the policy's `other` granularity (the op
-kind is not visible there); entering the context INSIDE a compiled function raises a
-RuntimeError instead of silently doing nothing.
+graph saves its tensors when its forward returns (AOTAutograd's CompiledFunction.apply), all
+without grad_fn, so the eager rules above would keep every one: there the graph's inputs stay
+(alive anyway), tensors with a parameter's shape are taken for its autocast cast and kept, and the
+rest are packed with the policy's `compiled` granularity (16-bit) or `compiled_fp32` (float32,
+kept by default); the op kind is not visible. Entering the context INSIDE a compiled function
+raises a RuntimeError instead of silently doing nothing.
 """
 
 from __future__ import annotations
@@ -93,6 +96,8 @@ _MAX_SOURCES = 64  # activation inputs remembered for recomputing their outputs 
 _next_sequence_nr = torch._C._autograd._get_sequence_nr  # number the next autograd node gets
 _is_compiling = torch.compiler.is_compiling
 _thread_id = threading.get_ident
+_FUNCTION_APPLY = torch.autograd.function.Function.apply.__func__.__code__  # where autograd.Functions save
+_AOT_MODULE = "torch._functorch._aot_autograd"  # where torch.compile's CompiledFunction classes live
 # Enum members as plain globals: in the hot path `OpKind.OTHER` and `.value` go through Python-level
 # descriptors (enum's), a microsecond here and there per saved tensor.
 _OTHER, _ATTENTION, _ACTIVATION = OpKind.OTHER, OpKind.ATTENTION, OpKind.ACTIVATION
@@ -190,6 +195,9 @@ class compress_activations:  # noqa: N801  (a context manager used like a functi
         self._first_seq = 0  # autograd nodes numbered below this existed before __enter__
         self._thread = None
         self._slots: dict = {}  # device -> (amax int32 slots, scale byte slots, next free slot)
+        self._graph_args = None  # the arguments of the compiled graph whose saves are being packed
+        self._graph_inputs: tuple[set, set] = (set(), set())  # their storages, their parameters' shapes
+        self._warned_fp32 = False
         self._hooks = None
 
     # -- context ---------------------------------------------------------------------------
@@ -212,6 +220,7 @@ class compress_activations:  # noqa: N801  (a context manager used like a functi
         self._regions.clear()
         self._sources.clear()
         self._slots.clear()
+        self._graph_args, self._graph_inputs = None, (set(), set())
 
     # -- pack ------------------------------------------------------------------------------
     def _keep(self, x: torch.Tensor, reason: str, count_bytes: int | None = None) -> _Kept:
@@ -240,10 +249,12 @@ class compress_activations:  # noqa: N801  (a context manager used like a functi
     def _pack(self, x: torch.Tensor):
         if self._pending and (_thread_id(), _next_sequence_nr() - 1) != self._pending_seq:
             self._resolve_pending()  # an attention op that saved no output of its own (math backend)
+        frame = sys._getframe(1)  # the Python code calling the op that saves x
+        if frame.f_code is _FUNCTION_APPLY and x.grad_fn is None and not x.requires_grad:
+            return self._compiled_save(x, frame)
         reason = self._always_kept(x)
         if reason is not None:
             return self._keep(x, reason)
-        frame = sys._getframe(1)  # the Python code calling the op that saves x
         kind = kind_of_call_site(frame.f_code, frame.f_lasti)
         if kind is _OTHER:
             kind = kind_on_stack(frame)
@@ -251,6 +262,38 @@ class compress_activations:  # noqa: N801  (a context manager used like a functi
             return self._attention(x)
         granularity, label = self._granularity[kind]
         return self._hold(x, granularity, label, kind is _ACTIVATION and self._recompute)
+
+    def _compiled_save(self, x: torch.Tensor, frame):
+        """A tensor an autograd.Function's forward made and saved (no grad_fn): if the Function is
+        a torch.compile'd graph, pack it unless it is the graph's input or a parameter's cast."""
+        cls = frame.f_locals.get("cls")
+        if not getattr(cls, "__module__", "").startswith(_AOT_MODULE):  # an eager autograd.Function
+            return self._keep(x, self._always_kept(x))
+        if x.dtype not in _COMPRESSIBLE:
+            return self._keep(x, "not float16/bfloat16/float32")
+        if x.numel() < self._min_numel:
+            return self._keep(x, f"smaller than min_numel={self.policy.min_numel}")
+        args = frame.f_locals.get("args")
+        if args is not self._graph_args:  # the first save of this call of the graph
+            self._graph_args = args
+            storages, shapes = set(), set()
+            for a in args or ():
+                if isinstance(a, torch.Tensor):
+                    storages.add(a.untyped_storage().data_ptr())
+                    if a.requires_grad and a.dim() >= 2:
+                        shapes.add(tuple(a.shape))
+            self._graph_inputs = (storages, shapes)
+        storages, shapes = self._graph_inputs
+        if x.untyped_storage().data_ptr() in storages:
+            return self._keep(x, "input of a compiled graph")
+        if tuple(x.shape) in shapes:  # autocast's bf16 weight, as eager keeps it (a shape match
+            return self._keep(x, "parameter cast or view")  # can only keep too much, never lose)
+        if x.dtype is torch.float32:
+            if self.policy.compiled_fp32 is _KEEP and not self._warned_fp32:
+                self._warned_fp32 = True
+                warnings.warn(_COMPILED_FP32, stacklevel=2)
+            return self._hold(x, self.policy.compiled_fp32, "compiled_fp32")
+        return self._hold(x, self.policy.compiled, "compiled")
 
     def _attention(self, x: torch.Tensor):
         """q, k, v wait for the op's output, whose grad_fn lists the op's inputs in order."""
@@ -503,6 +546,13 @@ _OLD_PYTHON = (
     "only from the module running the op (norms, activation-function modules); F.linear, matmul and "
     "attention count as 'other' (per-group by default, attention v/out compressed). Use Python >= 3.11 "
     "for COAT's policy, or set `other=` to the granularity you want for them."
+)
+_COMPILED_FP32 = (
+    "compress_activations: a torch.compile'd graph saved float32 activations, which the policy keeps "
+    "uncompressed (compiled_fp32='keep': at run time a norm's input cannot be told from attention's "
+    "logsumexp, which even bfloat16 would distort). Under bf16 autocast that is the residual stream; "
+    "in a float32 model it is every activation. Pass compiled_fp32='bf16' (or 'group') to hold them "
+    "compressed, after checking your gradients; see ctx.stats.summary() for the bytes."
 )
 _COMPILE_ERROR = (
     "compress_activations cannot run inside a torch.compile'd function (its hooks would be traced "

@@ -463,7 +463,7 @@ def test_non_reentrant_checkpoint():
         assert ctx.stats.packed > 0 and worst > 0.999
 
 
-@pytest.mark.parametrize("where", ["outside", "inside"])
+@pytest.mark.parametrize("where", ["outside", "inside", "outside, inductor"])
 def test_torch_compile_works_or_raises_clearly(where):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
@@ -472,13 +472,15 @@ def test_torch_compile_works_or_raises_clearly(where):
     ref = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     torch._dynamo.reset()
+    # float32 model: a compiled graph's float32 saves are kept unless compiled_fp32 says otherwise
+    options = {"min_numel": 0, "compiled_fp32": "group"}
     try:
-        if where == "outside":
-            compiled = torch.compile(model, backend="aot_eager")
-            with compress_activations(min_numel=0) as ctx:
+        if where.startswith("outside"):
+            compiled = torch.compile(model, backend="inductor" if "inductor" in where else "aot_eager")
+            with compress_activations(**options) as ctx:
                 loss = compiled(x).square().sum()
         else:
-            ctx = compress_activations(min_numel=0)
+            ctx = compress_activations(**options)
 
             def step(x):
                 with ctx:
@@ -491,12 +493,35 @@ def test_torch_compile_works_or_raises_clearly(where):
         print(f"{where}: raised a clear error")
         return
     assert ctx.stats.packed > 0, f"{where}: silent no-op, nothing was compressed"
+    assert ctx.stats.kept_reasons.get("input of a compiled graph", 0) + ctx.stats.kept_reasons.get(
+        "created before the context", 0
+    ), "the graph's input x (alive anyway) must be kept, not compressed"
     worst = min(
         F.cosine_similarity(a.flatten(), p.grad.flatten(), dim=0).item()
         for a, p in zip(ref, model.parameters(), strict=False)
     )
     print(f"{where}: compressed {ctx.stats.packed} tensors, min cosine {worst:.6f}")
     assert worst > 0.999
+
+
+def test_compiled_graph_under_autocast_packs_16bit_saves_and_warns_about_float32():
+    """Inductor's graph saves everything without grad_fn: the 16-bit activations are packed, the
+    parameters' bf16 casts kept (as eager keeps them), float32 saves kept with a warning."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.LayerNorm(256), nn.GELU(), nn.Linear(256, 64))
+    x = torch.randn(48, 64)
+    torch._dynamo.reset()
+    compiled = torch.compile(model)
+    with pytest.warns(UserWarning, match="compiled_fp32"):
+        with compress_activations(min_numel=0) as ctx:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = compiled(x).float().square().sum()
+    loss.backward()
+    reasons = ctx.stats.kept_reasons
+    print(ctx.stats.summary())
+    assert ctx.stats.packed_by_kind.get("compiled/group", 0) > 0
+    assert reasons["parameter cast or view"] >= 1  # the second weight's bf16 cast (x needs no grad)
+    assert reasons["policy keeps compiled_fp32"] >= 1  # the LayerNorm's float32 input
 
 
 def _grads(model, idx, tgt, ctx, autocast):
