@@ -7,10 +7,19 @@ seq 2048) with fp32 master weights under bfloat16 autocast, all in one run:
                 blocks (how torchao is meant to run; then torchao_eager if that fails), fused AdamW
   coatstate     coatstate.nn.convert_to_fp8 + compress_activations + CompressedAdamW (eager)
   coatstate_fp8_only  (diagnostic, same batch only) convert_to_fp8 + fused AdamW: the GEMM speedup alone
+  coatstate_compiled     convert_to_fp8 + CompressedAdamW, blocks torch.compile'd as torchao's are
+                         (inductor fuses FP8Linear's amax/scale/cast/transposes around the GEMMs)
+  coatstate_compiled_ca  the same inside compress_activations, entered OUTSIDE the compiled blocks
+                         (it compresses the compiled graphs' saved tensors at run time)
 The head stays bf16 everywhere (as torchtitan's float8 does). Per method: tokens/s (median of
 the timed steps, CUDA-synchronized) and peak allocated memory at the same batch; then the largest
-batch it fits (doubling, then bisection, each probe two steps) and tokens/s there. Writes
-benchmarks/results/fp8_linear_train.json. Budget: about 6 minutes on an H200.
+batch it fits (doubling, then bisection, each probe two steps) and tokens/s there; for the methods
+under compress_activations, what its last step packed and kept. Writes
+benchmarks/results/fp8_linear_train.json (after every method, so a cut-off run keeps the rest).
+Time on an H200: the last run of the four eager-era methods with `--budget-s 70` took about 80 s of
+method time (bf16 23 s, coatstate 32 s, torchao 24 s with its compilation); the two compiled
+coatstate methods add their compilation (torchao's first step took 12-28 s) and steps, and no
+batch search starts after --budget-s.
 """
 
 from __future__ import annotations
@@ -41,15 +50,57 @@ import coatstate  # noqa: E402
 from coatstate.nn import convert_to_fp8, fp8_fallbacks  # noqa: E402
 
 GIB = 2.0**30
+METHODS = (
+    "bf16",
+    "coatstate_fp8_only",
+    "coatstate",
+    "coatstate_compiled",
+    "coatstate_compiled_ca",
+    "torchao",
+    "torchao_eager",
+)
 
 
 def _not_head(module: torch.nn.Module, name: str) -> bool:
     return name != "head"
 
 
+def _compile_blocks(model: torch.nn.Module) -> None:
+    """torch.compile each transformer block (torchao's recipe; the chunked head/loss stays eager)."""
+    # 18 block instances and a few batch sizes: stay above dynamo's recompile limit
+    for knob in ("cache_size_limit", "recompile_limit"):
+        if hasattr(torch._dynamo.config, knob):
+            setattr(torch._dynamo.config, knob, 64)
+    for block in model.blocks:
+        block.compile()
+
+
+class _Compressing:
+    """A compress_activations factory that keeps the last context, so its stats can be reported."""
+
+    def __init__(self) -> None:
+        self.last: coatstate.compress_activations | None = None
+
+    def __call__(self) -> coatstate.compress_activations:
+        self.last = coatstate.compress_activations()
+        return self.last
+
+    def summary(self) -> dict:
+        s = self.last.stats
+        return dict(
+            packed=s.packed,
+            kept=s.kept,
+            mib_original=s.bytes_original / 2**20,
+            mib_packed=s.bytes_packed / 2**20,
+            kept_reasons=dict(s.kept_reasons),
+        )
+
+
 # -- the methods -----------------------------------------------------------------------------------
 def build(method: str, cfg: LlamaConfig, device: torch.device, lr: float = 3e-4):
     """(model, optimizer, forward context factory, notes) for one method, from the same seed."""
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
     torch.manual_seed(0)
     with device:
         model = Llama(cfg)
@@ -64,22 +115,21 @@ def build(method: str, cfg: LlamaConfig, device: torch.device, lr: float = 3e-4)
         convert_to_float8_training(model, module_filter_fn=_not_head)
         notes["compiled"] = False
         if device.type == "cuda" and method == "torchao":
-            # 18 block instances and a few batch sizes: stay above dynamo's recompile limit
-            for knob in ("cache_size_limit", "recompile_limit"):
-                if hasattr(torch._dynamo.config, knob):
-                    setattr(torch._dynamo.config, knob, 64)
-            for block in model.blocks:
-                block.compile()
+            _compile_blocks(model)
             notes["compiled"] = True
         return model, torch.optim.AdamW(model.parameters(), lr=lr, fused=fused), no_ctx, notes
     convert_to_fp8(model, filter_fn=_not_head)
     notes["fp8_fallbacks"] = fp8_fallbacks(model)
     if method == "coatstate_fp8_only":
         return model, torch.optim.AdamW(model.parameters(), lr=lr, fused=fused), no_ctx, notes
+    opt = coatstate.CompressedAdamW(model.parameters(), lr=lr)
     if method == "coatstate":
-        opt = coatstate.CompressedAdamW(model.parameters(), lr=lr)
-        return model, opt, coatstate.compress_activations, notes
-    raise ValueError(f"unknown method {method!r}")
+        return model, opt, _Compressing(), notes
+    if method in ("coatstate_compiled", "coatstate_compiled_ca"):
+        _compile_blocks(model)  # on CPU too (--smoke), so the smoke run traces the compiled path
+        notes["compiled"] = True
+        return model, opt, _Compressing() if method.endswith("_ca") else no_ctx, notes
+    raise AssertionError(f"method {method!r} is in METHODS but not built")
 
 
 def train_step(model, opt, ctx, idx, tgt, device) -> torch.Tensor:
@@ -168,8 +218,16 @@ def measure(method, cfg, device, args, deadline: float) -> dict:
     model, opt, ctx, notes = build(method, cfg, device)
     res = dict(notes=notes, params=sum(p.numel() for p in model.parameters()))
     res["same_batch"] = run_steps(model, opt, ctx, args.batch, cfg, device, args.warmup, args.steps)
+    if isinstance(ctx, _Compressing):  # what the last step's context compressed and kept
+        res["activations"] = ctx.summary()
+        print(
+            f"{method:22s} compress_activations: {res['activations']['packed']} tensors packed, "
+            f"{res['activations']['mib_original']:.0f} -> {res['activations']['mib_packed']:.0f} MiB, "
+            f"{res['activations']['kept']} kept",
+            flush=True,
+        )
     print(
-        f"{method:20s} batch {args.batch:3d}: {res['same_batch']['tokens_per_s']:9.0f} tok/s, "
+        f"{method:22s} batch {args.batch:3d}: {res['same_batch']['tokens_per_s']:9.0f} tok/s, "
         f"peak {res['same_batch'].get('peak_allocated_gib', float('nan')):6.2f} GiB",
         flush=True,
     )
@@ -182,10 +240,10 @@ def measure(method, cfg, device, args, deadline: float) -> dict:
                 res["largest_batch"] = run_steps(model, opt, ctx, best, cfg, device, 1, args.steps)
             except Exception as e:  # keep the same-batch numbers whatever the search hits
                 res["largest_batch_error"] = f"{type(e).__name__}: {e}"
-                print(f"{method:20s} batch search FAILED: {res['largest_batch_error']}", flush=True)
+                print(f"{method:22s} batch search FAILED: {res['largest_batch_error']}", flush=True)
                 return _finish(res, t0, model, opt, device)
             print(
-                f"{method:20s} largest batch {best:3d}: {res['largest_batch']['tokens_per_s']:9.0f} tok/s, "
+                f"{method:22s} largest batch {best:3d}: {res['largest_batch']['tokens_per_s']:9.0f} tok/s, "
                 f"peak {res['largest_batch']['peak_allocated_gib']:6.2f} GiB",
                 flush=True,
             )
@@ -219,16 +277,16 @@ def summarize(results: dict) -> dict:
 def print_table(results: dict, summary: dict) -> None:
     nan = float("nan")
     print(
-        f"\n{'method':20s} {'tok/s':>9s} {'speedup':>8s} {'peak GiB':>9s} {'mem. red.':>9s} "
+        f"\n{'method':22s} {'tok/s':>9s} {'speedup':>8s} {'peak GiB':>9s} {'mem. red.':>9s} "
         f"{'max batch':>9s} {'tok/s there':>11s}"
     )
     for method, r in results.items():
         if "same_batch" not in r:
-            print(f"{method:20s} {r['error']}")
+            print(f"{method:22s} {r['error']}")
             continue
         s, m = r["same_batch"], summary.get(method, {})
         print(
-            f"{method:20s} {s['tokens_per_s']:9.0f} {m.get('speedup_vs_bf16', nan):8.2f} "
+            f"{method:22s} {s['tokens_per_s']:9.0f} {m.get('speedup_vs_bf16', nan):8.2f} "
             f"{s.get('peak_allocated_gib', nan):9.2f} {m.get('memory_reduction_vs_bf16', nan):9.2f} "
             f"{m.get('largest_batch', '-'):>9} {m.get('tokens_per_s_at_largest_batch', nan):11.0f}"
         )
@@ -244,7 +302,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch-limit", type=int, default=256, help="largest batch the search tries")
     ap.add_argument("--no-max-batch", dest="max_batch", action="store_false")
     ap.add_argument("--budget-s", type=float, default=300.0, help="no new batch search after this")
-    ap.add_argument("--methods", default="bf16,coatstate_fp8_only,coatstate,torchao")
+    ap.add_argument(
+        "--methods",
+        default="bf16,coatstate_fp8_only,coatstate,coatstate_compiled,coatstate_compiled_ca,torchao",
+    )
     ap.add_argument(
         "--out",
         default=None,
@@ -280,13 +341,16 @@ def main(argv=None) -> dict:
         results={},
     )
     methods = args.methods.split(",")
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise SystemExit(f"--methods: unknown {', '.join(unknown)}; choose from {', '.join(METHODS)}")
     for method in methods:
         try:
             result["results"][method] = measure(method, cfg, device, args, deadline)
         except Exception as e:  # a peer that does not run here is reported, the others still measured
             err = dict(error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(limit=4))
             result["results"][method] = err
-            print(f"{method:20s} FAILED: {err['error']}", flush=True)
+            print(f"{method:22s} FAILED: {err['error']}", flush=True)
             _free(device)
             if (
                 method == "torchao"

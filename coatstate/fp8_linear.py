@@ -40,6 +40,16 @@ passes through untouched (its "not float16/bfloat16/float32" reason), so they ar
 twice; the weight is a parameter and is kept; the scales (one float32 each) are kept. The
 weight's codes are re-derived in backward rather than saved: one more pass over the weight
 instead of holding 1 byte per parameter of every layer until backward.
+
+Under torch.compile (`torch.compile(model)`; fullgraph=True works on a stack of these layers)
+the quantizer is `_quantize_traceable`, plain torch ops that inductor fuses with the amax, the
+scale, the cast and the transposes around the GEMMs, instead of the Triton launcher; it gives
+the same codes and scales (tests/test_fp8_linear_compile.py). The shared-input cache is skipped
+(a weak reference cannot be traced; fuse q/k/v into one layer instead), and which tensors
+backward keeps is the partitioner's choice, not save_for_backward's. Inductor drops bfloat16
+round trips between fused ops by default, so a compiled model quantizes slightly different
+values than the eager one; with `torch._inductor.config.emulate_precision_casts = True` it
+keeps them and compiled and eager agree bit for bit.
 """
 
 from __future__ import annotations
@@ -54,7 +64,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from coatstate.formats import tensorwise
-from coatstate.formats.fp8 import FP8Format
+from coatstate.formats.fp8 import FP8Format, round_to_fp8_grid
 
 __all__ = ["FP8Linear", "FP8LinearConfig", "convert_to_fp8", "fp8_fallbacks"]
 
@@ -63,6 +73,7 @@ logger = logging.getLogger("coatstate")
 _ALIGN = 16  # torch._scaled_mm: K and N (and the inner dim of every GEMM) multiples of 16
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _BACKENDS = ("auto", "scaled_mm", "emulate")
+_is_compiling = torch.compiler.is_compiling
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,8 +85,10 @@ class FP8LinearConfig:
     grad_fmt: FP8Format = FP8Format.E5M2
     """FP8 format of the output gradient. E4M3 has one more mantissa bit (gradient cosine 0.9993
     vs 0.9983 on Gaussian data; final loss -0.1% vs +0.6% from bf16 in benchmarks/fp8_linear_parity.py)
-    but less range: with the LM head in FP8 too it trained 4.3% above bf16, E5M2 1.05%. E5M2 is
-    the default (as in torchao and TransformerEngine); choose E4M3 when the head stays bf16."""
+    but less range: with the LM head in FP8 too it trained 4.3% above bf16, E5M2 1.05%. On a
+    trained byte-level GPT (fp8_linear_parity.py --grad-cosine) dx clears 0.999 with either, dW
+    reaches 0.973 (E5M2) and 0.9945 (E4M3) at worst. E5M2 is the default (as in torchao and
+    TransformerEngine); choose E4M3 when the head stays bf16."""
     fast_accum: bool = True
     """use_fast_accum for the forward GEMM (the backward GEMMs always accumulate exactly in fp32)."""
 
@@ -94,6 +107,8 @@ _CAPABILITY: dict[int, tuple[int, int]] = {}
 def _has_fp8_cores(device: torch.device) -> bool:
     if device.type != "cuda":
         return False
+    if _is_compiling():  # no cache or log line inside a trace: dynamo folds the capability to a constant
+        return torch.cuda.get_device_capability(device) >= (8, 9)
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _CAPABILITY:
         _CAPABILITY[index] = torch.cuda.get_device_capability(index)
@@ -109,12 +124,32 @@ def _has_fp8_cores(device: torch.device) -> bool:
 # -- quantize, transpose, GEMM ----------------------------------------------------------------------
 def _quantize(t: torch.Tensor, fmt: FP8Format) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes in t's shape, float32 scale of one element) by the per-tensor two-stage max."""
+    if _is_compiling():
+        return _quantize_traceable(t, fmt)
     if _has_fp8_cores(t.device):
         from coatstate.kernels import activation_pack
 
         codes, scale = activation_pack.pack_tensorwise(t.contiguous(), fmt)
         return codes, scale[:1]  # pack returns [scale, 1/scale]
     codes, scale = tensorwise.quantize_tensorwise(t, fmt)
+    return codes, scale.reshape(1)
+
+
+def _quantize_traceable(t: torch.Tensor, fmt: FP8Format) -> tuple[torch.Tensor, torch.Tensor]:
+    """_quantize in plain torch ops that inductor fuses around the GEMMs: the same codes and scale.
+
+    amax: one reduction (a maximum is exact, so any order gives the two-stage max). The two
+    divisions run in float64 and round once to float32: for float32 operands that is the correctly
+    rounded float32 quotient (53 >= 2 * 24 + 2 bits, so the double rounding is innocuous), which
+    inductor's Triton code would not give for a float32 `/` (it lowers to an approximate division).
+    """
+    amax = t.abs().amax().float()
+    # MIN_SCALE (2**-126) spelled through finfo: under dynamic shapes dynamo makes a module-level
+    # float a symbolic input, which it then fails to lift into the autograd.Function's graph
+    scale = (amax.double() / fmt.max).float().clamp(min=torch.finfo(torch.float32).tiny)
+    scale = torch.where(amax > 0, scale, 0.0)
+    inv = torch.where(scale > 0, (1.0 / scale.double()).float(), 0.0)
+    codes = round_to_fp8_grid(t.float() * inv, fmt).to(fmt.dtype)
     return codes, scale.reshape(1)
 
 
@@ -136,7 +171,9 @@ def _transposed(codes: torch.Tensor, pad_cols_to: int = 1) -> torch.Tensor:
 def _gemm(a, b, scale_a, scale_b, out_dtype, *, scaled_mm: bool, fast_accum: bool) -> torch.Tensor:
     """(a @ b) * scale_a * scale_b in out_dtype; a row-major, b column-major (FP8 codes)."""
     if scaled_mm:
-        if a.stride(1) != 1 or b.stride(0) != 1:  # what cuBLASLt requires; checked here on CPU too
+        # what cuBLASLt requires; checked here on CPU too (eagerly: under torch.compile inductor
+        # lays out the operands, and a raise in the traced backward upsets dynamo's autocast restore)
+        if not _is_compiling() and (a.stride(1) != 1 or b.stride(0) != 1):
             raise RuntimeError(
                 f"internal error: _scaled_mm needs row-major A and column-major B; got strides "
                 f"{a.stride()} and {b.stride()}"
@@ -179,10 +216,13 @@ class _FP8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, out_dtype, scaled_mm, cfg):
         k = x.shape[-1]
-        cached = None if x.is_inference() else _last_input.get(x)  # inference tensors: no version
+        # no cache under torch.compile (a weak reference cannot be traced) nor for inference
+        # tensors (they have no version counter)
+        use_cache = not _is_compiling() and not x.is_inference()
+        cached = _last_input.get(x) if use_cache else None
         if cached is None:
             cached = _quantize(x.reshape(-1, k), FP8Format.E4M3)
-            if not x.is_inference():
+            if use_cache:
                 _last_input.put(x, cached)
         x_q, s_x = cached
         w_q, s_w = _quantize(weight.detach(), FP8Format.E4M3)
