@@ -3,6 +3,7 @@
 Training throughput and peak memory of a ~1.06B-parameter Llama-style model (benchmarks/llama.py,
 seq 2048) with fp32 master weights under bfloat16 autocast, all in one run:
   bf16          nn.Linear GEMMs in bf16, torch.optim.AdamW(fused=True)
+  bf16_compiled the same with its blocks torch.compile'd: the fair baseline of the compiled methods
   torchao       torchao.float8.convert_to_float8_training (tensorwise scaling), torch.compile'd
                 blocks (how torchao is meant to run; then torchao_eager if that fails), fused AdamW
   coatstate     coatstate.nn.convert_to_fp8 + compress_activations + CompressedAdamW (eager)
@@ -52,6 +53,7 @@ from coatstate.nn import convert_to_fp8, fp8_fallbacks  # noqa: E402
 GIB = 2.0**30
 METHODS = (
     "bf16",
+    "bf16_compiled",
     "coatstate_fp8_only",
     "coatstate",
     "coatstate_compiled",
@@ -107,7 +109,10 @@ def build(method: str, cfg: LlamaConfig, device: torch.device, lr: float = 3e-4)
     fused = device.type == "cuda"
     notes: dict = {}
     no_ctx = contextlib.nullcontext
-    if method == "bf16":
+    if method in ("bf16", "bf16_compiled"):
+        if method == "bf16_compiled":  # the fair baseline for the compiled FP8 methods
+            _compile_blocks(model)
+            notes["compiled"] = True
         return model, torch.optim.AdamW(model.parameters(), lr=lr, fused=fused), no_ctx, notes
     if method in ("torchao", "torchao_eager"):
         from torchao.float8 import convert_to_float8_training
@@ -304,7 +309,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--budget-s", type=float, default=300.0, help="no new batch search after this")
     ap.add_argument(
         "--methods",
-        default="bf16,coatstate_fp8_only,coatstate,coatstate_compiled,coatstate_compiled_ca,torchao",
+        default="bf16,bf16_compiled,coatstate_fp8_only,coatstate,coatstate_compiled,coatstate_compiled_ca,"
+        "torchao",
     )
     ap.add_argument(
         "--out",

@@ -49,8 +49,11 @@ graph saves its tensors when its forward returns (AOTAutograd's CompiledFunction
 without grad_fn, so the eager rules above would keep every one: there the graph's inputs stay
 (alive anyway), tensors with a parameter's shape are taken for its autocast cast and kept, and the
 rest are packed with the policy's `compiled` granularity (16-bit) or `compiled_fp32` (float32,
-kept by default); the op kind is not visible. Entering the context INSIDE a compiled function
-raises a RuntimeError instead of silently doing nothing.
+kept by default); the op kind is not visible. Compile per block (`block.compile()` for each
+transformer block), not the whole model: a graph saves all its tensors when it returns and
+unpacks them all when its backward starts, so around one whole-model graph the originals and the
+packed copies coexist and the peak rises (measured: 1.22x of uncompressed). Entering the context
+INSIDE a compiled function raises a RuntimeError instead of silently doing nothing.
 """
 
 from __future__ import annotations
