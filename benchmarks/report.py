@@ -77,24 +77,35 @@ def section_activation_memory(data: dict, path: Path) -> str:
     date, machine = provenance(data, path)
     rows = data["rows"]
     base = next((r for r in rows if r["variant"] == "none"), rows[0])
+    compiled_base = next((r for r in rows if r["variant"] == "compiled: none"), base)
     args = data.get("args", {})
     shape = ", ".join(f"{k} {args[k]}" for k in ("arch", "layers", "dim", "seq", "batch") if k in args)
+
+    def ratios(r: dict) -> list[str]:
+        b = compiled_base if r["variant"].startswith("compiled") else base
+        return [
+            f"{r['activation_bytes'] / b['activation_bytes']:.2f}x",
+            f"{r['step_ms'] / b['step_ms']:.2f}x",
+            f"{r['step_ms'] / base['step_ms']:.2f}x",
+        ]
+
     out = [
         "## Activation memory",
         f"{machine}, {date}. {shape}. Activation memory = peak minus parameters, gradients and optimizer "
-        "state. Source: `python benchmarks/activation_memory.py` -> "
-        "`benchmarks/results/activation_memory.json`.",
+        "state. Ratios are to the uncompressed step of the same mode (eager, or each block "
+        "torch.compile'd for the `compiled:` rows); the last column is always to eager `none`. Host "
+        "fwd = host time to issue the forward: close to the eager step's GPU forward already, so "
+        "every microsecond of Python in the saved-tensor hooks lengthens the step. Source: "
+        "`python benchmarks/activation_memory.py --compiled` -> `benchmarks/results/activation_memory.json`.",
         "",
         _md_table(
-            ["variant", "activation GB", "vs none", "step ms", "vs none"],
+            "variant|activation GB|vs same mode|step ms|vs same mode|vs eager none|host fwd ms".split("|"),
             [
-                [
-                    r["variant"],
-                    f"{r['activation_bytes'] / 1e9:.2f}",
-                    f"{r['activation_bytes'] / base['activation_bytes']:.2f}x",
-                    f"{r['step_ms']:.1f}",
-                    f"{r['step_ms'] / base['step_ms']:.2f}x",
-                ]
+                [r["variant"], f"{r['activation_bytes'] / 1e9:.2f}"]
+                + ratios(r)[:1]
+                + [f"{r['step_ms']:.1f}"]
+                + ratios(r)[1:]
+                + [f"{r.get('host_fwd_ms', float('nan')):.1f}"]
                 for r in rows
             ],
         ),

@@ -63,7 +63,7 @@ def provenance(data: dict, path: Path) -> tuple[str, str]:
             ["git", "log", "-1", "--format=%cs", "--", str(path)], cwd=ROOT, capture_output=True, text=True
         )
         date = f"{out.stdout.strip()} (commit date)" if out.stdout.strip() else "date not recorded"
-    named = [data.get("device_name"), data.get("device")]  # a top-level name, not a bare "cuda"
+    named = [data.get("device_name"), data.get("gpu"), data.get("device")]  # a name, not a bare "cuda"
     machine = meta.get("machine") or meta.get("device") or next((d for d in named if _device_name(d)), None)
     if not machine:
         device = (data.get("args") or {}).get("device")
