@@ -84,12 +84,14 @@ def final_loss(losses: list[float], tail: int) -> float:
     return sum(losses[-tail:]) / len(losses[-tail:])
 
 
-def fp8_variant(base: torch.nn.Module, grad_fmt: str, fp8_head: bool) -> torch.nn.Module:
+def fp8_variant(
+    base: torch.nn.Module, grad_fmt: str, fp8_head: bool, weight_grad: str = "fp8"
+) -> torch.nn.Module:
     keep = () if fp8_head else ("head",)
     model = convert_to_fp8(
         copy.deepcopy(base),
         filter_fn=lambda mod, name: name not in keep,
-        config=FP8LinearConfig(grad_fmt=grad_fmt),
+        config=FP8LinearConfig(grad_fmt=grad_fmt, weight_grad=weight_grad),
     )
     if fp8_fallbacks(model):
         raise SystemExit(
@@ -144,12 +146,19 @@ def layer_cosines(layer: torch.nn.Linear, x: torch.Tensor, g: torch.Tensor) -> d
         "grad_weight": g64.t() @ x.double().reshape(-1, x.shape[-1]),
     }
     out = {}
-    variants = {"bf16 nn.Linear": None, "fp8 e5m2": "e5m2", "fp8 e4m3": "e4m3"}
-    for variant, fmt in variants.items():
+    variants = {
+        "bf16 nn.Linear": None,
+        "fp8 e5m2": ("e5m2", "fp8"),
+        "fp8 e4m3": ("e4m3", "fp8"),
+        "fp8 e5m2, hp dW": ("e5m2", "high_precision"),
+        "fp8 e4m3, hp dW": ("e4m3", "high_precision"),
+    }
+    for variant, fp8 in variants.items():
         lin = torch.nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None)
         lin.load_state_dict({k: v.detach().clone() for k, v in layer.state_dict().items()})
-        if fmt is not None:
-            lin = FP8Linear.from_linear(lin, FP8LinearConfig(grad_fmt=fmt, backend="emulate"))
+        if fp8 is not None:
+            config = FP8LinearConfig(grad_fmt=fp8[0], weight_grad=fp8[1], backend="emulate")
+            lin = FP8Linear.from_linear(lin, config)
         dx, dw = _grads(lin, x, g)
         out[variant] = {
             "grad_input": _cos(dx, ref["grad_input"]),
@@ -252,6 +261,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--grad-fmt", default="e5m2", choices=["e5m2", "e4m3"])
     ap.add_argument("--fp8-head", action="store_true", help="convert the (tied) head too")
+    ap.add_argument(
+        "--weight-grad",
+        default="fp8",
+        choices=["fp8", "high_precision"],
+        help="FP8LinearConfig.weight_grad: the weight-gradient GEMM in FP8 or in the gradient's dtype",
+    )
     ap.add_argument("--matrix", action="store_true", help="also the other three grad-format/head variants")
     ap.add_argument("--grad-cosine", action="store_true", help="measure gradient cosines instead (see above)")
     ap.add_argument("--grad-steps", default="0,30,300", help="training steps after which to measure")
@@ -279,8 +294,10 @@ def main(argv=None) -> dict:
     variants = [(args.grad_fmt, args.fp8_head)]
     if args.matrix:
         variants += [(g, h) for g in ("e5m2", "e4m3") for h in (False, True) if (g, h) != variants[0]]
+    hp = " hp dW" if args.weight_grad == "high_precision" else ""
     models = {"bf16": base} | {
-        f"fp8 {g}{' fp8-head' if h else ''}": fp8_variant(base, g, h) for g, h in variants
+        f"fp8 {g}{' fp8-head' if h else ''}{hp}": fp8_variant(base, g, h, args.weight_grad)
+        for g, h in variants
     }
     data = stdlib_corpus()
     runs = {}

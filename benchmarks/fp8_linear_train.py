@@ -12,6 +12,8 @@ seq 2048) with fp32 master weights under bfloat16 autocast, all in one run:
                          (inductor fuses FP8Linear's amax/scale/cast/transposes around the GEMMs)
   coatstate_compiled_ca  the same inside compress_activations, entered OUTSIDE the compiled blocks
                          (it compresses the compiled graphs' saved tensors at run time)
+  coatstate_compiled_ca_hp  the same with FP8Linear's fidelity recipe: E4M3 output gradients and
+                         the weight-gradient GEMM in bf16 (weight_grad="high_precision")
 The head stays bf16 everywhere (as torchtitan's float8 does). Per method: tokens/s (median of
 the timed steps, CUDA-synchronized) and peak allocated memory at the same batch; then the largest
 batch it fits (doubling, then bisection, each probe two steps) and tokens/s there; for the methods
@@ -48,7 +50,7 @@ sys.path.insert(0, str(HERE))
 from llama import Llama, LlamaConfig  # noqa: E402
 
 import coatstate  # noqa: E402
-from coatstate.nn import convert_to_fp8, fp8_fallbacks  # noqa: E402
+from coatstate.nn import FP8LinearConfig, convert_to_fp8, fp8_fallbacks  # noqa: E402
 
 GIB = 2.0**30
 METHODS = (
@@ -58,6 +60,7 @@ METHODS = (
     "coatstate",
     "coatstate_compiled",
     "coatstate_compiled_ca",
+    "coatstate_compiled_ca_hp",
     "torchao",
     "torchao_eager",
 )
@@ -123,17 +126,21 @@ def build(method: str, cfg: LlamaConfig, device: torch.device, lr: float = 3e-4)
             _compile_blocks(model)
             notes["compiled"] = True
         return model, torch.optim.AdamW(model.parameters(), lr=lr, fused=fused), no_ctx, notes
-    convert_to_fp8(model, filter_fn=_not_head)
+    config = None
+    if method.endswith("_hp"):  # the fidelity recipe: cosine >= 0.999 for dx and dW (parity script)
+        config = FP8LinearConfig(grad_fmt="e4m3", weight_grad="high_precision")
+        notes["fp8_config"] = "grad_fmt e4m3, weight_grad high_precision"
+    convert_to_fp8(model, filter_fn=_not_head, config=config)
     notes["fp8_fallbacks"] = fp8_fallbacks(model)
     if method == "coatstate_fp8_only":
         return model, torch.optim.AdamW(model.parameters(), lr=lr, fused=fused), no_ctx, notes
     opt = coatstate.CompressedAdamW(model.parameters(), lr=lr)
     if method == "coatstate":
         return model, opt, _Compressing(), notes
-    if method in ("coatstate_compiled", "coatstate_compiled_ca"):
+    if method in ("coatstate_compiled", "coatstate_compiled_ca", "coatstate_compiled_ca_hp"):
         _compile_blocks(model)  # on CPU too (--smoke), so the smoke run traces the compiled path
         notes["compiled"] = True
-        return model, opt, _Compressing() if method.endswith("_ca") else no_ctx, notes
+        return model, opt, _Compressing() if "_ca" in method else no_ctx, notes
     raise AssertionError(f"method {method!r} is in METHODS but not built")
 
 
@@ -310,7 +317,7 @@ def main(argv=None) -> dict:
     ap.add_argument(
         "--methods",
         default="bf16,bf16_compiled,coatstate_fp8_only,coatstate,coatstate_compiled,coatstate_compiled_ca,"
-        "torchao",
+        "coatstate_compiled_ca_hp,torchao",
     )
     ap.add_argument(
         "--out",

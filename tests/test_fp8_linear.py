@@ -98,19 +98,23 @@ def _real_linear_io(steps: int = 10):
     return [(layers[n], x, g) for n, (x, g) in seen.items()]
 
 
-@pytest.mark.parametrize("grad_fmt, bound", [("e4m3", 0.999), ("e5m2", 0.998)])
-def test_gradient_fidelity_on_real_gpt_gradients(grad_fmt, bound):
+@pytest.mark.parametrize(
+    "grad_fmt, weight_grad, bound",
+    [("e4m3", "fp8", 0.999), ("e5m2", "fp8", 0.998), ("e4m3", "high_precision", 0.999)],
+)
+def test_gradient_fidelity_on_real_gpt_gradients(grad_fmt, weight_grad, bound):
     worst = {"grad_input": 1.0, "grad_weight": 1.0}
     for layer, x, g in _real_linear_io():
         ref = nn.Linear(layer.in_features, layer.out_features)
         ref.load_state_dict(layer.state_dict())
-        fp8 = FP8Linear.from_linear(copy.deepcopy(ref), FP8LinearConfig(grad_fmt=grad_fmt, backend="emulate"))
+        cfg = FP8LinearConfig(grad_fmt=grad_fmt, weight_grad=weight_grad, backend="emulate")
+        fp8 = FP8Linear.from_linear(copy.deepcopy(ref), cfg)
         _, dx0, dw0, _ = _run(ref, x, g)
         _, dx1, dw1, _ = _run(fp8, x, g)
         worst["grad_input"] = min(worst["grad_input"], _cos(dx1, dx0))
         worst["grad_weight"] = min(worst["grad_weight"], _cos(dw1, dw0))
     print(
-        f"\nreal GPT gradients, grad {grad_fmt}: worst layer "
+        f"\nreal GPT gradients, grad {grad_fmt}, weight grad {weight_grad}: worst layer "
         + ", ".join(f"cos({k})={v:.5f}" for k, v in worst.items())
     )
     assert min(worst.values()) >= bound, worst
@@ -260,11 +264,30 @@ def test_runtime_fallback_for_float64_is_reported_once(caplog):
     assert "float64" in fp8.fallback_reason
 
 
+def test_high_precision_weight_grad_decodes_the_saved_fp8_input():
+    """weight_grad='high_precision': dW = g^T @ decode(x_q) exactly (no FP8 on g), dx unchanged."""
+    torch.manual_seed(3)
+    _, fp8 = _pair(256, 128, backend="emulate")
+    _, hp = _pair(256, 128, backend="emulate", weight_grad="high_precision")
+    hp.load_state_dict(fp8.state_dict())
+    x, gy = torch.randn(64, 256), torch.randn(64, 128)
+    _, dx1, dw1, _ = _run(fp8, x, gy)
+    _, dx2, dw2, _ = _run(hp, x, gy)
+    from coatstate.formats import tensorwise
+
+    codes, scale = tensorwise.quantize_tensorwise(x, "e4m3")
+    torch.testing.assert_close(dw2, gy.t() @ (codes.float() * scale), rtol=1e-5, atol=1e-5)
+    assert torch.equal(dx1, dx2)
+    assert _cos(dw2, gy.t() @ x) > _cos(dw1, gy.t() @ x)
+
+
 def test_bad_arguments_raise_clear_errors():
     with pytest.raises(ValueError, match="backend"):
         FP8LinearConfig(backend="cublas")
     with pytest.raises(ValueError, match="FP8 format"):
         FP8LinearConfig(grad_fmt="e3m4")
+    with pytest.raises(ValueError, match="weight_grad"):
+        FP8LinearConfig(weight_grad="bf16")
     with pytest.raises(TypeError, match="filter_fn"):
         convert_to_fp8(nn.Linear(16, 16), filter_fn="head")
     with pytest.raises(TypeError, match="nn.Linear"):
@@ -335,14 +358,17 @@ def _scaled_mm_runs_on(device: str) -> bool:
     return True
 
 
-def _compare_backends(device: str, dtype: torch.dtype, m: int, k: int, n: int, tol: dict) -> None:
+def _compare_backends(
+    device: str, dtype: torch.dtype, m: int, k: int, n: int, tol: dict, weight_grad: str = "fp8"
+) -> None:
     torch.manual_seed(4)
     base = nn.Linear(k, n).to(device)
     x = torch.randn(m, k, device=device, dtype=dtype)
     gy = torch.randn(m, n, device=device, dtype=dtype)
     outs = {}
     for backend in ("scaled_mm", "emulate"):
-        layer = FP8Linear.from_linear(copy.deepcopy(base), FP8LinearConfig(backend=backend))
+        cfg = FP8LinearConfig(backend=backend, weight_grad=weight_grad)
+        layer = FP8Linear.from_linear(copy.deepcopy(base), cfg)
         outs[backend] = _run(layer.to(dtype) if dtype != torch.float32 else layer, x, gy)
     for name, a, b in zip(("out", "grad_input", "grad_weight", "grad_bias"), *outs.values(), strict=True):
         err = _rel(a, b)
@@ -363,7 +389,8 @@ def test_scaled_mm_path_layouts_on_cpu():
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m", [4096, 1000])
-def test_scaled_mm_matches_emulation_on_gpu(dtype, m):
+@pytest.mark.parametrize("weight_grad", ["fp8", "high_precision"])
+def test_scaled_mm_matches_emulation_on_gpu(dtype, m, weight_grad):
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("torch._scaled_mm needs FP8 tensor cores (compute capability >= 8.9)")
     # Same codes on both paths (Triton pack kernel); the GEMMs differ in summation order and, in
@@ -374,7 +401,7 @@ def test_scaled_mm_matches_emulation_on_gpu(dtype, m):
     fwd = 1e-2 if dtype == torch.float32 else 1.2e-2
     bwd = 2e-4 if dtype == torch.float32 else 4e-3
     tol = dict(out=fwd, grad_input=bwd, grad_weight=bwd, grad_bias=bwd)
-    _compare_backends("cuda", dtype, m, 1024, 2048, tol)
+    _compare_backends("cuda", dtype, m, 1024, 2048, tol, weight_grad)
 
 
 @pytest.mark.gpu

@@ -85,10 +85,10 @@ def test_float64_division_rounds_like_float32_division():
     assert torch.equal((1.0 / scale.double()).float(), torch.ones_like(scale) / scale)
 
 
-def _stack(backend: str) -> nn.Sequential:
+def _stack(backend: str, weight_grad: str = "fp8") -> nn.Sequential:
     torch.manual_seed(5)
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 96, bias=False), nn.Linear(96, 48))
-    return convert_to_fp8(model, config=FP8LinearConfig(backend=backend))
+    return convert_to_fp8(model, config=FP8LinearConfig(backend=backend, weight_grad=weight_grad))
 
 
 def _forward_backward(model: nn.Module, x: torch.Tensor, autocast: bool) -> list[torch.Tensor]:
@@ -133,6 +133,16 @@ def test_compiled_stack_matches_eager_bit_for_bit(backend, autocast):
     emulate_precision_casts, which keeps the bfloat16 round trips that eager makes (by default
     inductor drops them between fused ops, and the next layer quantizes unrounded values)."""
     _check_compiled_matches_eager(backend, autocast, "cpu")
+
+
+def test_compiled_stack_with_high_precision_weight_grad():
+    """weight_grad='high_precision' traces too (fullgraph); its dW is a plain matmul, whose
+    summation order inductor may choose: equal to eager up to rounding."""
+    eager = _stack(_BACKENDS[-1], "high_precision")
+    compiled = torch.compile(copy.deepcopy(eager), fullgraph=True, dynamic=False)
+    x = torch.randn(3, 37, 64)
+    for a, b in zip(_forward_backward(compiled, x, False), _forward_backward(eager, x, False), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_compiled_stack_with_dynamic_shapes():
