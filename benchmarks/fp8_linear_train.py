@@ -227,8 +227,10 @@ def largest_batch(model, opt, ctx, start, cfg, device, limit) -> int:
 
 def measure(method, cfg, device, args, deadline: float) -> dict:
     t0 = time.perf_counter()
+    left = torch.cuda.memory_allocated() / GIB if device.type == "cuda" else 0.0
     model, opt, ctx, notes = build(method, cfg, device)
     res = dict(notes=notes, params=sum(p.numel() for p in model.parameters()))
+    res["allocated_before_gib"] = left  # anything an earlier method left behind (should be ~0)
     res["same_batch"] = run_steps(model, opt, ctx, args.batch, cfg, device, args.warmup, args.steps)
     if isinstance(ctx, _Compressing):  # what the last step's context compressed and kept
         res["activations"] = ctx.summary()
@@ -265,6 +267,7 @@ def measure(method, cfg, device, args, deadline: float) -> dict:
 def _finish(res: dict, t0: float, model, opt, device) -> dict:
     res["seconds"] = time.perf_counter() - t0
     del model, opt
+    torch._dynamo.reset()  # compiled code holds the method's modules: free them for the next one
     _free(device)
     return res
 

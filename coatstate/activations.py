@@ -200,7 +200,6 @@ class compress_activations:  # noqa: N801  (a context manager used like a functi
         self._slots: dict = {}  # device -> (amax int32 slots, scale byte slots, next free slot)
         self._graph_args = None  # the arguments of the compiled graph whose saves are being packed
         self._graph_inputs: tuple[set, set] = (set(), set())  # their storages, their parameters' shapes
-        self._warned_fp32 = False
         self._hooks = None
 
     # -- context ---------------------------------------------------------------------------
@@ -292,8 +291,8 @@ class compress_activations:  # noqa: N801  (a context manager used like a functi
         if tuple(x.shape) in shapes:  # autocast's bf16 weight, as eager keeps it (a shape match
             return self._keep(x, "parameter cast or view")  # can only keep too much, never lose)
         if x.dtype is torch.float32:
-            if self.policy.compiled_fp32 is _KEEP and not self._warned_fp32:
-                self._warned_fp32 = True
+            if self.policy.compiled_fp32 is _KEEP and not _WARNED["compiled_fp32"]:
+                _WARNED["compiled_fp32"] = True  # once per process: a context is made every step
                 warnings.warn(_COMPILED_FP32, stacklevel=2)
             return self._hold(x, self.policy.compiled_fp32, "compiled_fp32")
         return self._hold(x, self.policy.compiled, "compiled")
@@ -550,6 +549,7 @@ _OLD_PYTHON = (
     "attention count as 'other' (per-group by default, attention v/out compressed). Use Python >= 3.11 "
     "for COAT's policy, or set `other=` to the granularity you want for them."
 )
+_WARNED = {"compiled_fp32": False}
 _COMPILED_FP32 = (
     "compress_activations: a torch.compile'd graph saved float32 activations, which the policy keeps "
     "uncompressed (compiled_fp32='keep': at run time a norm's input cannot be told from attention's "

@@ -505,7 +505,7 @@ def test_torch_compile_works_or_raises_clearly(where):
     assert worst > 0.999
 
 
-def test_compiled_graph_under_autocast_packs_16bit_saves_and_warns_about_float32():
+def test_compiled_graph_under_autocast_packs_16bit_saves_and_warns_about_float32(monkeypatch):
     """Inductor's graph saves everything without grad_fn: the 16-bit activations are packed, the
     parameters' bf16 casts kept (as eager keeps them), float32 saves kept with a warning."""
     torch.manual_seed(0)
@@ -513,6 +513,9 @@ def test_compiled_graph_under_autocast_packs_16bit_saves_and_warns_about_float32
     x = torch.randn(48, 64)
     torch._dynamo.reset()
     compiled = torch.compile(model)
+    from coatstate import activations
+
+    monkeypatch.setitem(activations._WARNED, "compiled_fp32", False)  # (warned once per process)
     with pytest.warns(UserWarning, match="compiled_fp32"):
         with compress_activations(min_numel=0) as ctx:
             with torch.autocast("cpu", dtype=torch.bfloat16):
