@@ -272,17 +272,26 @@ def _finish(res: dict, t0: float, model, opt, device) -> dict:
     return res
 
 
+def own_peak_gib(r: dict) -> float:
+    """A method's peak minus what earlier methods left allocated when it started. On the H200
+    (torch 2.11) every compiled method left ~3.5 GiB (its blocks' fp32 parameters, by size) alive
+    after dynamo's reset, not reproducible on CPU; the raw peak is reported beside this one."""
+    return r["same_batch"]["peak_allocated_gib"] - r.get("allocated_before_gib", 0.0)
+
+
 def summarize(results: dict) -> dict:
-    """Speedup and memory reduction against bf16 at the same batch; the largest batches."""
+    """Speedup and memory reduction (own peaks) against bf16 at the same batch; the largest batches."""
     summary = {}
-    base = results.get("bf16", {}).get("same_batch")
+    bf16 = results.get("bf16", {})
+    base = bf16.get("same_batch")
     for method, r in results.items():
         if not base or "same_batch" not in r:
             continue
         s = r["same_batch"]
         summary[method] = dict(speedup_vs_bf16=s["tokens_per_s"] / base["tokens_per_s"])
         if "peak_allocated_gib" in s:
-            summary[method]["memory_reduction_vs_bf16"] = base["peak_allocated_gib"] / s["peak_allocated_gib"]
+            summary[method]["own_peak_gib"] = own_peak_gib(r)
+            summary[method]["memory_reduction_vs_bf16"] = own_peak_gib(bf16) / own_peak_gib(r)
         if "largest_batch" in r:
             summary[method]["largest_batch"] = r["largest_batch"]["batch"]
             summary[method]["tokens_per_s_at_largest_batch"] = r["largest_batch"]["tokens_per_s"]
@@ -292,7 +301,7 @@ def summarize(results: dict) -> dict:
 def print_table(results: dict, summary: dict) -> None:
     nan = float("nan")
     print(
-        f"\n{'method':22s} {'tok/s':>9s} {'speedup':>8s} {'peak GiB':>9s} {'mem. red.':>9s} "
+        f"\n{'method':22s} {'tok/s':>9s} {'speedup':>8s} {'own peak':>9s} {'mem. red.':>9s} "
         f"{'max batch':>9s} {'tok/s there':>11s}"
     )
     for method, r in results.items():
@@ -302,7 +311,7 @@ def print_table(results: dict, summary: dict) -> None:
         s, m = r["same_batch"], summary.get(method, {})
         print(
             f"{method:22s} {s['tokens_per_s']:9.0f} {m.get('speedup_vs_bf16', nan):8.2f} "
-            f"{s.get('peak_allocated_gib', nan):9.2f} {m.get('memory_reduction_vs_bf16', nan):9.2f} "
+            f"{m.get('own_peak_gib', nan):9.2f} {m.get('memory_reduction_vs_bf16', nan):9.2f} "
             f"{m.get('largest_batch', '-'):>9} {m.get('tokens_per_s_at_largest_batch', nan):11.0f}"
         )
 
