@@ -2,7 +2,8 @@
 
     python benchmarks/activation_memory.py                 # H200: GPT-2-medium shape, bf16 autocast
     python benchmarks/activation_memory.py --device cpu --layers 2 --seq 128 --batch 2   # smoke test
-    python benchmarks/activation_memory.py --compiled      # also the torch.compile'd model
+    python benchmarks/activation_memory.py --compiled      # also with torch.compile'd blocks
+    python benchmarks/activation_memory.py --compiled model --out ..._whole_model_compile.json
 
 Variants: no hooks; compress_activations (default policy); the same without recomputing
 activation-function outputs; compress_activations with every kind kept (its hooks' own cost:
@@ -60,9 +61,12 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--profile", default=None, help="write torch.profiler tables here")
     p.add_argument(
         "--compiled",
-        action="store_true",
-        help="also measure the model with each block torch.compile'd: uncompressed, and with the "
-        "context entered outside the compiled calls (compiled_fp32 kept, the default, and 'bf16')",
+        nargs="?",
+        const="blocks",
+        choices=["blocks", "model"],
+        help="also measure the model with each block torch.compile'd (or, 'model', the whole model "
+        "as one graph): uncompressed, and with the context entered outside the compiled calls "
+        "(compiled_fp32 kept, the default, and 'bf16')",
     )
     return p.parse_args(argv)
 
@@ -225,9 +229,12 @@ def main(argv=None) -> None:
         # per block, as one should: a graph saves all its tensors when it returns and unpacks them
         # all when its backward starts, so around a whole-model graph the peak cannot drop
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        for block in model.blocks:
-            block.compile()
-        compiled = model
+        if args.compiled == "model":
+            compiled = torch.compile(model)
+        else:
+            for block in model.blocks:
+                block.compile()
+            compiled = model
         with warnings.catch_warnings():  # (the default policy warns that float32 saves are kept)
             warnings.simplefilter("ignore", UserWarning)
             for name, make in _compiled_contexts().items():

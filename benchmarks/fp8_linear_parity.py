@@ -70,14 +70,58 @@ def train(model: torch.nn.Module, data: torch.Tensor, args) -> tuple[list[float]
     losses = []
     t0 = time.perf_counter()
     for _ in range(args.steps):
-        x, y = next(stream)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(x, y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+        losses.append(train_step(model, opt, *next(stream)))
     return losses, time.perf_counter() - t0
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> float:
+    """One AdamW step under bf16 autocast; the loss."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(x, y)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+RECIPES = {  # name -> (grad_fmt, weight_grad); the head stays bf16
+    "fp8 e5m2 (default)": ("e5m2", "fp8"),
+    "fp8 e5m2 hp dW": ("e5m2", "high_precision"),
+    "fp8 e4m3 hp dW": ("e4m3", "high_precision"),
+}
+
+
+def seed_study(args) -> dict:
+    """--seeds: bf16 and each of RECIPES trained from the same weights on the same batches, per
+    seed (weights and batch order both follow the seed): how much one seed's verdict can move."""
+    data = stdlib_corpus()
+    rows = {}
+    for seed in [int(x) for x in args.seeds.split(",")]:
+        args.seed = seed
+        torch.manual_seed(seed)
+        cfg = ModelConfig(
+            vocab=256, layers=args.layers, dim=args.dim, heads=max(1, args.dim // 64), seq=args.seq
+        )
+        base = GPT(cfg)
+        ref = final_loss(train(copy.deepcopy(base), data, args)[0], args.tail)
+        rows[seed] = {"bf16": ref}
+        for name, (fmt, weight_grad) in RECIPES.items():
+            loss = final_loss(train(fp8_variant(base, fmt, False, weight_grad), data, args)[0], args.tail)
+            rows[seed][name] = loss / ref - 1.0
+        cells = "  ".join(f"{n} {v:+.2%}" for n, v in rows[seed].items() if n != "bf16")
+        print(f"seed {seed}: bf16 {ref:.4f}  {cells}", flush=True)
+    worst = {n: max(abs(r[n]) for r in rows.values()) for n in RECIPES}
+    print("worst |fp8 / bf16 - 1| over seeds: " + ", ".join(f"{n} {v:.2%}" for n, v in worst.items()))
+    return dict(
+        command="python benchmarks/fp8_linear_parity.py " + " ".join(sys.argv[1:]),
+        config=vars(args),
+        recipes={n: dict(grad_fmt=f, weight_grad=w) for n, (f, w) in RECIPES.items()},
+        relative_difference_by_seed=rows,
+        worst_abs_relative_difference=worst,
+        tolerance=TOLERANCE,
+        torch=torch.__version__,
+        machine=f"{platform.machine()}, {torch.get_num_threads()} threads",
+    )
 
 
 def final_loss(losses: list[float], tail: int) -> float:
@@ -179,12 +223,7 @@ def gradient_cosines(args) -> dict:
     t0, step, measured, summary = time.perf_counter(), 0, {}, {}
     for target in checkpoints:
         for _ in range(target - step):
-            x, y = next(stream)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = model(x, y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
+            loss = train_step(model, opt, *next(stream))
         step = target
         io, other = capture_linear_io(model, *next(probe)), capture_linear_io(model, *next(probe))
         layers = {}
@@ -194,7 +233,7 @@ def gradient_cosines(args) -> dict:
             layers[n][_OTHER_BATCH] = {"grad_weight": _cos(_exact_dw(xi, gi), _exact_dw(*other[n][1:]))}
         measured[str(step)] = layers
         summary[str(step)] = {scope: _summarize(part) for scope, part in _scopes(layers).items()}
-        print(f"after {step} steps" + (f" (last loss {loss.item():.3f}):" if step else ":"), flush=True)
+        print(f"after {step} steps" + (f" (last loss {loss:.3f}):" if step else ":"), flush=True)
         _print_summary(summary[str(step)])
     return dict(
         command="python benchmarks/fp8_linear_parity.py " + " ".join(sys.argv[1:]),
@@ -269,6 +308,7 @@ def main(argv=None) -> dict:
     )
     ap.add_argument("--matrix", action="store_true", help="also the other three grad-format/head variants")
     ap.add_argument("--grad-cosine", action="store_true", help="measure gradient cosines instead (see above)")
+    ap.add_argument("--seeds", default=None, help="e.g. 0,1,2: bf16 vs each FP8 recipe per seed (see above)")
     ap.add_argument("--grad-steps", default="0,30,300", help="training steps after which to measure")
     ap.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/...)")
     ap.add_argument(
@@ -279,6 +319,12 @@ def main(argv=None) -> dict:
     )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.seeds:
+        result = seed_study(args)
+        out = Path(args.out or HERE / "results" / "fp8_linear_parity_seeds.json")
+        out.write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {out}")
+        return result
     if args.grad_cosine:
         result = gradient_cosines(args)
         out = Path(args.out or HERE / "results" / "fp8_linear_grad_cosine.json")

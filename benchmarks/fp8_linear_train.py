@@ -127,7 +127,7 @@ def build(method: str, cfg: LlamaConfig, device: torch.device, lr: float = 3e-4)
             notes["compiled"] = True
         return model, torch.optim.AdamW(model.parameters(), lr=lr, fused=fused), no_ctx, notes
     config = None
-    if method.endswith("_hp"):  # the fidelity recipe: cosine >= 0.999 for dx and dW (parity script)
+    if method.endswith("_hp"):  # dx and dW cosine >= 0.999 (fp8_linear_parity.py --grad-cosine), priced
         config = FP8LinearConfig(grad_fmt="e4m3", weight_grad="high_precision")
         notes["fp8_config"] = "grad_fmt e4m3, weight_grad high_precision"
     convert_to_fp8(model, filter_fn=_not_head, config=config)
