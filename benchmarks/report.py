@@ -89,14 +89,16 @@ def section_activation_memory(data: dict, path: Path) -> str:
             f"{r['step_ms'] / base['step_ms']:.2f}x",
         ]
 
+    whole = path.stem.endswith("whole_model_compile")
     out = [
-        "## Activation memory",
+        "## Activation memory" + (", the whole model compiled as one graph" if whole else ""),
         f"{machine}, {date}. {shape}. Activation memory = peak minus parameters, gradients and optimizer "
         "state. Ratios are to the uncompressed step of the same mode (eager, or each block "
         "torch.compile'd for the `compiled:` rows); the last column is always to eager `none`. Host "
         "fwd = host time to issue the forward: close to the eager step's GPU forward already, so "
         "every microsecond of Python in the saved-tensor hooks lengthens the step. Source: "
-        "`python benchmarks/activation_memory.py --compiled` -> `benchmarks/results/activation_memory.json`.",
+        f"`python benchmarks/activation_memory.py --compiled{' model' if whole else ''}` -> "
+        f"`benchmarks/results/{path.name}`.",
         "",
         _md_table(
             "variant|activation GB|vs same mode|step ms|vs same mode|vs eager none|host fwd ms".split("|"),
@@ -111,7 +113,7 @@ def section_activation_memory(data: dict, path: Path) -> str:
         ),
         "",
     ]
-    fig, ax, png = _figure("activation_memory", "Activation memory per training step", date, machine)
+    fig, ax, png = _figure(path.stem, "Activation memory per training step", date, machine)
     ax.bar(range(len(rows)), [r["activation_bytes"] / 1e9 for r in rows], color="tab:green")
     ax.set_xticks(range(len(rows)), [r["variant"] for r in rows], rotation=20, ha="right", fontsize=8)
     for i, r in enumerate(rows):
@@ -293,6 +295,7 @@ SECTIONS = {
     "optimizer_step": section_optimizer_step,
     "optimizer_cpu": section_optimizer_cpu,
     "activation_memory": section_activation_memory,
+    "activation_memory_whole_model_compile": section_activation_memory,
     "checkpoint_io": section_checkpoint_io,
     "training_parity": section_training_parity,
     "fsdp_train": section_fsdp_train,
