@@ -385,7 +385,8 @@ class compress_activations:  # noqa: N801  (a context manager used like a functi
                 n = base.numel()
                 place = (StorageWeakRef(base.untyped_storage()), 0, n, x.dtype, x.device, base._version)
                 return self._view_of(self._compress(base, place, granularity, row, label), base)
-            region = self._recompute_region(ptr, x, place) if self._sources else None
+            recompute = self._sources and x.grad_fn is not None  # (a compiled graph's save has none)
+            region = self._recompute_region(ptr, x, place) if recompute else None
             if region is None:
                 region = self._compress(x, place, granularity, row, label)
             self._register(ptr, region)

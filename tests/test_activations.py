@@ -636,3 +636,27 @@ def test_compiled_model_on_cuda_packs_with_the_kernels(arch):
     worst = min(F.cosine_similarity(a.flatten(), b.flatten(), dim=0).item() for a, b in pairs)
     print(f"{arch}: compiled on CUDA, min per-parameter cosine {worst:.6f}")
     assert worst > 0.998
+
+
+def test_eager_activation_before_a_compiled_block():
+    """An eager GELU notes its input as a recompute source; the compiled block after it saves
+    tensors without grad_fn, which must not be looked up as outputs of that GELU."""
+    torch.manual_seed(0)
+    pre = nn.Sequential(nn.Linear(32, 64), nn.GELU())
+    block = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64))
+    x = torch.randn(48, 32)  # (48 tokens: no activation has a weight's shape)
+    block(pre(x) * 0.5).square().sum().backward()  # (the GELU's output itself is never saved)
+    ref = [p.grad.clone() for p in [*pre.parameters(), *block.parameters()]]
+    for p in [*pre.parameters(), *block.parameters()]:
+        p.grad = None
+    torch._dynamo.reset()
+    compiled = torch.compile(block)
+    with compress_activations(min_numel=0, compiled_fp32="group") as ctx:
+        loss = compiled(pre(x) * 0.5).square().sum()
+    loss.backward()
+    got = [p.grad for p in [*pre.parameters(), *block.parameters()]]
+    worst = min(
+        F.cosine_similarity(a.flatten(), b.flatten(), dim=0).item() for a, b in zip(ref, got, strict=True)
+    )
+    print(ctx.stats.summary(), f"min cosine {worst:.6f}")
+    assert ctx.stats.packed_by_kind.get("compiled_fp32/group", 0) > 0 and worst > 0.999
