@@ -155,12 +155,12 @@ def _quantize_traceable(t: torch.Tensor, fmt: FP8Format) -> tuple[torch.Tensor, 
     inductor's Triton code would not give for a float32 `/` (it lowers to an approximate division).
     """
     amax = t.abs().amax().float()
+    # the format's maximum as a literal, not fmt.max: on torch 2.11 dynamo failed with
+    # "lift_tracked_freevar_to_input should not be called on root SubgraphTracer" when backward
+    # quantized with the format the forward had used (E4M3 gradients)
+    fp8_max = 448.0 if fmt is FP8Format.E4M3 else 57344.0
     # MIN_SCALE (2**-126) spelled through finfo: under dynamic shapes dynamo makes a module-level
     # float a symbolic input, which it then fails to lift into the autograd.Function's graph
-    # the format's maximum as a literal, not fmt.max (one float object shared by every trace): on
-    # torch 2.11 dynamo failed with "lift_tracked_freevar_to_input should not be called on root
-    # SubgraphTracer" when backward quantized with the format the forward had used (E4M3 grads)
-    fp8_max = 448.0 if fmt is FP8Format.E4M3 else 57344.0
     scale = (amax.double() / fp8_max).float().clamp(min=torch.finfo(torch.float32).tiny)
     scale = torch.where(amax > 0, scale, 0.0)
     inv = torch.where(scale > 0, (1.0 / scale.double()).float(), 0.0)
