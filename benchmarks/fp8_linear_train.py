@@ -12,17 +12,16 @@ seq 2048) with fp32 master weights under bfloat16 autocast, all in one run:
                          (inductor fuses FP8Linear's amax/scale/cast/transposes around the GEMMs)
   coatstate_compiled_ca  the same inside compress_activations, entered OUTSIDE the compiled blocks
                          (it compresses the compiled graphs' saved tensors at run time)
-  coatstate_compiled_ca_hp  the same with FP8Linear's fidelity recipe: E4M3 output gradients and
-                         the weight-gradient GEMM in bf16 (weight_grad="high_precision")
+  coatstate_compiled_ca_hp  the same with E4M3 output gradients and the weight-gradient GEMM in
+                         bf16 (weight_grad="high_precision"): the recipe whose gradient cosines
+                         clear 0.999 (fp8_linear_parity.py), priced here
 The head stays bf16 everywhere (as torchtitan's float8 does). Per method: tokens/s (median of
 the timed steps, CUDA-synchronized) and peak allocated memory at the same batch; then the largest
 batch it fits (doubling, then bisection, each probe two steps) and tokens/s there; for the methods
 under compress_activations, what its last step packed and kept. Writes
 benchmarks/results/fp8_linear_train.json (after every method, so a cut-off run keeps the rest).
-Time on an H200: the last run of the four eager-era methods with `--budget-s 70` took about 80 s of
-method time (bf16 23 s, coatstate 32 s, torchao 24 s with its compilation); the two compiled
-coatstate methods add their compilation (torchao's first step took 12-28 s) and steps, and no
-batch search starts after --budget-s.
+Time on an H200: seven methods with `--budget-s 300` took 326 s (each compiled method 35-74 s
+with its compilation and batch search); no batch search starts after --budget-s.
 """
 
 from __future__ import annotations
