@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from models import MODELS, ModelConfig  # noqa: E402
+from models import MODELS, ModelConfig, add_shape_args  # noqa: E402
 
 from coatstate.activation_policy import KEEP_ALL  # noqa: E402
 from coatstate.activations import compress_activations  # noqa: E402
@@ -47,13 +47,7 @@ def _parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda")
     p.add_argument("--arch", choices=sorted(MODELS), default="gpt")
-    p.add_argument("--layers", type=int, default=24)
-    p.add_argument("--dim", type=int, default=1024)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=50304)
-    p.add_argument("--loss-chunks", type=int, default=8)
+    add_shape_args(p)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--no-autocast", action="store_true", help="fp32 instead of bf16 autocast")
@@ -207,14 +201,7 @@ def main(argv=None) -> None:
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda but CUDA is not available; use --device cpu for a smoke test")
     torch.manual_seed(0)
-    cfg = ModelConfig(
-        vocab=args.vocab,
-        layers=args.layers,
-        dim=args.dim,
-        heads=args.heads,
-        seq=args.seq,
-        loss_chunks=args.loss_chunks,
-    )
+    cfg = ModelConfig.from_args(args)
     model = MODELS[args.arch](cfg).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
     batches = [

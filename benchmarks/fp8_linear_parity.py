@@ -107,10 +107,7 @@ def seed_study(args) -> dict:
     for seed in [int(x) for x in args.seeds.split(",")]:
         args.seed = seed
         torch.manual_seed(seed)
-        cfg = ModelConfig(
-            vocab=256, layers=args.layers, dim=args.dim, heads=max(1, args.dim // 64), seq=args.seq
-        )
-        base = GPT(cfg)
+        base = GPT(ModelConfig.byte_level(args.layers, args.dim, args.seq))
         ref = final_loss(train(copy.deepcopy(base), data, args)[0], args.tail)
         rows[seed] = {"bf16": ref}
         for name, (fmt, weight_grad) in RECIPES.items():
@@ -222,7 +219,7 @@ def layer_cosines(layer: torch.nn.Linear, x: torch.Tensor, g: torch.Tensor) -> d
 def gradient_cosines(args) -> dict:
     """Train bf16 and measure every linear layer's gradient cosines at the steps in --grad-steps."""
     torch.manual_seed(args.seed)
-    cfg = ModelConfig(vocab=256, layers=args.layers, dim=args.dim, heads=max(1, args.dim // 64), seq=args.seq)
+    cfg = ModelConfig.byte_level(args.layers, args.dim, args.seq)
     model = GPT(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     stream = batches(stdlib_corpus(), args.batch, args.seq, args.seed)
@@ -343,7 +340,7 @@ def main(argv=None) -> dict:
     args.out = args.out or str(HERE / "results" / "fp8_linear_parity.json")
 
     torch.manual_seed(args.seed)
-    cfg = ModelConfig(vocab=256, layers=args.layers, dim=args.dim, heads=max(1, args.dim // 64), seq=args.seq)
+    cfg = ModelConfig.byte_level(args.layers, args.dim, args.seq)
     base = GPT(cfg)
     variants = [(args.grad_fmt, args.fp8_head)]
     if args.matrix:

@@ -40,7 +40,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from models import GPT, ModelConfig  # noqa: E402
+from models import GPT, ModelConfig, add_shape_args  # noqa: E402
 
 import coatstate  # noqa: E402
 from coatstate import CompressedAdamW, compress_activations  # noqa: E402
@@ -57,13 +57,7 @@ def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU with gloo")
     p.add_argument("--check-steps", type=int, default=10)
-    p.add_argument("--layers", type=int, default=24)
-    p.add_argument("--dim", type=int, default=2048)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--batch", type=int, default=8, help="sequences per GPU per step")
-    p.add_argument("--vocab", type=int, default=50304)
-    p.add_argument("--loss-chunks", type=int, default=8)
+    add_shape_args(p, dim=2048, batch_help="sequences per GPU per step")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument(
@@ -308,14 +302,7 @@ def main() -> None:
                 _log(f"    {key}: {n} elements differ, max |diff| {d:.3g}")
         _log(f"fused Triton step used: {check['fused_step_used']}")
 
-    cfg = ModelConfig(
-        vocab=args.vocab,
-        layers=args.layers,
-        dim=args.dim,
-        heads=args.heads,
-        seq=args.seq,
-        loss_chunks=args.loss_chunks,
-    )
+    cfg = ModelConfig.from_args(args)
     rows = [throughput(v, cfg, args, mesh, device) for v in args.variants.split(",")]
     _log(
         f"\nGPT {rows[0]['params'] / 1e9:.3f}B params, {world} x {device.type}, batch {args.batch} x seq "

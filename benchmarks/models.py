@@ -31,6 +31,34 @@ class ModelConfig:
     loss_chunks: int = 1
     """Chunks of tokens for the head + loss (1: one full logits tensor)."""
 
+    @classmethod
+    def from_args(cls, args) -> ModelConfig:
+        """The config that add_shape_args' options describe."""
+        return cls(
+            vocab=args.vocab,
+            layers=args.layers,
+            dim=args.dim,
+            heads=args.heads,
+            seq=args.seq,
+            loss_chunks=args.loss_chunks,
+        )
+
+    @classmethod
+    def byte_level(cls, layers: int, dim: int, seq: int) -> ModelConfig:
+        """The byte-level GPT of the standard-library training runs: 256 tokens, 64-wide heads."""
+        return cls(vocab=256, layers=layers, dim=dim, heads=max(1, dim // 64), seq=seq)
+
+
+def add_shape_args(p, *, dim: int = 1024, batch_help: str = "sequences per step") -> None:
+    """The GPU benchmarks' model-shape options (GPT-2-medium by default) and batch size."""
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--dim", type=int, default=dim)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=8, help=batch_help)
+    p.add_argument("--vocab", type=int, default=50304)
+    p.add_argument("--loss-chunks", type=int, default=8)
+
 
 def _chunked_loss(head: nn.Module, h: torch.Tensor, targets: torch.Tensor, chunks: int) -> torch.Tensor:
     h = h.reshape(-1, h.shape[-1])

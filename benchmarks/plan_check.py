@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from models import GPT, ModelConfig  # noqa: E402
+from models import GPT, ModelConfig, add_shape_args  # noqa: E402
 
 from coatstate import CompressedAdamW, optimizer_state_bytes  # noqa: E402
 from coatstate.activation_policy import KEEP_ALL  # noqa: E402
@@ -51,13 +51,7 @@ TOLERANCE = {"optimizer": 0.05, "activations": 0.05, "static": 0.05, "peak": 0.1
 def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda")
-    p.add_argument("--layers", type=int, default=24)
-    p.add_argument("--dim", type=int, default=1024)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=50304)
-    p.add_argument("--loss-chunks", type=int, default=8)
+    add_shape_args(p)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--smoke", action="store_true", help="CPU, 2 layers, seq 128, batch 2, 1 step")
@@ -118,14 +112,7 @@ def main() -> int:
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda but CUDA is not available; use --smoke or --device cpu")
-    cfg = ModelConfig(
-        vocab=args.vocab,
-        layers=args.layers,
-        dim=args.dim,
-        heads=args.heads,
-        seq=args.seq,
-        loss_chunks=args.loss_chunks,
-    )
+    cfg = ModelConfig.from_args(args)
     t0 = time.perf_counter()
     gpu_memory = torch.cuda.get_device_properties(0).total_memory if device == "cuda" else 80e9
     predicted = plan(

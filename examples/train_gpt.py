@@ -78,7 +78,7 @@ def parser() -> argparse.ArgumentParser:
 def build(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """The model and optimizer that `args` describe, seeded by args.seed."""
     torch.manual_seed(args.seed)
-    cfg = ModelConfig(vocab=256, layers=args.layers, dim=args.dim, heads=max(1, args.dim // 64), seq=args.seq)
+    cfg = ModelConfig.byte_level(args.layers, args.dim, args.seq)
     model = GPT(cfg).to(args.device)
     if args.optimizer == "compressed":
         opt = coatstate.CompressedAdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
