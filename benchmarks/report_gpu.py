@@ -164,7 +164,7 @@ def section_fp8_linear_train(data: dict, path: Path) -> str:
                 f"{s['tokens_per_s']:,.0f}",
                 _f(m.get("speedup_vs_bf16")) + "x",
                 f"{s['peak_allocated_gib']:.2f}",
-                f"{s['peak_allocated_gib'] - r.get('allocated_before_gib', 0.0):.2f}",
+                _f(m.get("own_peak_gib")),  # (fp8_linear_train.own_peak_gib, in its summary)
             ]
             + [_f(m.get("memory_reduction_vs_bf16")) + "x", big.get("batch", "-")]
             + [_f(big.get("tokens_per_s"), ",.0f")]
