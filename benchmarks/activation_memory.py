@@ -8,7 +8,9 @@
 Variants: no hooks; compress_activations (default policy); the same without recomputing
 activation-function outputs; compress_activations with every kind kept (its hooks' own cost:
 no kernels run); torch.autograd.graph.save_on_cpu; with --compiled, the model with each block
-torch.compile'd, uncompressed and with the context around the compiled calls. --profile DIR also
+torch.compile'd, uncompressed, with the context around the compiled calls, and compiled with
+coatstate.CompiledActivations' partitioner (FP8 saves inside the graphs, no hooks; its `graph_*`
+fields count one compiled graph, i.e. one block, at compile time). --profile DIR also
 writes torch.profiler tables of two compress_activations steps (by CUDA and by CPU time) to DIR.
 
 Activation memory = peak allocated during a training step minus what is allocated before it
@@ -39,6 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import MODELS, ModelConfig, add_shape_args  # noqa: E402
 
+from coatstate.activation_compile import CompiledActivations  # noqa: E402
 from coatstate.activation_policy import KEEP_ALL  # noqa: E402
 from coatstate.activations import compress_activations  # noqa: E402
 
@@ -226,6 +229,20 @@ def main(argv=None) -> None:
             warnings.simplefilter("ignore", UserWarning)
             for name, make in _compiled_contexts().items():
                 rows.append(_measure(name, make, compiled, opt, batches, args, device))
+        torch._dynamo.reset()  # recompile the same blocks with the FP8-saving partitioner
+        fp8 = CompiledActivations()
+        if args.compiled == "model":
+            compiled = torch.compile(model, options=fp8.options)
+        else:
+            for block in model.blocks:
+                block.compile(options=fp8.options)
+        name = "compiled: CompiledActivations"
+        row = _measure(name, contextlib.nullcontext, compiled, opt, batches, args, device)
+        row["graph_saved_bytes_original"] = fp8.stats.activation_bytes_original
+        row["graph_saved_bytes_held"] = fp8.stats.activation_bytes_held
+        row["graph_kept"] = dict(fp8.stats.kept_reasons)
+        row["graph_packed_by_kind"] = dict(fp8.stats.packed_by_kind)
+        rows.append(row)
     if args.profile:
         _profile(model, opt, batches, args, device)
     print(

@@ -1,0 +1,430 @@
+"""Saved activations in FP8 INSIDE torch.compile'd graphs: quantization fused into the model's kernels.
+
+    fp8_saves = coatstate.CompiledActivations()           # COAT's policy, as compress_activations
+    for block in model.blocks:
+        block.compile(options=fp8_saves.options)          # or torch.compile(m, options=...)
+    loss = model(x); loss.backward()
+    print(fp8_saves.stats.summary())                      # per compiled graph, at compile time
+
+Why a second path: compress_activations works on any model through saved-tensor hooks, which run
+Python per saved tensor (benchmarks/activation_host.py: ~13 us per save and ~90 us per packed
+tensor on the H200's host). A transformer's forward is already host-bound, so that Python time
+is step time. Here nothing runs per step: inductor's partitioner splits the joint graph into
+forward and backward, and this partitioner (inductor's `custom_partitioner_fn` hook) rewrites the
+boundary. Each floating-point tensor the forward saves for backward is replaced by its FP8 codes
+and scale bytes, computed by nodes appended to the forward graph (inductor fuses them into the
+kernel that produces the tensor, or into one pass over it), and the backward graph decodes them
+right before their first use. The codec is coatstate.activation_policy's pure-torch one, traced:
+the bytes held are exactly compress_activations' (docs/FORMAT.md, "Saved activations").
+
+The op kind comes from the graph, not the Python call site: a saved tensor that feeds a matmul
+is a linear input, one that feeds a mean/var_mean (directly or through one pointwise op) is a
+norm input, attention's q/k/v/out are arguments or outputs of an SDPA op, one that feeds a
+gather/nll_loss is the loss's log-probabilities, one that feeds erf/tanh/sigmoid an activation
+input, and the policy (ActivationPolicy: the same fields and defaults as compress_activations)
+picks the granularity. Never compressed (each counted in `stats.kept_reasons`): the graph's inputs
+and their views (alive anyway), casts and views of parameters (autocast's weights, alive in the
+autocast cache anyway in eager; kept for the same gradients), tensors the graph also returns,
+non-float and small tensors, tensors with a dynamic (symbolic) shape, and tensors that are not
+a permutation of a dense block (their strides could not be restored).
+
+Numerics differ from compress_activations only where the graph differs from eager: the
+partitioner recomputes cheap pointwise ops (GELU's output) instead of saving them, and decides
+which tensors cross to the backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import operator
+from pathlib import Path
+
+import torch
+import torch.fx as fx
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from coatstate import activation_policy as codec
+from coatstate.activation_policy import ActivationPolicy, ActivationStats, Granularity, OpKind
+
+__all__ = ["CompiledActivations"]
+
+_aten = torch.ops.aten
+
+
+def _ops(names: str) -> frozenset:
+    """aten overloads by 'name.overload', skipping those this torch version lacks."""
+    found = []
+    for name in names.split():
+        packet, overload = name.split(".")
+        op = getattr(getattr(_aten, packet, None), overload, None)
+        if op is not None:
+            found.append(op)
+    return frozenset(found)
+
+
+_VIEWS = _ops(
+    "view.default _unsafe_view.default reshape.default permute.default transpose.int t.default "
+    "expand.default slice.Tensor select.int unsqueeze.default squeeze.dim squeeze.dims alias.default"
+) | {torch.ops.prims.convert_element_type.default}
+_MATMULS = _ops(
+    "mm.default addmm.default bmm.default baddbmm.default _scaled_mm.default convolution.default "
+    "_int_mm.default"
+)
+_ATTENTION = _ops(
+    "_scaled_dot_product_flash_attention.default _scaled_dot_product_efficient_attention.default "
+    "_scaled_dot_product_cudnn_attention.default _scaled_dot_product_flash_attention_for_cpu.default "
+    "_flash_attention_forward.default _efficient_attention_forward.default"
+)
+_SPLITS = _ops("split.Tensor split_with_sizes.default unbind.int chunk.default")
+_REDUCTIONS = _ops(
+    "var_mean.correction mean.dim var.correction sum.dim_IntList amax.default amin.default "
+    "logsumexp.default max.dim min.dim"
+)
+_NORM_REDUCTIONS = _ops("var_mean.correction mean.dim var.correction native_layer_norm.default")
+_ACTIVATIONS = _ops("erf.default tanh.default sigmoid.default gelu.default silu.default relu.default")
+_LOSSES = _ops("gather.default nll_loss_forward.default nll_loss2d_forward.default")
+# one step between a norm's input and its reduction: x*x, x - mean, residual + x
+_POINTWISE_TO_REDUCTION = _ops("pow.Tensor_Scalar mul.Tensor sub.Tensor add.Tensor")
+_STATISTIC_STEPS = _ops(
+    "add.Tensor add.Scalar sub.Tensor rsqrt.default sqrt.default reciprocal.default div.Tensor"
+)
+_COMPRESSIBLE = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class CompiledActivations(CustomPartitionerFn):
+    """A torch.compile (inductor) partitioner that holds saved activations in FP8 (module docstring).
+
+    Args:
+        policy: an ActivationPolicy; keyword arguments override its fields, as for
+            compress_activations (`backend`, `recompute`, `compiled` and `compiled_fp32` do not
+            apply: inductor does the work and the op kinds are known).
+        cache: let inductor's on-disk caches serve graphs compiled before with the same policy.
+            Off by default: on a cache hit the partitioner does not run, so `stats` and `report`
+            would not describe that graph (its compiled code is right either way).
+    Pass `options` to torch.compile. `stats` accumulates over every graph partitioned with it (one
+    per distinct compiled block, at compile time, not per step) and `report` lists what each
+    saved tensor became.
+    """
+
+    def __init__(self, policy: ActivationPolicy | None = None, *, cache: bool = False, **overrides) -> None:
+        policy = policy if policy is not None else ActivationPolicy()
+        if not isinstance(policy, ActivationPolicy):
+            raise TypeError(f"policy must be an ActivationPolicy; got {type(policy).__name__}")
+        fields = {f.name for f in dataclasses.fields(ActivationPolicy)}
+        unknown = sorted(set(overrides) - fields)
+        if unknown:
+            raise TypeError(f"unknown option(s) {unknown}; ActivationPolicy fields are {sorted(fields)}")
+        self.policy = dataclasses.replace(policy, **overrides)
+        self.cache = bool(cache)
+        self.stats = ActivationStats()
+        self.report: list[tuple[str, tuple, torch.dtype, str]] = []
+        """(graph node, shape, dtype, what it became) for every tensor a compiled forward saved."""
+
+    def __deepcopy__(self, memo) -> CompiledActivations:
+        return self  # inductor copies its config (repro strings, caches): stats must stay on one object
+
+    @property
+    def options(self) -> dict:
+        """torch.compile's `options` that install this partitioner (and, unless `cache`, turn
+        inductor's caches off for those compiles)."""
+        return {"custom_partitioner_fn": self} | ({} if self.cache else {"fx_graph_cache": False})
+
+    def uuid(self):
+        """Inductor's cache key: this file, the codec it traces, and the policy. (Never None:
+        inductor would then key the graph as if no partitioner were installed.)"""
+        files = (__file__, codec.__file__, str(Path(codec.__file__).parent / "formats" / "fp8.py"))
+        return (get_hash_for_files(tuple(f for f in files if Path(f).exists())), repr(self.policy))
+
+    def __call__(self, gm: fx.GraphModule, joint_inputs, **kwargs) -> tuple[fx.GraphModule, fx.GraphModule]:
+        kwargs.setdefault("compiler", "inductor")
+        fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        _Rewrite(self, fw, bw, kwargs).run()
+        return fw, bw
+
+
+@dataclasses.dataclass
+class _Saved:
+    node: fx.Node  # the forward's node (an output of the forward graph)
+    position: int  # its position in the forward's outputs
+    granularity: Granularity
+    label: str  # stats key: op kind, or attention_v_out
+    perm: tuple[int, ...]  # dims in memory order (by stride): packed as x.permute(perm)
+
+
+class _Rewrite:
+    """One forward/backward pair: pick the saved tensors to pack, then edit both graphs."""
+
+    def __init__(self, owner: CompiledActivations, fw, bw, kwargs) -> None:
+        self.policy, self.stats, self.report = owner.policy, owner.stats, owner.report
+        self.fw, self.bw = fw, bw
+        self.num_fwd_outputs = kwargs["num_fwd_outputs"]
+        placeholders = fw.graph.find_nodes(op="placeholder")
+        static = kwargs.get("static_lifetime_input_indices")
+        if static is None:  # unknown: every input might be a parameter (keeps more, never loses)
+            self.parameters = set(placeholders)
+        else:
+            self.parameters = {placeholders[i] for i in static if i < len(placeholders)}
+
+    # -- what to do with each saved tensor -----------------------------------------------
+    def run(self) -> None:
+        output = self.fw.graph.find_nodes(op="output")[0]
+        outputs = list(output.args[0])
+        returned = set(outputs[: self.num_fwd_outputs])
+        decided = []  # (position, node, keep reason or (granularity, label))
+        for position in range(self.num_fwd_outputs, len(outputs)):
+            node = outputs[position]
+            if _is_tensor(node):  # (not a SymInt or opaque object saved for backward)
+                decided.append((position, node, self._decide(node, node.meta["val"], returned)))
+        # Views of one buffer (q, k and v split from one qkv projection) free its memory only if
+        # all are packed: one the policy keeps takes the granularity of one that is packed, as
+        # compress_activations' first save decides for a shared storage.
+        packed_by_buffer = {}
+        for _, node, decision in decided:
+            if not isinstance(decision, str):
+                packed_by_buffer.setdefault(_view_root(node, casts=False)[0], decision[0])
+        plan = []
+        for position, node, decision in decided:
+            val = node.meta["val"]
+            if isinstance(decision, str) and decision.startswith("policy keeps"):
+                shared = packed_by_buffer.get(_view_root(node, casts=False)[0])
+                if shared is not None:
+                    decision = (shared, decision.removeprefix("policy keeps "))
+            shape = tuple(s if isinstance(s, int) else str(s) for s in val.shape)  # (SymInts as text)
+            if isinstance(decision, str):
+                self._keep(val, decision)
+                self.report.append((node.name, shape, val.dtype, f"kept: {decision}"))
+            else:
+                plan.append(_Saved(node, position, *decision, perm=_memory_order(val)))
+                self.report.append((node.name, shape, val.dtype, f"{decision[1]}/{decision[0].value}"))
+        if plan:
+            self._edit(output, outputs, plan)
+
+    def _keep(self, val: torch.Tensor, reason: str) -> None:
+        self.stats.kept += 1
+        self.stats.kept_reasons[reason] += 1
+        nbytes = val.numel() * val.element_size()
+        self.stats.bytes_kept[reason] += nbytes if isinstance(nbytes, int) else 0  # (symbolic: unknown)
+
+    def _decide(self, node: fx.Node, val: torch.Tensor, returned: set):
+        """A reason to keep the tensor (str), or (granularity, label)."""
+        if val.dtype not in _COMPRESSIBLE:
+            return "not float16/bfloat16/float32"
+        if any(not isinstance(s, int) for s in (*val.shape, *val.stride())):
+            return "dynamic (symbolic) shape in a compiled graph"
+        if val.numel() < max(self.policy.min_numel, 1):
+            return f"smaller than min_numel={self.policy.min_numel}"
+        if any(st == 0 and n > 1 for n, st in zip(val.shape, val.stride(), strict=True)):
+            return "expanded (stride-0) view"
+        if node in returned:
+            return "also returned by the compiled graph"
+        if _is_statistic(node):
+            return "statistics of a reduction (a norm's mean/rstd)"
+        root, cast = _view_root(node)
+        if root.op == "placeholder":
+            if root in self.parameters:
+                return "parameter cast or view"
+            if not cast:
+                return "input of a compiled graph"
+        label, granularity = self._kind(node)
+        if granularity is Granularity.BF16 and val.dtype is not torch.float32:
+            granularity = Granularity.KEEP  # already 16-bit: bfloat16 would save nothing
+        if granularity is Granularity.KEEP:
+            return f"policy keeps {label}"
+        return granularity, label
+
+    def _kind(self, node: fx.Node) -> tuple[str, Granularity]:
+        policy = self.policy
+        if node.target is operator.getitem and getattr(node.args[0], "target", None) in _ATTENTION:
+            return (
+                ("attention_v_out", policy.attention_v_out)
+                if node.args[1] == 0
+                else (
+                    "attention statistics",
+                    Granularity.KEEP,
+                )
+            )
+        users = _users_through_views(node)
+        for user, arg in users:
+            if user.target in _ATTENTION:
+                if arg in (0, 1):
+                    return OpKind.ATTENTION.value, policy.attention
+                return "attention_v_out", policy.attention_v_out
+        targets = {user.target for user, _ in users}
+        if targets & _LOSSES:
+            return OpKind.LOSS.value, policy.loss
+        if targets & _MATMULS:
+            return OpKind.LINEAR.value, policy.linear
+        second = {u.target for user, _ in users if user.target in _POINTWISE_TO_REDUCTION for u in user.users}
+        if (targets | second) & _NORM_REDUCTIONS:
+            return OpKind.NORM.value, policy.norm
+        if (targets | second) & _ACTIVATIONS or _feeds(node, _ACTIVATIONS, depth=3):
+            return OpKind.ACTIVATION.value, policy.activation
+        return OpKind.OTHER.value, policy.other
+
+    # -- graph surgery -------------------------------------------------------------------
+    def _edit(self, output: fx.Node, outputs: list, plan: list[_Saved]) -> None:
+        fw_graph, bw_graph = self.fw.graph, self.bw.graph
+        bw_inputs = {n.name: n for n in bw_graph.find_nodes(op="placeholder")}
+        saved_names = {n.name for n in outputs[self.num_fwd_outputs :] if isinstance(n, fx.Node)}
+        # Scale tensors go at the end of the saved tensors, in the same order on both sides:
+        # before the SymInts in the forward's outputs, after the last saved-tensor input (before
+        # the tangents) in the backward's inputs (which are named after the forward's outputs).
+        first_sym = next(
+            (i for i in range(self.num_fwd_outputs, len(outputs)) if not _is_tensor(outputs[i])),
+            len(outputs),
+        )
+        anchor = [n for n in bw_graph.find_nodes(op="placeholder") if n.name in saved_names][-1]
+        scales = []
+        for saved in plan:
+            x = saved.node
+            placeholder = bw_inputs.get(x.name)
+            if placeholder is None:
+                self._keep(x.meta["val"], "no matching backward input (unexpected graph)")
+                continue
+            pack, unpack = _codec_functions(saved, self.policy, x.meta["val"])
+            with fw_graph.inserting_before(x.next):  # (inserting_after would reverse the nodes)
+                packed = _inline(fw_graph, pack, [x])
+            self._count(saved, x.meta["val"], packed)
+            outputs[saved.position] = packed[0]
+            placeholder.meta = dict(packed[0].meta)  # it receives the codes now
+            unpack_args = [placeholder]
+            for scale in packed[1:]:
+                scales.append(scale)
+                with bw_graph.inserting_after(anchor):
+                    anchor = bw_graph.placeholder(f"{x.name}_fp8_scale")
+                anchor.meta = dict(scale.meta)
+                unpack_args.append(anchor)
+            users = list(placeholder.users)
+            if not users:
+                continue
+            index = {n: i for i, n in enumerate(bw_graph.nodes)}
+            with bw_graph.inserting_before(min(users, key=index.__getitem__)):  # decoded when needed
+                (restored,) = _inline(bw_graph, unpack, unpack_args)
+            for user in users:
+                user.replace_input_with(placeholder, restored)
+        outputs[first_sym:first_sym] = scales
+        output.update_arg(0, tuple(outputs))
+        fw_graph.lint()
+        bw_graph.lint()
+        self.fw.recompile()
+        self.bw.recompile()
+
+    def _count(self, saved: _Saved, val: torch.Tensor, packed: list) -> None:
+        stats = self.stats
+        stats.packed += 1
+        stats.packed_by_kind[f"{saved.label}/{saved.granularity.value}"] += 1
+        stats.bytes_original += val.numel() * val.element_size()
+        stats.bytes_packed += sum(n.meta["val"].numel() * n.meta["val"].element_size() for n in packed)
+
+
+def _is_tensor(node) -> bool:
+    return isinstance(node, fx.Node) and isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def _view_root(node: fx.Node, casts: bool = True) -> tuple[fx.Node, bool]:
+    """(the node a chain of views (and dtype casts if `casts`) starts from, whether it has a cast)."""
+    cast = False
+    while node.op == "call_function":
+        if node.target is operator.getitem and getattr(node.args[0], "target", None) in _SPLITS:
+            node = node.args[0].args[0]  # one piece of a split: a view of the split tensor
+            continue
+        if node.target not in _VIEWS:
+            break
+        is_cast = node.target is torch.ops.prims.convert_element_type.default
+        if is_cast and not casts:
+            break
+        cast |= is_cast
+        node = node.args[0]
+    return node, cast
+
+
+def _is_statistic(node: fx.Node, depth: int = 3) -> bool:
+    """node is a reduction's result, directly or through a few pointwise steps (rsqrt(var + eps))."""
+    for _ in range(depth + 1):
+        if node.op != "call_function":
+            return False
+        if node.target is operator.getitem:
+            node = node.args[0]
+        if node.target in _REDUCTIONS:
+            return True
+        if node.target not in _STATISTIC_STEPS and node.target not in _VIEWS:
+            return False
+        node = node.args[0]
+    return False
+
+
+def _feeds(node: fx.Node, targets: frozenset, depth: int) -> bool:
+    """Some op in `targets` uses node within `depth` steps of its users (an activation's formula)."""
+    frontier = [node]
+    for _ in range(depth):
+        frontier = [u for n in frontier for u in n.users if u.op == "call_function"]
+        if any(u.target in targets for u in frontier):
+            return True
+    return False
+
+
+def _users_through_views(node: fx.Node, depth: int = 4) -> list[tuple[fx.Node, int | None]]:
+    """(user, index of the argument it is) for the users of node and of its views."""
+    found = []
+    for user in node.users:
+        if user.op != "call_function":
+            continue
+        if user.target in _VIEWS and depth > 0:
+            found += _users_through_views(user, depth - 1)
+        else:
+            arg = next((i for i, a in enumerate(user.args) if a is node), None)
+            found.append((user, arg))
+    return found
+
+
+def _memory_order(val: torch.Tensor) -> tuple[int, ...]:
+    """Dims by decreasing stride: val.permute(p) walks memory in order (contiguous if val is dense;
+    a strided slice is packed as a contiguous copy and restored dense in the same dim order)."""
+    return tuple(sorted(range(val.dim()), key=lambda d: (-val.stride(d), -val.shape[d])))
+
+
+def _codec_functions(saved: _Saved, policy: ActivationPolicy, val: torch.Tensor):
+    """(pack, unpack): pack(x) -> codes[, scales]; unpack(codes[, scales]) -> x's values, dtype
+    and strides. Traced with make_fx, so plain torch code (the codec itself) is fine."""
+    perm, dtype, fmt, group = saved.perm, val.dtype, policy.fmt, policy.group_size
+    inverse = tuple(sorted(range(len(perm)), key=perm.__getitem__))
+    shape = tuple(val.permute(perm).shape)  # the contiguous layout that is packed
+    rows2d = (-1, shape[-1]) if shape else (1, 1)
+    granularity = saved.granularity
+    if granularity is Granularity.BF16:
+        return (lambda x: (x.permute(perm).to(torch.bfloat16),)), (lambda c: (c.to(dtype).permute(inverse),))
+    if granularity is Granularity.TENSOR:
+
+        def pack(x):
+            return codec.pack_tensor(x.permute(perm), fmt)
+
+        def unpack(codes, scale):
+            return (codec.unpack_tensor(codes, scale, dtype).permute(inverse),)
+
+        return pack, unpack
+
+    def pack(x):
+        return codec.pack_groups(x.permute(perm).reshape(rows2d), group, fmt)
+
+    def unpack(codes, scales):
+        return (codec.unpack_groups(codes, scales, group, dtype).reshape(shape).permute(inverse),)
+
+    return pack, unpack
+
+
+@functools.cache
+def _decompositions():
+    from torch._inductor.decomposition import select_decomp_table
+
+    return select_decomp_table()
+
+
+def _inline(graph: fx.Graph, fn, args: list[fx.Node]) -> list[fx.Node]:
+    """Trace fn (returning a tuple of tensors) on the args' fake values and copy its nodes into
+    graph at the insert point; returns the nodes of fn's outputs, each with its fake value."""
+    traced = make_fx(fn, decomposition_table=_decompositions())(*[a.meta["val"] for a in args])
+    env = dict(zip(traced.graph.find_nodes(op="placeholder"), args, strict=True))
+    return list(graph.graph_copy(traced.graph, env))

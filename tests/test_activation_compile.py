@@ -1,0 +1,171 @@
+"""CompiledActivations: FP8 saved activations inside torch.compile'd (inductor) graphs."""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import requires_cuda
+from torch import nn
+
+from coatstate import activation_policy as codec
+from coatstate.activation_compile import CompiledActivations
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from models import GPT, Llama, ModelConfig  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _grads(model, idx, tgt, autocast):
+    model.zero_grad(set_to_none=True)
+    with torch.autocast(idx.device.type, dtype=torch.bfloat16, enabled=autocast):
+        loss = model(idx, tgt)
+    loss.backward()
+    return loss.item(), {n: p.grad.float().clone() for n, p in model.named_parameters()}
+
+
+def _compiled_blocks(model, options=None):
+    model = copy.deepcopy(model)
+    for block in model.blocks:
+        block.compile(options=options)
+    return model
+
+
+@pytest.mark.parametrize(
+    "arch,autocast",
+    [("gpt", False), ("llama", False), ("gpt", True), ("llama", True)],
+    ids=["gpt-fp32", "llama-fp32", "gpt-bf16", "llama-bf16"],
+)
+def test_gradient_fidelity_and_bytes(arch, autocast, device="cpu"):
+    """Blocks compiled with the FP8 partitioner against the same blocks compiled without it."""
+    cfg = ModelConfig(vocab=128, layers=2, dim=128, heads=4, seq=64, loss_chunks=1)
+    model = {"gpt": GPT, "llama": Llama}[arch](cfg).to(device)
+    idx = torch.randint(0, cfg.vocab, (4, cfg.seq), device=device)
+    tgt = torch.randint(0, cfg.vocab, (4, cfg.seq), device=device)
+    loss_ref, ref = _grads(_compiled_blocks(model), idx, tgt, autocast)
+    torch._dynamo.reset()
+    fp8 = CompiledActivations(min_numel=1024)
+    loss, got = _grads(_compiled_blocks(model, fp8.options), idx, tgt, autocast)
+    cos = {n: F.cosine_similarity(ref[n].flatten(), got[n].flatten(), dim=0).item() for n in ref}
+    worst = min(cos, key=cos.get)
+    s = fp8.stats
+    print(f"\n{arch} {'bf16' if autocast else 'fp32'} {device}: min cosine {cos[worst]:.6f} ({worst})")
+    print(s.summary())
+    for row in fp8.report:
+        print(row)
+    assert loss == pytest.approx(loss_ref, rel=1e-4)  # the forward computes the same (fused differently)
+    assert cos[worst] >= 0.999, f"{worst}: cosine {cos[worst]:.6f}"
+    assert s.packed_by_kind.get("linear/tensor", 0) >= 3, s.packed_by_kind  # qkv/w1.. inputs
+    assert s.packed_by_kind.get("attention/group", 0) >= 1, s.packed_by_kind
+    # (lower than compress_activations' 1.8x under autocast: inductor saves the bf16 residual branch
+    # a norm reads, which the norm policy keeps, where eager saves its float32 sum as bfloat16)
+    assert s.ratio >= (1.6 if autocast else 2.5), f"only {s.ratio:.2f}x smaller"
+    assert s.kept_reasons["parameter cast or view"] >= 1
+    assert "not float16/bfloat16/float32" not in str(fp8.report)  # (nothing unexpected saved)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_gradient_fidelity_on_gpu(arch):
+    test_gradient_fidelity_and_bytes(arch, True, device="cuda")
+
+
+class _TwoLinears(nn.Module):
+    """The first linear's output, scaled, is the second's saved input: a per-tensor FP8 save."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(64, 96, bias=False)
+        self.b = nn.Linear(96, 32, bias=False)
+
+    def forward(self, x):
+        return self.b(self.a(x) * 1.5)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_codes_are_the_eager_codecs(fmt, device="cpu"):
+    """The second weight's gradient is dY^T @ decode(encode(h)): the traced codec gives the same
+    bytes as coatstate.activation_policy's, so the gradient matches an eager computation."""
+    model = _TwoLinears().to(device)
+    x = torch.randn(8, 16, 64, device=device)
+    fp8 = CompiledActivations(min_numel=0, fmt=fmt)
+    compiled = torch.compile(copy.deepcopy(model), options=fp8.options)
+    compiled(x).square().sum().backward()
+    h = model.a(x) * 1.5
+    codes, scale = codec.pack_tensor(h, fmt)
+    h_held = codec.unpack_tensor(codes, scale, h.dtype)
+    dy = 2 * model.b(h)  # d(sum y^2)/dy, from the exact forward (the forward is not compressed)
+    expected = dy.reshape(-1, 32).T @ h_held.reshape(-1, 96)
+    got = compiled.b.weight.grad
+    assert fp8.stats.packed_by_kind == {"linear/tensor": 1}, fp8.report
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5), (got - expected).abs().max()
+    exact = dy.reshape(-1, 32).T @ h.reshape(-1, 96)
+    assert not torch.allclose(got, exact, rtol=1e-6, atol=1e-6)  # it did go through FP8
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_codes_are_the_eager_codecs_on_gpu():
+    test_codes_are_the_eager_codecs("e4m3", device="cuda")
+
+
+def test_parameters_inputs_and_small_tensors_are_kept():
+    fp8 = CompiledActivations()  # default min_numel: this model's tensors are all smaller
+    model = _TwoLinears()
+    x = torch.randn(2, 64, requires_grad=True)
+    torch.compile(model, options=fp8.options)(x).sum().backward()
+    assert fp8.stats.packed == 0
+    reasons = fp8.stats.kept_reasons
+    assert reasons["smaller than min_numel=65536"] >= 1, fp8.report
+    torch._dynamo.reset()
+    big = CompiledActivations(min_numel=0)
+    torch.compile(model, options=big.options)(x).sum().backward()
+    kept = {name: what for name, _, _, what in big.report if what.startswith("kept")}
+    assert any("input of a compiled graph" in w or "parameter" in w for w in kept.values()), big.report
+
+
+def test_dynamic_shapes_are_kept_and_reported():
+    fp8 = CompiledActivations(min_numel=0)
+    model = _TwoLinears()
+    compiled = torch.compile(model, options=fp8.options, dynamic=True)
+    compiled(torch.randn(5, 64)).sum().backward()
+    assert fp8.stats.kept_reasons["dynamic (symbolic) shape in a compiled graph"] >= 1, fp8.report
+    assert fp8.stats.packed == 0
+
+
+def test_bad_arguments_name_the_problem():
+    with pytest.raises(TypeError, match="unknown option"):
+        CompiledActivations(grup_size=16)
+    with pytest.raises(TypeError, match="ActivationPolicy"):
+        CompiledActivations(policy={"fmt": "e4m3"})
+    with pytest.raises(ValueError, match="group_size"):
+        CompiledActivations(group_size=12)
+
+
+def test_cache_key_follows_the_policy():
+    assert CompiledActivations().uuid() == CompiledActivations().uuid()
+    assert CompiledActivations().uuid() != CompiledActivations(fmt="e5m2").uuid()
+    assert CompiledActivations().options["fx_graph_cache"] is False  # (AOTAutograd's cache needs it too)
+    assert "fx_graph_cache" not in CompiledActivations(cache=True).options
+
+
+def test_stats_are_filled_on_every_compile():
+    """With the default cache=False the partitioner runs (and reports) even for a graph compiled
+    before in this process or an earlier one."""
+    model, x = _TwoLinears(), torch.randn(8, 64)
+    for _ in range(2):
+        torch._dynamo.reset()
+        fp8 = CompiledActivations(min_numel=0)
+        torch.compile(model, options=fp8.options)(x * 1.0).sum().backward()
+        assert fp8.stats.packed_by_kind == {"linear/tensor": 1}, fp8.report
