@@ -36,7 +36,6 @@ which tensors cross to the backward.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import operator
 from pathlib import Path
 
@@ -44,9 +43,9 @@ import torch
 import torch.fx as fx
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
-from torch.fx.experimental.proxy_tensor import make_fx
 
 from coatstate import activation_policy as codec
+from coatstate.activation_graph import Boundary, copy_nodes, inline, is_tensor
 from coatstate.activation_policy import ActivationPolicy, ActivationStats, Granularity, OpKind
 
 __all__ = ["CompiledActivations"]
@@ -140,67 +139,78 @@ class CompiledActivations(CustomPartitionerFn):
 
     def __call__(self, gm: fx.GraphModule, joint_inputs, **kwargs) -> tuple[fx.GraphModule, fx.GraphModule]:
         kwargs.setdefault("compiler", "inductor")
+        needs_grad = _inputs_needing_grad(gm, kwargs["num_fwd_outputs"])
         fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
-        _Rewrite(self, fw, bw, kwargs).run()
+        _Rewrite(self, fw, bw, kwargs, needs_grad).run()
         return fw, bw
 
 
 @dataclasses.dataclass
-class _Saved:
-    node: fx.Node  # the forward's node (an output of the forward graph)
+class _Pack:
+    node: fx.Node  # the forward's node (a saved tensor)
     position: int  # its position in the forward's outputs
     granularity: Granularity
     label: str  # stats key: op kind, or attention_v_out
     perm: tuple[int, ...]  # dims in memory order (by stride): packed as x.permute(perm)
 
 
-class _Rewrite:
-    """One forward/backward pair: pick the saved tensors to pack, then edit both graphs."""
+@dataclasses.dataclass
+class _Recompute:
+    node: fx.Node
+    position: int
+    nodes: list[fx.Node]  # the forward nodes that compute it, in order
+    leaves: set[fx.Node]  # what they read: saved tensors and parameters
+    from_parameter: bool  # a view/cast of a parameter (not activation bytes)
 
-    def __init__(self, owner: CompiledActivations, fw, bw, kwargs) -> None:
+
+_FROM_PARAMETER = "parameter cast or view"
+
+
+class _Rewrite:
+    """One forward/backward pair: decide what becomes of each saved tensor, then edit the graphs."""
+
+    def __init__(self, owner: CompiledActivations, fw, bw, kwargs, needs_grad: set[str]) -> None:
         self.policy, self.stats, self.report = owner.policy, owner.stats, owner.report
-        self.fw, self.bw = fw, bw
-        self.num_fwd_outputs = kwargs["num_fwd_outputs"]
+        self.boundary = Boundary(fw, bw, kwargs["num_fwd_outputs"])
         placeholders = fw.graph.find_nodes(op="placeholder")
         static = kwargs.get("static_lifetime_input_indices")
         if static is None:  # unknown: every input might be a parameter (keeps more, never loses)
             self.parameters = set(placeholders)
         else:
             self.parameters = {placeholders[i] for i in static if i < len(placeholders)}
+        self.needs_grad = {p for p in placeholders if p.name in needs_grad}
 
-    # -- what to do with each saved tensor -----------------------------------------------
+    # -- what becomes of each saved tensor -----------------------------------------------
     def run(self) -> None:
-        output = self.fw.graph.find_nodes(op="output")[0]
-        outputs = list(output.args[0])
-        returned = set(outputs[: self.num_fwd_outputs])
-        decided = []  # (position, node, keep reason or (granularity, label))
-        for position in range(self.num_fwd_outputs, len(outputs)):
-            node = outputs[position]
-            if _is_tensor(node):  # (not a SymInt or opaque object saved for backward)
-                decided.append((position, node, self._decide(node, node.meta["val"], returned)))
-        # Views of one buffer (q, k and v split from one qkv projection) free its memory only if
-        # all are packed: one the policy keeps takes the granularity of one that is packed, as
-        # compress_activations' first save decides for a shared storage.
-        packed_by_buffer = {}
-        for _, node, decision in decided:
-            if not isinstance(decision, str):
-                packed_by_buffer.setdefault(_view_root(node, casts=False)[0], decision[0])
-        plan = []
-        for position, node, decision in decided:
+        b = self.boundary
+        returned = set(b.outputs[: b.first_saved])
+        decided = {
+            i: self._decide(b.outputs[i], b.outputs[i].meta["val"], returned)
+            for i in b.positions()
+            if is_tensor(b.outputs[i])  # (not a SymInt or opaque object saved for backward)
+        }
+        self._share_buffers(decided)
+        recompute = self._recomputable(decided)
+        packs = []
+        for i, decision in decided.items():
+            node = b.outputs[i]
             val = node.meta["val"]
-            if isinstance(decision, str) and decision.startswith("policy keeps"):
-                shared = packed_by_buffer.get(_view_root(node, casts=False)[0])
-                if shared is not None:
-                    decision = (shared, decision.removeprefix("policy keeps "))
             shape = tuple(s if isinstance(s, int) else str(s) for s in val.shape)  # (SymInts as text)
-            if isinstance(decision, str):
+            if i in recompute:
+                what = (
+                    "from its parameter"
+                    if recompute[i].from_parameter
+                    else "from " + ", ".join(sorted(n.name for n in recompute[i].leaves))
+                )
+                self.report.append((node.name, shape, val.dtype, f"recomputed in backward {what}"))
+            elif isinstance(decision, str):
                 self._keep(val, decision)
                 self.report.append((node.name, shape, val.dtype, f"kept: {decision}"))
             else:
-                plan.append(_Saved(node, position, *decision, perm=_memory_order(val)))
+                packs.append(_Pack(node, i, *decision, perm=_memory_order(val)))
                 self.report.append((node.name, shape, val.dtype, f"{decision[1]}/{decision[0].value}"))
-        if plan:
-            self._edit(output, outputs, plan)
+        if packs or recompute:
+            self._edit(packs, recompute)
 
     def _keep(self, val: torch.Tensor, reason: str) -> None:
         self.stats.kept += 1
@@ -214,6 +224,9 @@ class _Rewrite:
             return "not float16/bfloat16/float32"
         if any(not isinstance(s, int) for s in (*val.shape, *val.stride())):
             return "dynamic (symbolic) shape in a compiled graph"
+        root, cast = _view_root(node)
+        if root.op == "placeholder" and root in self.parameters:  # (alive anyway)
+            return "parameter or other leaf requiring grad" if node is root else _FROM_PARAMETER
         if val.numel() < max(self.policy.min_numel, 1):
             return f"smaller than min_numel={self.policy.min_numel}"
         if any(st == 0 and n > 1 for n, st in zip(val.shape, val.stride(), strict=True)):
@@ -222,18 +235,57 @@ class _Rewrite:
             return "also returned by the compiled graph"
         if _is_statistic(node):
             return "statistics of a reduction (a norm's mean/rstd)"
-        root, cast = _view_root(node)
-        if root.op == "placeholder":
-            if root in self.parameters:
-                return "parameter cast or view"
-            if not cast:
-                return "input of a compiled graph"
+        if root.op == "placeholder" and not cast and root not in self.needs_grad:
+            return "input of a compiled graph"  # data the caller holds; an activation needs grad
         label, granularity = self._kind(node)
         if granularity is Granularity.BF16 and val.dtype is not torch.float32:
             granularity = Granularity.KEEP  # already 16-bit: bfloat16 would save nothing
         if granularity is Granularity.KEEP:
             return f"policy keeps {label}"
         return granularity, label
+
+    def _share_buffers(self, decided: dict) -> None:
+        """Views of one buffer (q, k and v split from one qkv projection) free its memory only if
+        all are packed: one the policy keeps takes the granularity of one that is packed, as
+        compress_activations' first save decides for a shared storage."""
+        b = self.boundary
+        packed = {}
+        for i, decision in decided.items():
+            if not isinstance(decision, str):
+                packed.setdefault(_view_root(b.outputs[i], casts=False)[0], decision[0])
+        for i, decision in decided.items():
+            if isinstance(decision, str) and decision.startswith("policy keeps"):
+                shared = packed.get(_view_root(b.outputs[i], casts=False)[0])
+                if shared is not None:
+                    decided[i] = (shared, decision.removeprefix("policy keeps "))
+
+    def _recomputable(self, decided: dict) -> dict[int, _Recompute]:
+        """Saved tensors the backward recomputes instead: views/casts of parameters, and large
+        tensors that pointwise ops compute from other saved tensors and parameters (GELU's
+        output from its held input, a norm's output from its input and statistics), as
+        compress_activations recomputes activation outputs. The input still held decides the error."""
+        b = self.boundary
+        out = {}
+        for i, decision in decided.items():
+            node = b.outputs[i]
+            if decision == _FROM_PARAMETER:
+                nodes, leaves = _pointwise_closure(node, self.parameters)
+                out[i] = _Recompute(node, i, nodes, leaves, from_parameter=True)
+        if not self.policy.recompute:
+            return out
+        saved = {b.outputs[i] for i in decided if i not in out}
+        in_use = set()  # leaves of recomputed tensors stay saved
+        for i, decision in decided.items():
+            node = b.outputs[i]
+            candidate = not isinstance(decision, str) or decision.startswith("policy keeps")
+            if i in out or not candidate or node in in_use:
+                continue
+            found = _pointwise_closure(node, (saved - {node}) | self.parameters)
+            if found is not None and found[1] - self.parameters:
+                out[i] = _Recompute(node, i, *found, from_parameter=False)
+                saved.discard(node)
+                in_use |= found[1]
+        return out
 
     def _kind(self, node: fx.Node) -> tuple[str, Granularity]:
         policy = self.policy
@@ -265,63 +317,96 @@ class _Rewrite:
         return OpKind.OTHER.value, policy.other
 
     # -- graph surgery -------------------------------------------------------------------
-    def _edit(self, output: fx.Node, outputs: list, plan: list[_Saved]) -> None:
-        fw_graph, bw_graph = self.fw.graph, self.bw.graph
-        bw_inputs = {n.name: n for n in bw_graph.find_nodes(op="placeholder")}
-        saved_names = {n.name for n in outputs[self.num_fwd_outputs :] if isinstance(n, fx.Node)}
-        # Scale tensors go at the end of the saved tensors, in the same order on both sides:
-        # before the SymInts in the forward's outputs, after the last saved-tensor input (before
-        # the tangents) in the backward's inputs (which are named after the forward's outputs).
-        first_sym = next(
-            (i for i in range(self.num_fwd_outputs, len(outputs)) if not _is_tensor(outputs[i])),
-            len(outputs),
-        )
-        anchor = [n for n in bw_graph.find_nodes(op="placeholder") if n.name in saved_names][-1]
-        scales = []
-        for saved in plan:
-            x = saved.node
-            placeholder = bw_inputs.get(x.name)
-            if placeholder is None:
-                self._keep(x.meta["val"], "no matching backward input (unexpected graph)")
-                continue
-            pack, unpack = _codec_functions(saved, self.policy, x.meta["val"])
+    def _edit(self, packs: list[_Pack], recompute: dict[int, _Recompute]) -> None:
+        b = self.boundary
+        fw_graph, bw_graph = b.fw.graph, b.bw.graph
+        jobs = []  # (forward node, unpack, its backward arguments, the placeholder's users)
+        for p in packs:
+            x = p.node
+            pack, unpack = _codec_functions(p, self.policy, x.meta["val"])
             with fw_graph.inserting_before(x.next):  # (inserting_after would reverse the nodes)
-                packed = _inline(fw_graph, pack, [x])
-            self._count(saved, x.meta["val"], packed)
-            outputs[saved.position] = packed[0]
-            placeholder.meta = dict(packed[0].meta)  # it receives the codes now
-            unpack_args = [placeholder]
-            for scale in packed[1:]:
-                scales.append(scale)
-                with bw_graph.inserting_after(anchor):
-                    anchor = bw_graph.placeholder(f"{x.name}_fp8_scale")
-                anchor.meta = dict(scale.meta)
-                unpack_args.append(anchor)
-            users = list(placeholder.users)
-            if not users:
+                packed = inline(fw_graph, pack, [x])
+            self._count(p, x.meta["val"], packed)
+            users = list(b.input_of(x).users)
+            placeholder = b.replace(p.position, packed[0])  # it receives the codes now
+            args = [placeholder] + [b.add(scale, f"{x.name}_fp8_scale") for scale in packed[1:]]
+            jobs.append((x, unpack, args, users))
+        removed = {i: b.remove(i) for i in recompute}
+        readers = {}  # saved node -> users of the removed inputs recomputed from it
+        for i, r in recompute.items():
+            for leaf in r.leaves:
+                readers.setdefault(leaf, []).extend(removed[i].users)
+        values = {}  # forward node -> its value in the backward
+        for x, unpack, args, users in jobs:  # decoded right before the first read
+            first = b.first(users + readers.get(x, []))
+            if first is None:
                 continue
-            index = {n: i for i, n in enumerate(bw_graph.nodes)}
-            with bw_graph.inserting_before(min(users, key=index.__getitem__)):  # decoded when needed
-                (restored,) = _inline(bw_graph, unpack, unpack_args)
+            with bw_graph.inserting_before(first):
+                (values[x],) = inline(bw_graph, unpack, args)
             for user in users:
-                user.replace_input_with(placeholder, restored)
-        outputs[first_sym:first_sym] = scales
-        output.update_arg(0, tuple(outputs))
-        fw_graph.lint()
-        bw_graph.lint()
-        self.fw.recompile()
-        self.bw.recompile()
+                user.replace_input_with(args[0], values[x])
+        for i, r in recompute.items():
+            users = list(removed[i].users)
+            first = b.first(users)
+            if first is None:
+                continue
+            env = {leaf: values.get(leaf) or b.input_of(leaf) or b.add(leaf, leaf.name) for leaf in r.leaves}
+            with bw_graph.inserting_before(first):
+                value = copy_nodes(bw_graph, r.nodes, env)
+            for user in users:
+                user.replace_input_with(removed[i], value)
+            if not r.from_parameter:
+                val = r.node.meta["val"]
+                self.stats.recomputed += 1
+                self.stats.bytes_recomputed += val.numel() * val.element_size()
+        b.finish()
 
-    def _count(self, saved: _Saved, val: torch.Tensor, packed: list) -> None:
+    def _count(self, p: _Pack, val: torch.Tensor, packed: list) -> None:
         stats = self.stats
         stats.packed += 1
-        stats.packed_by_kind[f"{saved.label}/{saved.granularity.value}"] += 1
+        stats.packed_by_kind[f"{p.label}/{p.granularity.value}"] += 1
         stats.bytes_original += val.numel() * val.element_size()
         stats.bytes_packed += sum(n.meta["val"].numel() * n.meta["val"].element_size() for n in packed)
 
 
-def _is_tensor(node) -> bool:
-    return isinstance(node, fx.Node) and isinstance(node.meta.get("val"), torch.Tensor)
+def _inputs_needing_grad(joint: fx.GraphModule, num_fwd_outputs: int) -> set[str]:
+    """Names of the primal inputs the joint graph computes a gradient for (its outputs after the
+    forward's are one gradient or None per primal, in order)."""
+    primals = [n for n in joint.graph.find_nodes(op="placeholder") if n.name.startswith("primals")]
+    grads = list(joint.graph.find_nodes(op="output")[0].args[0])[num_fwd_outputs:]
+    return {p.name for p, g in zip(primals, grads, strict=False) if g is not None}
+
+
+def _pointwise_closure(node: fx.Node, leaves: set, limit: int = 48):
+    """(nodes in order, leaves read) if node is computed from `leaves` by views, dtype casts and
+    pointwise ops only (at most `limit` of them), else None."""
+    order, seen, used = [], set(), set()
+
+    def visit(n) -> bool:
+        if n in leaves and n is not node:
+            used.add(n)
+            return True
+        if n in seen:
+            return True
+        if n.op != "call_function" or not _is_pointwise(n) or len(seen) >= limit:
+            return False
+        seen.add(n)
+        if not all(visit(a) for a in n.all_input_nodes):
+            return False
+        order.append(n)  # (after its inputs: a topological order)
+        return True
+
+    return (order, used) if visit(node) and used else None
+
+
+def _is_pointwise(node: fx.Node) -> bool:
+    target = node.target
+    if target in _VIEWS:
+        return True
+    if target is operator.getitem:
+        return getattr(node.args[0], "target", None) in _SPLITS
+    tags = getattr(target, "tags", ())
+    return torch.Tag.pointwise in tags and torch.Tag.nondeterministic_seeded not in tags
 
 
 def _view_root(node: fx.Node, casts: bool = True) -> tuple[fx.Node, bool]:
@@ -386,7 +471,7 @@ def _memory_order(val: torch.Tensor) -> tuple[int, ...]:
     return tuple(sorted(range(val.dim()), key=lambda d: (-val.stride(d), -val.shape[d])))
 
 
-def _codec_functions(saved: _Saved, policy: ActivationPolicy, val: torch.Tensor):
+def _codec_functions(saved: _Pack, policy: ActivationPolicy, val: torch.Tensor):
     """(pack, unpack): pack(x) -> codes[, scales]; unpack(codes[, scales]) -> x's values, dtype
     and strides. Traced with make_fx, so plain torch code (the codec itself) is fine."""
     perm, dtype, fmt, group = saved.perm, val.dtype, policy.fmt, policy.group_size
@@ -413,18 +498,3 @@ def _codec_functions(saved: _Saved, policy: ActivationPolicy, val: torch.Tensor)
         return (codec.unpack_groups(codes, scales, group, dtype).reshape(shape).permute(inverse),)
 
     return pack, unpack
-
-
-@functools.cache
-def _decompositions():
-    from torch._inductor.decomposition import select_decomp_table
-
-    return select_decomp_table()
-
-
-def _inline(graph: fx.Graph, fn, args: list[fx.Node]) -> list[fx.Node]:
-    """Trace fn (returning a tuple of tensors) on the args' fake values and copy its nodes into
-    graph at the insert point; returns the nodes of fn's outputs, each with its fake value."""
-    traced = make_fx(fn, decomposition_table=_decompositions())(*[a.meta["val"] for a in args])
-    env = dict(zip(traced.graph.find_nodes(op="placeholder"), args, strict=True))
-    return list(graph.graph_copy(traced.graph, env))

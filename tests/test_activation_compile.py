@@ -65,12 +65,13 @@ def test_gradient_fidelity_and_bytes(arch, autocast, device="cpu"):
         print(row)
     assert loss == pytest.approx(loss_ref, rel=1e-4)  # the forward computes the same (fused differently)
     assert cos[worst] >= 0.999, f"{worst}: cosine {cos[worst]:.6f}"
-    assert s.packed_by_kind.get("linear/tensor", 0) >= 3, s.packed_by_kind  # qkv/w1.. inputs
-    assert s.packed_by_kind.get("attention/group", 0) >= 1, s.packed_by_kind
-    # (lower than compress_activations' 1.8x under autocast: inductor saves the bf16 residual branch
-    # a norm reads, which the norm policy keeps, where eager saves its float32 sum as bfloat16)
-    assert s.ratio >= (1.6 if autocast else 2.5), f"only {s.ratio:.2f}x smaller"
-    assert s.kept_reasons["parameter cast or view"] >= 1
+    assert s.packed_by_kind.get("attention/group", 0) >= 2, s.packed_by_kind  # q and k
+    # the linears' inputs are recomputed from what is held: the norms' outputs from their inputs
+    # and statistics, the MLP's hidden activation from the GELU input (SwiGLU: w1 x and w3 x)
+    assert s.recomputed >= 3, fp8.report
+    assert s.ratio >= 2.2, f"only {s.ratio:.2f}x smaller"  # (1.8x asked of compress_activations)
+    params = [what for _, _, _, what in fp8.report if what.endswith("from its parameter")]
+    assert len(params) >= 4 or not autocast, fp8.report  # autocast's bf16 weights: not saved
     assert "not float16/bfloat16/float32" not in str(fp8.report)  # (nothing unexpected saved)
 
 
