@@ -90,14 +90,18 @@ def section_activation_memory(data: dict, path: Path) -> str:
         ]
 
     whole = path.stem.endswith("whole_model_compile")
+    arch = args.get("arch", "gpt")
     out = [
-        "## Activation memory" + (", the whole model compiled as one graph" if whole else ""),
+        f"## Activation memory, {'Llama-style' if arch == 'llama' else 'GPT-2-style'} model"
+        + (", the whole model compiled as one graph" if whole else ""),
         f"{machine}, {date}. {shape}. Activation memory = peak minus parameters, gradients and optimizer "
         "state. Ratios are to the uncompressed step of the same mode (eager, or each block "
         "torch.compile'd for the `compiled:` rows); the last column is always to eager `none`. Host "
         "fwd = host time to issue the forward: close to the eager step's GPU forward already, so "
-        "every microsecond of Python in the saved-tensor hooks lengthens the step. Source: "
-        f"`python benchmarks/activation_memory.py --compiled{' model' if whole else ''}` -> "
+        "every microsecond of Python in the saved-tensor hooks lengthens the step. `compiled: "
+        "CompiledActivations` runs no hooks: its FP8 pack/unpack nodes are inside the compiled graphs. "
+        f"Source: `python benchmarks/activation_memory.py{' --arch llama' if arch == 'llama' else ''} "
+        f"--compiled{' model' if whole else ''}` -> "
         f"`benchmarks/results/{path.name}`.",
         "",
         _md_table(
@@ -295,6 +299,7 @@ SECTIONS = {
     "optimizer_step": section_optimizer_step,
     "optimizer_cpu": section_optimizer_cpu,
     "activation_memory": section_activation_memory,
+    "activation_memory_llama": section_activation_memory,
     "activation_memory_whole_model_compile": section_activation_memory,
     "checkpoint_io": section_checkpoint_io,
     "training_parity": section_training_parity,

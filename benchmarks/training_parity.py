@@ -6,6 +6,7 @@ same seed, initial weights and batches, under
   1. torch.optim.AdamW                       (the reference)
   2. coatstate.CompressedAdamW               (FP8 moments)
   3. CompressedAdamW + compress_activations  (FP8 moments and FP8 saved activations)
+  4. CompressedAdamW + CompiledActivations   (each block torch.compile'd, FP8 saves in the graphs)
 Final loss = mean of the last --tail (20) steps' training losses; a variant passes when its final
 loss is within --bound (1%) of AdamW's. Prints the losses and relative differences, writes
 benchmarks/results/training_parity.json and docs/img/training_parity.png (the curves). About 3
@@ -37,14 +38,19 @@ VARIANTS = (
     ("torch.optim.AdamW", "adamw", False),
     ("CompressedAdamW", "compressed", False),
     ("CompressedAdamW + compress_activations", "compressed", True),
+    ("CompressedAdamW + CompiledActivations", "compressed", "compiled"),
 )
 
 
-def train_variant(optimizer: str, compress_activations: bool, progress: bool = True, **overrides) -> dict:
-    """One run of examples/train_gpt.py's loop with CONFIG (and overrides); returns train()'s dict."""
+def train_variant(
+    optimizer: str, compress_activations: bool | str, progress: bool = True, **overrides
+) -> dict:
+    """One run of examples/train_gpt.py's loop with CONFIG (and overrides); returns train()'s dict.
+    compress_activations: False, True (the context manager) or "compiled" (CompiledActivations)."""
     cfg = {**CONFIG, **overrides}
     argv = [f"--{k}={v}" for k, v in cfg.items()] + ["--optimizer", optimizer, "--device", "cpu"]
-    args = train_gpt.parser().parse_args(argv + (["--compress-activations"] if compress_activations else []))
+    flag = {True: ["--compress-activations"], "compiled": ["--compiled-activations"]}
+    args = train_gpt.parser().parse_args(argv + flag.get(compress_activations, []))
     return train_gpt.train(args, progress=progress)
 
 

@@ -15,11 +15,22 @@ from coatstate.optim import (
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    # CompiledActivations imports torch's inductor partitioner (~1 s): loaded on first use only
+    if name == "CompiledActivations":
+        from coatstate.activation_compile import CompiledActivations
+
+        return CompiledActivations
+    raise AttributeError(f"module 'coatstate' has no attribute {name!r}")
+
+
 __all__ = [
     "ActivationPolicy",
     "ActivationStats",
     "Checkpoint",
     "CheckpointError",
+    "CompiledActivations",
     "CompressedAdamW",
     "FP8Linear",
     "FP8LinearConfig",

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import warnings
 from pathlib import Path
 
 import torch
@@ -45,7 +46,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
 
 from coatstate import activation_policy as codec
-from coatstate.activation_graph import Boundary, copy_nodes, inline, is_tensor
+from coatstate.activation_graph import Boundary, LayoutError, copy_nodes, inline, is_tensor
 from coatstate.activation_policy import ActivationPolicy, ActivationStats, Granularity, OpKind
 
 __all__ = ["CompiledActivations"]
@@ -119,6 +120,8 @@ class CompiledActivations(CustomPartitionerFn):
         self.policy = dataclasses.replace(policy, **overrides)
         self.cache = bool(cache)
         self.stats = ActivationStats()
+        self.graphs = 0
+        """Forward/backward pairs partitioned (blocks of one class usually share one graph)."""
         self.report: list[tuple[str, tuple, torch.dtype, str]] = []
         """(graph node, shape, dtype, what it became) for every tensor a compiled forward saved."""
 
@@ -141,7 +144,15 @@ class CompiledActivations(CustomPartitionerFn):
         kwargs.setdefault("compiler", "inductor")
         needs_grad = _inputs_needing_grad(gm, kwargs["num_fwd_outputs"])
         fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
-        _Rewrite(self, fw, bw, kwargs, needs_grad).run()
+        self.graphs += 1
+        try:
+            rewrite = _Rewrite(self, fw, bw, kwargs, needs_grad)
+        except LayoutError as e:  # raised before any edit: the graphs run as partitioned
+            msg = f"CompiledActivations left a compiled graph's saved tensors as they are: {e}"
+            warnings.warn(msg, stacklevel=2)
+            self.stats.kept_reasons["graph layout not recognised (warned)"] += 1
+            return fw, bw
+        rewrite.run()
         return fw, bw
 
 

@@ -21,15 +21,26 @@ def is_tensor(node) -> bool:
     return isinstance(node, fx.Node) and isinstance(node.meta.get("val"), torch.Tensor)
 
 
+class LayoutError(RuntimeError):
+    """The partitioned graphs do not have the layout Boundary knows (nothing was edited)."""
+
+
 class Boundary:
     def __init__(self, fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> None:
         self.fw, self.bw = fw, bw
         self.output = fw.graph.find_nodes(op="output")[0]
         self.outputs = list(self.output.args[0])
         self.first_saved = num_fwd_outputs
-        self.inputs = {n.name: n for n in bw.graph.find_nodes(op="placeholder")}
-        saved = {n.name for n in self.saved_nodes()}
-        self.anchor = [n for n in bw.graph.find_nodes(op="placeholder") if n.name in saved][-1]
+        # The i-th saved tensor arrives as the i-th tensor input of the backward (SymInts, which
+        # come first there, are not tensors; tangents come after), named after the forward's node.
+        saved = [i for i in self.positions() if is_tensor(self.outputs[i])]
+        tensors = [p for p in bw.graph.find_nodes(op="placeholder") if is_tensor(p)]
+        self.by_position = dict(zip(saved, tensors, strict=False))
+        names = [(self.outputs[i].name, p.name) for i, p in self.by_position.items()]
+        if len(tensors) < len(saved) or any(a != b for a, b in names):
+            raise LayoutError(f"saved tensors and backward inputs do not match: {names[:4]}...")
+        self.inputs = {self.outputs[i]: p for i, p in reversed(self.by_position.items())}
+        self.anchor = self.by_position[saved[-1]] if saved else None  # (nothing to edit then)
         self.extra: list[fx.Node] = []  # forward nodes added to the saved tensors
         self.removed: set[int] = set()  # positions of saved tensors no longer saved
         self.index = {n: i for i, n in enumerate(bw.graph.nodes)}  # original backward order
@@ -42,11 +53,11 @@ class Boundary:
 
     def input_of(self, node: fx.Node) -> fx.Node | None:
         """The backward's input that receives the saved forward node."""
-        return self.inputs.get(node.name)
+        return self.inputs.get(node)
 
     def replace(self, position: int, node: fx.Node) -> fx.Node:
         """Save `node` in place of the tensor at `position`; returns the backward input, now for it."""
-        placeholder = self.inputs[self.outputs[position].name]
+        placeholder = self.by_position[position]
         self.outputs[position] = node
         placeholder.meta = dict(node.meta)
         return placeholder
@@ -55,7 +66,7 @@ class Boundary:
         """Stop saving the tensor at `position`; returns its backward input (erased at finish,
         once its users read a recomputed value instead)."""
         self.removed.add(position)
-        return self.inputs[self.outputs[position].name]
+        return self.by_position[position]
 
     def add(self, node: fx.Node, name: str) -> fx.Node:
         """Save one more forward node; returns the backward input that receives it."""
@@ -63,7 +74,7 @@ class Boundary:
         with self.bw.graph.inserting_after(self.anchor):
             self.anchor = self.bw.graph.placeholder(name)
         self.anchor.meta = dict(node.meta)
-        self.inputs[node.name] = self.anchor  # (a parameter added once serves every later use)
+        self.inputs[node] = self.anchor  # (a parameter added once serves every later use)
         return self.anchor
 
     def first(self, readers: list[fx.Node]) -> fx.Node | None:
@@ -72,7 +83,7 @@ class Boundary:
         return min(readers, key=self.index.__getitem__) if readers else None
 
     def finish(self) -> None:
-        removed_inputs = [self.inputs[self.outputs[i].name] for i in sorted(self.removed)]
+        removed_inputs = [self.by_position[i] for i in sorted(self.removed)]
         outputs = [n for i, n in enumerate(self.outputs) if i not in self.removed]
         tensors = range(self.first_saved, len(outputs))
         first_sym = next((i for i in tensors if not is_tensor(outputs[i])), len(outputs))

@@ -62,6 +62,11 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[2])
     ap.add_argument("--optimizer", choices=["adamw", "compressed"], default="compressed")
     ap.add_argument("--compress-activations", action="store_true")
+    ap.add_argument(
+        "--compiled-activations",
+        action="store_true",
+        help="compile each block with coatstate.CompiledActivations: FP8 saves inside the graphs",
+    )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--layers", type=int, default=2)
@@ -93,11 +98,16 @@ def train(args: argparse.Namespace, progress: bool = True) -> dict:
     model, opt = build(args)
     if args.resume:
         coatstate.load(opt, args.resume, model=model)
+    fp8_graphs = None
+    if getattr(args, "compiled_activations", False):
+        fp8_graphs = coatstate.CompiledActivations()
+        for block in model.blocks:
+            block.compile(options=fp8_graphs.options)
     stream = batches(stdlib_corpus(), args.batch, args.seq, args.seed)
     losses, times = [], []
     act_original = act_held = 0
     quiet = not progress or (not sys.stderr.isatty() and "CI" in os.environ)
-    label = args.optimizer + (" + FP8 activations" if args.compress_activations else "")
+    label = args.optimizer + (" + FP8 activations" if args.compress_activations or fp8_graphs else "")
     bar = tqdm(range(args.steps), desc=label, disable=quiet)
     for step in bar:
         x, y = (t.to(device) for t in next(stream))
@@ -118,6 +128,10 @@ def train(args: argparse.Namespace, progress: bool = True) -> dict:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
+        if fp8_graphs is not None and step == 0:  # counted per compiled graph (one serves all blocks)
+            blocks_per_graph = len(model.blocks) / max(1, fp8_graphs.graphs)
+            act_original = int(fp8_graphs.stats.activation_bytes_original * blocks_per_graph)
+            act_held = int(fp8_graphs.stats.activation_bytes_held * blocks_per_graph)
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
     if args.save:
         coatstate.save(opt, args.save, model=model)
@@ -125,7 +139,7 @@ def train(args: argparse.Namespace, progress: bool = True) -> dict:
     tail = losses[-10:]
     return dict(
         optimizer=args.optimizer,
-        compress_activations=args.compress_activations,
+        compress_activations=args.compress_activations or fp8_graphs is not None,
         params=sum(p.numel() for p in model.parameters()),
         final_loss=sum(tail) / max(1, len(tail)),
         state_bytes=coatstate.optimizer_state_bytes(opt),
