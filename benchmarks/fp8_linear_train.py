@@ -12,6 +12,11 @@ seq 2048) with fp32 master weights under bfloat16 autocast, all in one run:
                          (inductor fuses FP8Linear's amax/scale/cast/transposes around the GEMMs)
   coatstate_compiled_ca  the same inside compress_activations, entered OUTSIDE the compiled blocks
                          (it compresses the compiled graphs' saved tensors at run time)
+  coatstate_compiled_graphs  convert_to_fp8 + CompressedAdamW, blocks compiled with
+                         coatstate.CompiledActivations (FP8 saves inside the graphs, no hooks)
+  coatstate_compiled_graphs_all  the same with norm="group", attention_v_out="group": it packs the
+                         norm inputs and attention's v/out that the default policy keeps (and that
+                         compress_activations around compiled blocks packs, not seeing their kind)
   coatstate_compiled_ca_hp  the same with E4M3 output gradients and the weight-gradient GEMM in
                          bf16 (weight_grad="high_precision"): the recipe whose gradient cosines
                          clear 0.999 (fp8_linear_parity.py), priced here
@@ -59,6 +64,8 @@ METHODS = (
     "coatstate",
     "coatstate_compiled",
     "coatstate_compiled_ca",
+    "coatstate_compiled_graphs",
+    "coatstate_compiled_graphs_all",
     "coatstate_compiled_ca_hp",
     "torchao",
     "torchao_eager",
@@ -69,14 +76,14 @@ def _not_head(module: torch.nn.Module, name: str) -> bool:
     return name != "head"
 
 
-def _compile_blocks(model: torch.nn.Module) -> None:
+def _compile_blocks(model: torch.nn.Module, options: dict | None = None) -> None:
     """torch.compile each transformer block (torchao's recipe; the chunked head/loss stays eager)."""
     # 18 block instances and a few batch sizes: stay above dynamo's recompile limit
     for knob in ("cache_size_limit", "recompile_limit"):
         if hasattr(torch._dynamo.config, knob):
             setattr(torch._dynamo.config, knob, 64)
     for block in model.blocks:
-        block.compile()
+        block.compile(options=options)
 
 
 class _Compressing:
@@ -136,6 +143,13 @@ def build(method: str, cfg: LlamaConfig, device: torch.device, lr: float = 3e-4)
     opt = coatstate.CompressedAdamW(model.parameters(), lr=lr)
     if method == "coatstate":
         return model, opt, _Compressing(), notes
+    if method.startswith("coatstate_compiled_graphs"):
+        policy = dict(norm="group", attention_v_out="group") if method.endswith("_all") else {}
+        graphs = coatstate.CompiledActivations(**policy)
+        _compile_blocks(model, graphs.options)
+        notes["compiled"] = True
+        notes["compiled_activations"] = graphs  # (its stats are read after the first step)
+        return model, opt, no_ctx, notes
     if method in ("coatstate_compiled", "coatstate_compiled_ca", "coatstate_compiled_ca_hp"):
         _compile_blocks(model)  # on CPU too (--smoke), so the smoke run traces the compiled path
         notes["compiled"] = True
@@ -231,6 +245,17 @@ def measure(method, cfg, device, args, deadline: float) -> dict:
     res = dict(notes=notes, params=sum(p.numel() for p in model.parameters()))
     res["allocated_before_gib"] = left  # anything an earlier method left behind (should be ~0)
     res["same_batch"] = run_steps(model, opt, ctx, args.batch, cfg, device, args.warmup, args.steps)
+    graphs = notes.pop("compiled_activations", None)
+    if graphs is not None:  # what CompiledActivations did, per compiled graph (at compile time)
+        s = graphs.stats
+        res["compiled_activations"] = dict(
+            graphs=graphs.graphs,
+            packed=s.packed,
+            recomputed=s.recomputed,
+            mib_saved_per_graph=s.activation_bytes_original / 2**20,
+            mib_held_per_graph=s.activation_bytes_held / 2**20,
+            kept_reasons=dict(s.kept_reasons),
+        )
     if isinstance(ctx, _Compressing):  # what the last step's context compressed and kept
         res["activations"] = ctx.summary()
         print(
@@ -328,7 +353,7 @@ def main(argv=None) -> dict:
     ap.add_argument(
         "--methods",
         default="bf16,bf16_compiled,coatstate_fp8_only,coatstate,coatstate_compiled,coatstate_compiled_ca,"
-        "coatstate_compiled_ca_hp,torchao",
+        "coatstate_compiled_graphs,coatstate_compiled_ca_hp,torchao",
     )
     ap.add_argument(
         "--out",

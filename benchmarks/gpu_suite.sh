@@ -20,11 +20,13 @@ step() {  # step GPU SECONDS NAME CMD...: run CMD on GPU with a time limit, log 
     echo "== $name: exit $? in $((SECONDS - t0)) s" >> "$OUT/$name.log"
 }
 
-(  # (times of the session-3 run in brackets)
-    step 0 200 gpu_tests python -m pytest -q -m gpu tests  # (109 s)
+(  # (times of the session-3 run in brackets; session 4's on one H200)
+    step 0 200 gpu_tests python -m pytest -q -m gpu tests  # (111 s)
     step 0 140 optimizer_step python benchmarks/optimizer_step.py --out "$OUT/optimizer_step.json"
     step 0 45 activation_host python benchmarks/activation_host.py --device cuda \
         --out "$OUT/activation_host_cuda.json"
+    step 0 200 activation_memory_llama python benchmarks/activation_memory.py --arch llama \
+        --compiled --out "$OUT/activation_memory_llama.json"  # (~90 s)
 ) &
 (
     step 1 150 activation_memory python benchmarks/activation_memory.py --compiled \
@@ -37,7 +39,7 @@ wait
 step 0,1 110 fsdp_train torchrun --standalone --nproc-per-node 2 benchmarks/fsdp_train.py \
     --steps 6 --warmup 2 --out "$OUT/fsdp_train.json"
 
-for f in gpu_tests optimizer_step activation_memory plan_check activation_host fp8_linear_train fsdp_train; do
+for f in gpu_tests optimizer_step activation_memory activation_memory_llama plan_check activation_host fp8_linear_train fsdp_train; do
     { echo; echo "######## $f"; cat "$OUT/$f.log"; } >> "$OUT/log.txt" && rm -f "$OUT/$f.log"
 done
 grep -E "^== |passed|failed" "$OUT/log.txt"

@@ -174,7 +174,7 @@ def section_fp8_linear_train(data: dict, path: Path) -> str:
         "tokens/s there"
     )
     out = [
-        "## FP8 linear training",
+        "## FP8 linear training" + ("" if path.stem == "fp8_linear_train" else f" ({path.stem})"),
         f"{machine}, {date}, torch {data.get('torch', '?')}. A {model['params'] / 1e9:.2f}B-parameter "
         f"Llama-style model ({model['layers']} layers x {model['dim']}, seq {model['seq']}), fp32 master "
         "weights under bf16 autocast, the head in bf16 everywhere. bf16 = bf16 GEMMs + fused AdamW "
@@ -182,7 +182,11 @@ def section_fp8_linear_train(data: dict, path: Path) -> str:
         "scaling, compiled blocks) + fused AdamW; coatstate = convert_to_fp8 + compress_activations + "
         "CompressedAdamW, eager; coatstate_compiled = convert_to_fp8 + CompressedAdamW with compiled "
         "blocks; coatstate_compiled_ca = the same inside compress_activations (entered outside the "
-        "compiled blocks); coatstate_fp8_only = convert_to_fp8 + fused AdamW (the FP8 GEMMs alone). "
+        "compiled blocks); coatstate_compiled_graphs = convert_to_fp8 + CompressedAdamW with blocks "
+        "compiled by coatstate.CompiledActivations (FP8 saved activations inside the graphs, no "
+        "hooks; _all: also norm inputs and attention's v/out packed, as compress_activations packs "
+        "them around compiled blocks); coatstate_fp8_only = convert_to_fp8 + fused AdamW (the FP8 "
+        "GEMMs alone). "
         "Speedups are against eager bf16, as the issue asks. "
         f"Tokens/s = median of {data.get('steps', '?')} synchronized "
         f"steps at batch {data.get('batch', '?')}; own peak = peak allocated minus what earlier methods "
@@ -192,7 +196,7 @@ def section_fp8_linear_train(data: dict, path: Path) -> str:
         "leftover searched its largest batch in 3.5 GiB less; "
         "largest batch: doubling, then bisection. Source: "
         f"`{data.get('command', 'python benchmarks/fp8_linear_train.py')}` -> "
-        "`benchmarks/results/fp8_linear_train.json`.",
+        f"`benchmarks/results/{path.name}`.",
         "",
         _md_table(header.split("|"), rows),
         "",

@@ -18,19 +18,26 @@ right before their first use. The codec is coatstate.activation_policy's pure-to
 the bytes held are exactly compress_activations' (docs/FORMAT.md, "Saved activations").
 
 The op kind comes from the graph, not the Python call site: a saved tensor that feeds a matmul
-is a linear input, one that feeds a mean/var_mean (directly or through one pointwise op) is a
-norm input, attention's q/k/v/out are arguments or outputs of an SDPA op, one that feeds a
-gather/nll_loss is the loss's log-probabilities, one that feeds erf/tanh/sigmoid an activation
-input, and the policy (ActivationPolicy: the same fields and defaults as compress_activations)
-picks the granularity. Never compressed (each counted in `stats.kept_reasons`): the graph's inputs
-and their views (alive anyway), casts and views of parameters (autocast's weights, alive in the
-autocast cache anyway in eager; kept for the same gradients), tensors the graph also returns,
-non-float and small tensors, tensors with a dynamic (symbolic) shape, and tensors that are not
-a permutation of a dense block (their strides could not be restored).
+is a linear input, one that feeds a mean/var_mean (directly or through one pointwise op, such as
+the residual add) is a norm input, attention's q/k/v/out are arguments or outputs of an SDPA op,
+one that feeds a gather/nll_loss is the loss's log-probabilities, one that feeds erf/tanh/sigmoid
+an activation input, and the policy (ActivationPolicy: the same fields and defaults as
+compress_activations) picks the granularity. Views of one buffer (q, k, v split from one qkv
+projection) share the granularity of the first one packed, as compress_activations' regions do.
 
-Numerics differ from compress_activations only where the graph differs from eager: the
-partitioner recomputes cheap pointwise ops (GELU's output) instead of saving them, and decides
-which tensors cross to the backward.
+Recomputed in backward instead of saved (`policy.recompute`, on by default): tensors that views,
+casts and pointwise ops make from other saved tensors and parameters, such as a norm's output
+(from its held input and statistics: the next linear's input), the MLP's hidden activation (from
+the held GELU/SiLU inputs) and autocast's bf16 copies of the weights (from the parameters, alive
+anyway; always recomputed, they are not activations). The held inputs decide the error, as for
+compress_activations' recomputed activation outputs.
+
+Never compressed (each counted in `stats.kept_reasons`, each listed in `report`): parameters;
+graph inputs that need no gradient (data the caller holds; a block's input activation, which
+needs one, is held by its kind: that is what compiling per block saves); tensors the graph also
+returns; non-float and small tensors; statistics of reductions (a norm's mean and rstd);
+expanded (stride-0) views; tensors with a dynamic (symbolic) shape. A graph whose backward inputs
+do not line up with its forward's saved tensors is left as partitioned, with a warning.
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ from pathlib import Path
 import torch
 import torch.fx as fx
 from torch._functorch.partitioners import min_cut_rematerialization_partition
-from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files
+from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files  # (torch >= 2.9)
 
 from coatstate import activation_policy as codec
 from coatstate.activation_graph import Boundary, LayoutError, copy_nodes, inline, is_tensor
@@ -99,8 +106,9 @@ class CompiledActivations(CustomPartitionerFn):
 
     Args:
         policy: an ActivationPolicy; keyword arguments override its fields, as for
-            compress_activations (`backend`, `recompute`, `compiled` and `compiled_fp32` do not
-            apply: inductor does the work and the op kinds are known).
+            compress_activations (`backend`, `compiled` and `compiled_fp32` do not apply:
+            inductor does the work and the op kinds are known; `recompute=False` saves what
+            would be recomputed, except parameter casts).
         cache: let inductor's on-disk caches serve graphs compiled before with the same policy.
             Off by default: on a cache hit the partitioner does not run, so `stats` and `report`
             would not describe that graph (its compiled code is right either way).
@@ -110,14 +118,7 @@ class CompiledActivations(CustomPartitionerFn):
     """
 
     def __init__(self, policy: ActivationPolicy | None = None, *, cache: bool = False, **overrides) -> None:
-        policy = policy if policy is not None else ActivationPolicy()
-        if not isinstance(policy, ActivationPolicy):
-            raise TypeError(f"policy must be an ActivationPolicy; got {type(policy).__name__}")
-        fields = {f.name for f in dataclasses.fields(ActivationPolicy)}
-        unknown = sorted(set(overrides) - fields)
-        if unknown:
-            raise TypeError(f"unknown option(s) {unknown}; ActivationPolicy fields are {sorted(fields)}")
-        self.policy = dataclasses.replace(policy, **overrides)
+        self.policy = ActivationPolicy.resolve(policy, overrides)
         self.cache = bool(cache)
         self.stats = ActivationStats()
         self.graphs = 0
@@ -279,9 +280,9 @@ class _Rewrite:
         out = {}
         for i, decision in decided.items():
             node = b.outputs[i]
-            if decision == _FROM_PARAMETER:
-                nodes, leaves = _pointwise_closure(node, self.parameters)
-                out[i] = _Recompute(node, i, nodes, leaves, from_parameter=True)
+            found = _pointwise_closure(node, self.parameters) if decision == _FROM_PARAMETER else None
+            if found is not None:  # (views and casts of a parameter: always found)
+                out[i] = _Recompute(node, i, *found, from_parameter=True)
         if not self.policy.recompute:
             return out
         saved = {b.outputs[i] for i in decided if i not in out}
@@ -301,14 +302,9 @@ class _Rewrite:
     def _kind(self, node: fx.Node) -> tuple[str, Granularity]:
         policy = self.policy
         if node.target is operator.getitem and getattr(node.args[0], "target", None) in _ATTENTION:
-            return (
-                ("attention_v_out", policy.attention_v_out)
-                if node.args[1] == 0
-                else (
-                    "attention statistics",
-                    Granularity.KEEP,
-                )
-            )
+            if node.args[1] == 0:  # the attention op's output; its other outputs are statistics
+                return "attention_v_out", policy.attention_v_out
+            return "attention statistics", Granularity.KEEP
         users = _users_through_views(node)
         for user, arg in users:
             if user.target in _ATTENTION:

@@ -36,17 +36,21 @@ class Boundary:
         saved = [i for i in self.positions() if is_tensor(self.outputs[i])]
         tensors = [p for p in bw.graph.find_nodes(op="placeholder") if is_tensor(p)]
         self.by_position = dict(zip(saved, tensors, strict=False))
-        names = [(self.outputs[i].name, p.name) for i, p in self.by_position.items()]
-        if len(tensors) < len(saved) or any(a != b for a, b in names):
-            raise LayoutError(f"saved tensors and backward inputs do not match: {names[:4]}...")
+        wrong = [
+            (self.outputs[i].name, p.name)
+            for i, p in self.by_position.items()
+            if self.outputs[i].name != p.name
+        ]
+        if len(tensors) < len(saved) or wrong:
+            raise LayoutError(
+                f"{len(saved)} saved tensors, {len(tensors)} backward tensor inputs; first mismatch "
+                f"(forward node, backward input): {wrong[:1]}"
+            )
         self.inputs = {self.outputs[i]: p for i, p in reversed(self.by_position.items())}
         self.anchor = self.by_position[saved[-1]] if saved else None  # (nothing to edit then)
         self.extra: list[fx.Node] = []  # forward nodes added to the saved tensors
         self.removed: set[int] = set()  # positions of saved tensors no longer saved
         self.index = {n: i for i, n in enumerate(bw.graph.nodes)}  # original backward order
-
-    def saved_nodes(self) -> list[fx.Node]:
-        return [n for n in self.outputs[self.first_saved :] if is_tensor(n)]
 
     def positions(self) -> range:
         return range(self.first_saved, len(self.outputs))

@@ -243,6 +243,18 @@ class ActivationPolicy:
     def granularity(self, kind: OpKind) -> Granularity:
         return getattr(self, kind.value)
 
+    @classmethod
+    def resolve(cls, policy: ActivationPolicy | None, overrides: dict) -> ActivationPolicy:
+        """`policy` (default: ActivationPolicy()) with keyword overrides, checked by name."""
+        policy = policy if policy is not None else cls()
+        if not isinstance(policy, cls):
+            raise TypeError(f"policy must be an ActivationPolicy; got {type(policy).__name__}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - fields)
+        if unknown:
+            raise TypeError(f"unknown option(s) {unknown}; ActivationPolicy fields are {sorted(fields)}")
+        return dataclasses.replace(policy, **overrides)
+
 
 KEPT_NOT_ACTIVATION = (
     "parameter or other leaf requiring grad",

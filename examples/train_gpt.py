@@ -62,6 +62,7 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[2])
     ap.add_argument("--optimizer", choices=["adamw", "compressed"], default="compressed")
     ap.add_argument("--compress-activations", action="store_true")
+    ap.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
     ap.add_argument(
         "--compiled-activations",
         action="store_true",
@@ -103,6 +104,9 @@ def train(args: argparse.Namespace, progress: bool = True) -> dict:
         fp8_graphs = coatstate.CompiledActivations()
         for block in model.blocks:
             block.compile(options=fp8_graphs.options)
+    elif getattr(args, "compile", False):
+        for block in model.blocks:
+            block.compile()
     stream = batches(stdlib_corpus(), args.batch, args.seq, args.seed)
     losses, times = [], []
     act_original = act_held = 0

@@ -194,3 +194,21 @@ def test_an_unrecognised_graph_layout_is_left_alone_with_a_warning(monkeypatch):
     ref.zero_grad()
     ref(x).sum().backward()
     torch.testing.assert_close(model.b.weight.grad, ref.b.weight.grad)
+
+
+def test_whole_model_as_one_graph():
+    """One graph for the whole GPT (embeddings, blocks, the checkpointed chunked loss): the codes
+    are made inside the forward and decoded next to their use, so unlike hooks around a compiled
+    call nothing waits until the graph returns; gradients stay as close as per block."""
+    cfg = ModelConfig(vocab=128, layers=2, dim=128, heads=4, seq=64, loss_chunks=2)
+    model = GPT(cfg)
+    idx = torch.randint(0, cfg.vocab, (4, cfg.seq))
+    _, ref = _grads(torch.compile(copy.deepcopy(model)), idx, idx, True)
+    torch._dynamo.reset()
+    fp8 = CompiledActivations(min_numel=1024)
+    _, got = _grads(torch.compile(copy.deepcopy(model), options=fp8.options), idx, idx, True)
+    worst = min(F.cosine_similarity(ref[n].flatten(), got[n].flatten(), dim=0).item() for n in ref)
+    print(f"\nwhole GPT as one graph: min cosine {worst:.6f}\n{fp8.stats.summary()}")
+    assert worst >= 0.999
+    assert fp8.stats.packed_by_kind.get("attention/group", 0) >= 2 * cfg.layers, fp8.report
+    assert fp8.stats.kept_reasons["policy keeps attention_v_out"] >= 1, fp8.report  # the outputs
