@@ -196,13 +196,13 @@ def test_an_unrecognised_graph_layout_is_left_alone_with_a_warning(monkeypatch):
     torch.testing.assert_close(model.b.weight.grad, ref.b.weight.grad)
 
 
-def test_whole_model_as_one_graph():
+def test_whole_model_as_one_graph(device="cpu"):
     """One graph for the whole GPT (embeddings, blocks, the checkpointed chunked loss): the codes
     are made inside the forward and decoded next to their use, so unlike hooks around a compiled
     call nothing waits until the graph returns; gradients stay as close as per block."""
     cfg = ModelConfig(vocab=128, layers=2, dim=128, heads=4, seq=64, loss_chunks=2)
-    model = GPT(cfg)
-    idx = torch.randint(0, cfg.vocab, (4, cfg.seq))
+    model = GPT(cfg).to(device)
+    idx = torch.randint(0, cfg.vocab, (4, cfg.seq), device=device)
     _, ref = _grads(torch.compile(copy.deepcopy(model)), idx, idx, True)
     torch._dynamo.reset()
     fp8 = CompiledActivations(min_numel=1024)
@@ -212,3 +212,47 @@ def test_whole_model_as_one_graph():
     assert worst >= 0.999
     assert fp8.stats.packed_by_kind.get("attention/group", 0) >= 2 * cfg.layers, fp8.report
     assert fp8.stats.kept_reasons["policy keeps attention_v_out"] >= 1, fp8.report  # the outputs
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_whole_model_as_one_graph_on_gpu():
+    test_whole_model_as_one_graph(device="cuda")
+
+
+def test_fsdp2_with_compiled_blocks():
+    """FSDP2 (2 ranks, gloo) with each block sharded and then compiled, torchtitan's recipe: the
+    partitioner sees the unsharded parameters as graph inputs; gradients match the same setup
+    without it."""
+    from test_distributed import _spawn
+
+    _spawn(_fsdp2_worker, 2)
+
+
+def _fsdp2_worker(rank, world_size, port):
+    import torch.distributed as dist
+    from test_distributed import _init
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = _init(rank, world_size, port)
+    cfg = ModelConfig(vocab=128, layers=2, dim=128, heads=4, seq=64, loss_chunks=1)
+    torch.manual_seed(0)
+    base = GPT(cfg)
+    idx = torch.randint(0, cfg.vocab, (2, cfg.seq), generator=torch.Generator().manual_seed(rank))
+    grads = []
+    for fp8 in (None, CompiledActivations(min_numel=1024)):
+        torch._dynamo.reset()
+        model = copy.deepcopy(base)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+            block.compile(options=fp8.options if fp8 else None)
+        fully_shard(model, mesh=mesh)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(idx, idx).backward()
+        grads.append({n: p.grad.full_tensor().float() for n, p in model.named_parameters()})
+    worst = min(
+        F.cosine_similarity(grads[0][n].flatten(), grads[1][n].flatten(), dim=0).item() for n in grads[0]
+    )
+    assert fp8.stats.packed >= 3 and fp8.stats.recomputed >= 2, fp8.report
+    assert worst >= 0.999, worst
+    dist.destroy_process_group()
