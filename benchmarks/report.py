@@ -212,7 +212,7 @@ def section_training_parity(data: dict, path: Path) -> str:
         f"{100 * data['bound']:.0f}% of the reference (torch.optim.AdamW; for CompiledActivations the same "
         "optimizer with its blocks compiled, uncompressed). Source: "
         f"`python benchmarks/training_parity.py{_parity_args(data)}` -> "
-        f"`benchmarks/results/{path.name}`.",
+        f"`benchmarks/results/{path.name}`." + (f" Note: {data['note']}." if data.get("note") else ""),
         "",
         _md_table(
             [
@@ -323,6 +323,8 @@ SECTIONS = {
     "training_parity": section_training_parity,
     "training_parity_seed1": section_training_parity,
     "training_parity_seed2": section_training_parity,
+    "training_parity_linear_tensor_seed1": section_training_parity,
+    "training_parity_linear_tensor_seed2": section_training_parity,
     "fsdp_train": section_fsdp_train,
     "fp8_linear_train": section_fp8_linear_train,
     "fp8_linear_train_graphs": section_fp8_linear_train,

@@ -34,6 +34,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import train_gpt  # noqa: E402 - the example's corpus, model and loop: one training code path
 from report import machine_meta, plot_loss_curves  # noqa: E402
 
+from coatstate.activation_policy import ActivationPolicy  # noqa: E402
+
 CONFIG = dict(layers=2, dim=256, seq=128, batch=16, lr=2e-3, steps=300, seed=0)
 """The parity model and run (also what benchmarks/checkpoint_io.py trains for its stdlib section)."""
 
@@ -129,6 +131,7 @@ def main(argv=None) -> int:
         "tail": args.tail,
         "bound": args.bound,
         "variants_arg": args.variants,
+        "activation_policy": repr(ActivationPolicy()),
         "wall_s": round(time.perf_counter() - started, 1),
         "variants": variants,
     }

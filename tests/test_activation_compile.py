@@ -93,22 +93,25 @@ class _TwoLinears(nn.Module):
         return self.b(self.a(x) * 1.5)
 
 
-@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
-def test_codes_are_the_eager_codecs(fmt, device="cpu"):
+@pytest.mark.parametrize("fmt,granularity", [("e4m3", "group"), ("e5m2", "group"), ("e4m3", "tensor")])
+def test_codes_are_the_eager_codecs(fmt, granularity, device="cpu"):
     """The second weight's gradient is dY^T @ decode(encode(h)): the traced codec gives the same
     bytes as coatstate.activation_policy's, so the gradient matches an eager computation."""
     model = _TwoLinears().to(device)
     x = torch.randn(8, 16, 64, device=device)
-    fp8 = CompiledActivations(min_numel=0, fmt=fmt)
+    fp8 = CompiledActivations(min_numel=0, fmt=fmt, linear=granularity)
     compiled = torch.compile(copy.deepcopy(model), options=fp8.options)
     compiled(x).square().sum().backward()
     h = model.a(x) * 1.5
-    codes, scale = codec.pack_tensor(h, fmt)
-    h_held = codec.unpack_tensor(codes, scale, h.dtype)
+    if granularity == "tensor":
+        h_held = codec.unpack_tensor(*codec.pack_tensor(h, fmt), h.dtype)
+    else:
+        rows = h.reshape(-1, 96)
+        h_held = codec.unpack_groups(*codec.pack_groups(rows, 16, fmt), 16, h.dtype).reshape(h.shape)
     dy = 2 * model.b(h)  # d(sum y^2)/dy, from the exact forward (the forward is not compressed)
     expected = dy.reshape(-1, 32).T @ h_held.reshape(-1, 96)
     got = compiled.b.weight.grad
-    assert fp8.stats.packed_by_kind == {"linear/tensor": 1}, fp8.report
+    assert fp8.stats.packed_by_kind == {f"linear/{granularity}": 1}, fp8.report
     assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5), (got - expected).abs().max()
     exact = dy.reshape(-1, 32).T @ h.reshape(-1, 96)
     assert not torch.allclose(got, exact, rtol=1e-6, atol=1e-6)  # it did go through FP8
@@ -117,7 +120,8 @@ def test_codes_are_the_eager_codecs(fmt, device="cpu"):
 @pytest.mark.gpu
 @requires_cuda
 def test_codes_are_the_eager_codecs_on_gpu():
-    test_codes_are_the_eager_codecs("e4m3", device="cuda")
+    test_codes_are_the_eager_codecs("e4m3", "group", device="cuda")
+    test_codes_are_the_eager_codecs("e4m3", "tensor", device="cuda")
 
 
 def test_parameters_inputs_and_small_tensors_are_kept():
@@ -168,7 +172,7 @@ def test_stats_are_filled_on_every_compile():
         torch._dynamo.reset()
         fp8 = CompiledActivations(min_numel=0)
         torch.compile(model, options=fp8.options)(x * 1.0).sum().backward()
-        assert fp8.stats.packed_by_kind == {"linear/tensor": 1}, fp8.report
+        assert fp8.stats.packed_by_kind == {"linear/group": 1}, fp8.report
 
 
 def test_an_unrecognised_graph_layout_is_left_alone_with_a_warning(monkeypatch):
