@@ -93,7 +93,8 @@ def section_activation_memory(data: dict, path: Path) -> str:
     arch = args.get("arch", "gpt")
     out = [
         f"## Activation memory, {'Llama-style' if arch == 'llama' else 'GPT-2-style'} model"
-        + (", the whole model compiled as one graph" if whole else ""),
+        + (", the whole model compiled as one graph" if whole else "")
+        + (" (linear inputs per group)" if path.stem.endswith("linear_group") else ""),
         f"{machine}, {date}. {shape}. Activation memory = peak minus parameters, gradients and optimizer "
         "state. Ratios are to the uncompressed step of the same mode (eager, or each block "
         "torch.compile'd for the `compiled:` rows); the last column is always to eager `none`. Host "
@@ -102,7 +103,7 @@ def section_activation_memory(data: dict, path: Path) -> str:
         "CompiledActivations` runs no hooks: its FP8 pack/unpack nodes are inside the compiled graphs. "
         f"Source: `python benchmarks/activation_memory.py{' --arch llama' if arch == 'llama' else ''} "
         f"--compiled{' model' if whole else ''}` -> "
-        f"`benchmarks/results/{path.name}`.",
+        f"`benchmarks/results/{path.name}`." + (f" Note: {data['note']}." if data.get("note") else ""),
         "",
         _md_table(
             "variant|activation GB|vs same mode|step ms|vs same mode|vs eager none|host fwd ms".split("|"),
@@ -318,13 +319,16 @@ SECTIONS = {
     "optimizer_cpu": section_optimizer_cpu,
     "activation_memory": section_activation_memory,
     "activation_memory_llama": section_activation_memory,
+    "activation_memory_linear_group": section_activation_memory,
+    "activation_memory_llama_linear_group": section_activation_memory,
     "activation_memory_whole_model_compile": section_activation_memory,
     "checkpoint_io": section_checkpoint_io,
     "training_parity": section_training_parity,
     "training_parity_seed1": section_training_parity,
     "training_parity_seed2": section_training_parity,
-    "training_parity_linear_tensor_seed1": section_training_parity,
-    "training_parity_linear_tensor_seed2": section_training_parity,
+    "training_parity_linear_group": section_training_parity,
+    "training_parity_linear_group_seed1": section_training_parity,
+    "training_parity_linear_group_seed2": section_training_parity,
     "fsdp_train": section_fsdp_train,
     "fp8_linear_train": section_fp8_linear_train,
     "fp8_linear_train_graphs": section_fp8_linear_train,

@@ -172,7 +172,7 @@ def test_stats_are_filled_on_every_compile():
         torch._dynamo.reset()
         fp8 = CompiledActivations(min_numel=0)
         torch.compile(model, options=fp8.options)(x * 1.0).sum().backward()
-        assert fp8.stats.packed_by_kind == {"linear/group": 1}, fp8.report
+        assert fp8.stats.packed_by_kind == {"linear/tensor": 1}, fp8.report
 
 
 def test_an_unrecognised_graph_layout_is_left_alone_with_a_warning(monkeypatch):
