@@ -10,8 +10,10 @@ same seed, initial weights and batches, under
   5. CompressedAdamW + CompiledActivations   (each block compiled, FP8 saves inside the graphs)
 Final loss = mean of the last --tail (20) steps' training losses; a variant passes when its final
 loss is within --bound (1%) of its reference's: AdamW's, and for 5 the same optimizer compiled
-without compression (compiling alone moves the loss of this small run by about as much). Prints
-the losses and relative differences, writes
+without compression (compiling alone moved this run's loss by -0.27/+0.22/-0.31% over seeds 0-2).
+The seed alone moves the final loss of two variants that differ only in rounding by about 1%, so
+one seed passes or fails by chance near the bound: run several (--seed N, --variants 2,3 for the
+optimizer and compress_activations only). Prints the losses and relative differences, writes
 benchmarks/results/training_parity.json and docs/img/training_parity.png (the curves). About 5
 minutes on 2 CPU cores. Exits 1 if a variant misses the bound.
 
@@ -71,7 +73,10 @@ def main(argv=None) -> int:
         ap.add_argument(f"--{key}", type=type(value), default=value)
     ap.add_argument("--tail", type=int, default=20, help="final loss = mean of this many last steps")
     ap.add_argument(
-        "--bound", type=float, default=0.01, help="pass: |final - AdamW final| / AdamW final <= this"
+        "--bound",
+        type=float,
+        default=0.01,
+        help="pass: |final - reference final| / reference final <= this",
     )
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument(
