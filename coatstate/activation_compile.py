@@ -410,9 +410,7 @@ def _is_pointwise(node: fx.Node) -> bool:
     target = node.target
     if target in _VIEWS:
         return True
-    if target is operator.getitem:
-        return getattr(node.args[0], "target", None) in _SPLITS
-    tags = getattr(target, "tags", ())
+    tags = getattr(target, "tags", ())  # (a split's pieces are not followed: splits have no tag)
     return torch.Tag.pointwise in tags and torch.Tag.nondeterministic_seeded not in tags
 
 
