@@ -45,7 +45,6 @@ from __future__ import annotations
 import dataclasses
 import operator
 import warnings
-from pathlib import Path
 
 import torch
 import torch.fx as fx
@@ -55,6 +54,7 @@ from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_
 from coatstate import activation_policy as codec
 from coatstate.activation_graph import Boundary, LayoutError, copy_nodes, inline, is_tensor
 from coatstate.activation_policy import ActivationPolicy, ActivationStats, Granularity, OpKind
+from coatstate.formats import fp8 as fp8_format
 
 __all__ = ["CompiledActivations"]
 
@@ -138,8 +138,7 @@ class CompiledActivations(CustomPartitionerFn):
     def uuid(self):
         """Inductor's cache key: this file, the codec it traces, and the policy. (Never None:
         inductor would then key the graph as if no partitioner were installed.)"""
-        files = (__file__, codec.__file__, str(Path(codec.__file__).parent / "formats" / "fp8.py"))
-        return (get_hash_for_files(tuple(f for f in files if Path(f).exists())), repr(self.policy))
+        return (get_hash_for_files((__file__, codec.__file__, fp8_format.__file__)), repr(self.policy))
 
     def __call__(self, gm: fx.GraphModule, joint_inputs, **kwargs) -> tuple[fx.GraphModule, fx.GraphModule]:
         kwargs.setdefault("compiler", "inductor")
