@@ -166,9 +166,8 @@ class _Pack:
 
 
 @dataclasses.dataclass
-class _Recompute:
+class _Recompute:  # (keyed by its position in the forward's outputs)
     node: fx.Node
-    position: int
     nodes: list[fx.Node]  # the forward nodes that compute it, in order
     leaves: set[fx.Node]  # what they read: saved tensors and parameters
     from_parameter: bool  # a view/cast of a parameter (not activation bytes)
@@ -281,7 +280,7 @@ class _Rewrite:
             node = b.outputs[i]
             found = _pointwise_closure(node, self.parameters) if decision == _FROM_PARAMETER else None
             if found is not None:  # (views and casts of a parameter: always found)
-                out[i] = _Recompute(node, i, *found, from_parameter=True)
+                out[i] = _Recompute(node, *found, from_parameter=True)
         if not self.policy.recompute:
             return out
         saved = {b.outputs[i] for i in decided if i not in out}
@@ -293,7 +292,7 @@ class _Rewrite:
                 continue
             found = _pointwise_closure(node, (saved - {node}) | self.parameters)
             if found is not None and found[1] - self.parameters:
-                out[i] = _Recompute(node, i, *found, from_parameter=False)
+                out[i] = _Recompute(node, *found, from_parameter=False)
                 saved.discard(node)
                 in_use |= found[1]
         return out
