@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from . import portable_math
 from .fp8 import FP8Format, round_to_fp8_grid
 
 EXPONENT_DENOMINATOR = 16
@@ -174,8 +175,8 @@ def quantize_groups(
     fp8_max = fmt.max
     if expand:
         mn = torch.where(mag > 0, mag, torch.inf).amin(dim=-1)
-        log_mx = torch.log2(mx)
-        log_range = log_mx - torch.log2(mn)  # log2(max/min), never overflows
+        log_mx = portable_math.log2(mx)
+        log_range = log_mx - portable_math.log2(mn)  # log2(max/min), never overflows
         k16 = torch.floor(
             torch.tensor(EXPONENT_DENOMINATOR * math.log2(fmt.expansion_range), dtype=torch.float32)
             / log_range
@@ -184,10 +185,10 @@ def quantize_groups(
         inv_k = EXPONENT_DENOMINATOR / k16
         k = k16 / EXPONENT_DENOMINATOR
         # a = mx / FP8_MAX**(1/k), taken in the log domain
-        scales = torch.exp2(log_mx - math.log2(fp8_max) * inv_k).clamp(min=MIN_SCALE)
+        scales = portable_math.exp2(log_mx - math.log2(fp8_max) * inv_k).clamp(min=MIN_SCALE)
         scales = torch.where(mx > 0, scales, 0.0)
-        log_scale = torch.log2(scales).unsqueeze(-1)
-        y = torch.exp2(k.unsqueeze(-1) * (torch.log2(mag) - log_scale))
+        log_scale = portable_math.log2(scales).unsqueeze(-1)
+        y = portable_math.exp2(k.unsqueeze(-1) * (portable_math.log2(mag) - log_scale))
         y = torch.where(mag > 0, y, 0.0).copysign(x)
         exponents = k16.to(torch.uint8)
     else:
@@ -214,8 +215,9 @@ def dequantize_groups(
         x = q * scales.unsqueeze(-1)
     else:
         inv_k = (EXPONENT_DENOMINATOR / exponents.float()).unsqueeze(-1)
-        log_scale = torch.log2(scales).unsqueeze(-1)
-        x = torch.exp2(torch.log2(q.abs()) * inv_k + log_scale).clamp(max=FLOAT32_MAX)
+        log_scale = portable_math.log2(scales).unsqueeze(-1)
+        log_q = _as_groups(portable_math.log2_of_fp8(codes2d), group_size)
+        x = portable_math.exp2(log_q * inv_k + log_scale).clamp(max=FLOAT32_MAX)
         x = torch.where(q != 0, x, 0.0).copysign(q)
     return x.reshape(rows, q.shape[1] * group_size)[:, :cols]
 
