@@ -21,7 +21,7 @@ variants interleaved in each round so machine load affects all alike):
 - compress (torch twin): the default policy on the pure-torch codec (the CPU path: its cost is
   the codec's dozen torch ops per tensor, not what the GPU path runs);
 - compress (kernel path, no launch): the default policy on the path CUDA runs (backend="triton"),
-  with the two methods of kernels.activation_pack._Launcher that reach the GPU (compile, launch)
+  with the two methods of kernels.activation._Launcher that reach the GPU (compile, launch)
   replaced by no-ops: every other host step of the GPU path runs (buffers, slots, argument
   specialization keys, bookkeeping). Its codes are garbage, so its backward computes garbage
   gradients, but the same host work.
@@ -53,7 +53,7 @@ from torch.overrides import TorchFunctionMode
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import GPT, ModelConfig  # noqa: E402
 
-from coatstate.activation_policy import KEEP_ALL  # noqa: E402
+from coatstate.activations import KEEP_ALL  # noqa: E402
 from coatstate.activations import compress_activations  # noqa: E402
 
 
@@ -81,8 +81,8 @@ def _parse() -> argparse.Namespace:
 
 @contextlib.contextmanager
 def _no_launch():
-    """The kernel path with the GPU calls of activation_pack._Launcher replaced by no-ops."""
-    from coatstate.kernels import activation_pack as K
+    """The kernel path with the GPU calls of kernels.activation._Launcher replaced by no-ops."""
+    from coatstate.kernels import activation as K
     from triton.compiler.compiler import CompiledKernel
 
     stub = object.__new__(CompiledKernel)  # a compiled kernel as far as the launcher's cache cares

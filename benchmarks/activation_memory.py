@@ -41,8 +41,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import MODELS, ModelConfig, add_shape_args  # noqa: E402
 
-from coatstate.activation_compile import CompiledActivations  # noqa: E402
-from coatstate.activation_policy import KEEP_ALL  # noqa: E402
+from coatstate.activations import CompiledActivations  # noqa: E402
+from coatstate.activations import KEEP_ALL  # noqa: E402
 from coatstate.activations import compress_activations  # noqa: E402
 
 
@@ -270,7 +270,7 @@ def main(argv=None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {"args": vars(args), "torch": torch.__version__, "rows": rows}
     if device == "cuda":
-        from coatstate.kernels import activation_pack
+        from coatstate.kernels import activation as activation_pack
 
         result["kernel_launch_mode"] = activation_pack._Launcher.mode
         result["gpu"] = torch.cuda.get_device_name()

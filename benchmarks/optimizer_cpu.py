@@ -1,6 +1,6 @@
 """python benchmarks/optimizer_cpu.py
 
-CPU step time of coatstate.CompressedAdamW (its pure-torch step, kernels/adamw_twin.py) against
+CPU step time of coatstate.CompressedAdamW (its pure-torch step, coatstate/optim/reference_step.py) against
 torch.optim.AdamW(foreach=True) and AdamW(foreach=False), on a GPT-shaped set of fp32 parameters
 (default 51.5M: vocab 50304, width 512, 8 layers, as benchmarks/optimizer_step.py builds them) with
 random fp32 gradients. Median of --steps timed steps after --warmup. A last row times
@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import torch
-from coatstate.kernels import adamw_twin
+from coatstate.optim import reference_step as adamw_twin
 
 import coatstate
 
@@ -30,7 +30,7 @@ from optimizer_step import gpt_shapes  # noqa: E402 - the GPT-shaped parameter s
 from report import machine_meta  # noqa: E402
 
 WHOLE = "coatstate CompressedAdamW (expansion on), whole-tensor twin"
-"""The CPU step as it was before it worked in cache-sized row blocks (kernels/adamw_twin.py)."""
+"""The CPU step as it was before it worked in cache-sized row blocks (coatstate/optim/reference_step.py)."""
 
 OPTIMIZERS = {
     "torch AdamW foreach=True": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True),
@@ -59,8 +59,8 @@ def time_optimizer(make, shapes, steps: int, warmup: int) -> dict:
     n = sum(p.numel() for p in params)
     timed = times[warmup:]
     return {
-        "state_bytes": coatstate.optimizer_state_bytes(opt),
-        "state_bytes_per_param": coatstate.optimizer_state_bytes(opt) / n,
+        "state_bytes": coatstate.optim.optimizer_state_bytes(opt),
+        "state_bytes_per_param": coatstate.optim.optimizer_state_bytes(opt) / n,
         "step_ms": 1e3 * statistics.median(timed),
         "step_ms_min": 1e3 * min(timed),
         "first_step_ms": 1e3 * times[0],

@@ -174,7 +174,7 @@ def run_one(name, factory, shapes, dtype, steps, warmup, device):
     pipelined = a.elapsed_time(b) / steps
     peak_extra = torch.cuda.max_memory_allocated() - base
     n = sum(p.numel() for p in params)
-    sb = coatstate.optimizer_state_bytes(opt)
+    sb = coatstate.optim.optimizer_state_bytes(opt)
     n_comp = sum(p.numel() for p in params if p.dim() >= 2 and p.numel() >= 4096)
     result = dict(
         name=name,

@@ -35,8 +35,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import GPT, ModelConfig, add_shape_args  # noqa: E402
 
-from coatstate import CompressedAdamW, optimizer_state_bytes  # noqa: E402
-from coatstate.activation_policy import KEEP_ALL  # noqa: E402
+from coatstate import CompressedAdamW  # noqa: E402
+from coatstate.optim import optimizer_state_bytes  # noqa: E402
+from coatstate.activations import KEEP_ALL  # noqa: E402
 from coatstate.activations import compress_activations  # noqa: E402
 from coatstate.planner import Variant, plan, spec_from_factory  # noqa: E402
 

@@ -303,7 +303,7 @@ def measure(setup: str, cfg: LlamaConfig, args, mesh, device) -> dict:
     res = {"params": trainer.params, "notes": trainer.notes}
     res["batch"] = _per_gpu(trainer.run(args.batch, args.warmup, args.steps))
     if setup == "coatstate":  # after a forward: FP8Linear also falls back at run time (and says why)
-        res["notes"]["fp8_fallbacks"] = coatstate.fp8_fallbacks(trainer.model)
+        res["notes"]["fp8_fallbacks"] = coatstate.nn.fp8_fallbacks(trainer.model)
     _log(f"{setup:14s} batch {args.batch:3d}: {_summary(res['batch'])}")
     deadline = time.perf_counter() + args.budget_s
     best, probes, cut = largest_batch(

@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import train_gpt  # noqa: E402 - the example's corpus, model and loop: one training code path
 from report import machine_meta, plot_loss_curves  # noqa: E402
 
-from coatstate.activation_policy import ActivationPolicy  # noqa: E402
+from coatstate.activations import ActivationPolicy  # noqa: E402
 
 CONFIG = dict(layers=2, dim=256, seq=128, batch=16, lr=2e-3, steps=300, seed=0)
 """The parity model and run (also what benchmarks/checkpoint_io.py trains for its stdlib section)."""

@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 import coatstate
-from coatstate.activation_policy import KEEP_ALL
+from coatstate.activations import KEEP_ALL
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from models import GPT, ModelConfig  # noqa: E402 - the shared model definitions
@@ -146,7 +146,7 @@ def train(args: argparse.Namespace, progress: bool = True) -> dict:
         compress_activations=args.compress_activations or fp8_graphs is not None,
         params=sum(p.numel() for p in model.parameters()),
         final_loss=sum(tail) / max(1, len(tail)),
-        state_bytes=coatstate.optimizer_state_bytes(opt),
+        state_bytes=coatstate.optim.optimizer_state_bytes(opt),
         activation_bytes_saved=act_original,
         activation_bytes_held=act_held,
         step_ms=1e3 * sorted(timed)[len(timed) // 2] if timed else float("nan"),

@@ -65,11 +65,12 @@ class FP8Format(str, enum.Enum):
 
 _BY_NAME = {f.value: f for f in FP8Format}
 
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""The floating-point dtypes every codec takes (and parameters may have)."""
+
 
 def round_to_fp8_grid(y: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
     """Round float32 `y` to the nearest FP8 value (ties to even), saturating at +-FP8_MAX; NaN
     stays NaN and -0.0 stays -0.0. The result is exactly representable, so `.to(fmt.dtype)` is an
-    exact cast. (Same bits as rounding with float32 bit arithmetic, in one pass: 32 -> 7 ns per
-    element on a 16M-element tensor; inside the row-blocked CPU step, where the temporaries stay in
-    cache, the step is about as fast either way: 62 vs 61 ns per parameter.)"""
+    exact cast (the same bits as rounding with float32 bit arithmetic, in one pass)."""
     return y.float().clamp(-fmt.max, fmt.max).to(fmt.dtype).float()

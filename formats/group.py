@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from . import portable_math
-from .fp8 import FP8Format, round_to_fp8_grid
+from .fp8 import FLOAT_DTYPES, FP8Format, round_to_fp8_grid
 
 EXPONENT_DENOMINATOR = 16
 """k is stored as the integer 16 * k."""
@@ -35,7 +35,6 @@ relative precision (its absolute error stays below 2**-130), never produces Inf 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 """Dequantized magnitudes are clamped here: scale * FP8_MAX may round past float32's range."""
 
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def group_layout(shape: torch.Size | tuple[int, ...], group_size: int) -> tuple[int, int, int]:
@@ -237,7 +236,7 @@ def quantize(
 ) -> GroupQuantized:
     """Compress a float32/bfloat16/float16 tensor into the FP8 group format (pure torch)."""
     fmt = FP8Format.parse(fmt)
-    if x.dtype not in _FLOAT_DTYPES:
+    if x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"quantize takes float32, bfloat16 or float16 tensors; got {x.dtype}")
     if not isinstance(group_size, int) or group_size < 1:
         raise ValueError(f"group_size must be a positive int; got {group_size!r}")

@@ -1,8 +1,8 @@
-"""FP8 codecs for saved activations: one scale per tensor, or one per group of 16 along rows.
+"""FP8Linear's GEMM operands: FP8 with one float32 scale per tensor (torch._scaled_mm's input).
 
-The pure-torch twins of kernels/activation_pack.py; they are the CPU path and the oracle.
+The pure-torch twin of coatstate.kernels.tensorwise: the CPU path and the oracle.
 
-Per-tensor (COAT's scaling of linear-layer inputs): amax = max|x| taken in two stages, first one
+amax = max|x| taken in two stages, first one
 maximum per block of `AMAX_BLOCK` consecutive elements (the flat order), then the maximum of
 those. A maximum is exact, so the two-stage order gives the same amax as any other order; it is
 spelled out here because the kernel does it that way. Then, in float32:
@@ -11,16 +11,11 @@ spelled out here because the kernel does it that way. Then, in float32:
     inv = 1 / s                           (0 when s == 0)
     q = fp8(round_to_fp8_grid(x * inv))
 
-Per-group along rows (COAT's scaling of norm and activation-function inputs): the tensor is
-viewed as rows of `row_length` elements (for activations the LAST dim, see `row_view`) and each
-row is cut into groups of `group_size`; formats.group.quantize_groups does the work with
-expansion off, so the scales are float32 of shape (rows, groups_per_row).
-
 Every division is a correctly rounded float32 division and the rounding onto the FP8 grid is
 done in float32 before the cast, so the Triton kernels (which use `div_rn` and the same
 rounding) agree with these functions bit for bit, also in Triton's interpreter.
 
-Non-finite inputs are not checked (that would cost a device sync per saved tensor): a NaN or
+Non-finite inputs are not checked (that would cost a device sync per GEMM): a NaN or
 Inf gives NaN after the round trip, so it shows up in the gradients instead of being hidden.
 """
 
@@ -29,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from .fp8 import FP8Format, round_to_fp8_grid
-from .group import MIN_SCALE, dequantize_groups, quantize_groups
+from .group import MIN_SCALE
 
 AMAX_BLOCK = 4096
 """Elements per first-stage block of the two-stage per-tensor maximum (the kernel's block)."""
@@ -73,35 +68,3 @@ def quantize_tensorwise(
 def dequantize_tensorwise(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """codes.float() * scale, cast to `dtype`."""
     return (codes.float() * scale).to(dtype)
-
-
-def row_view(x: torch.Tensor) -> torch.Tensor:
-    """x as (rows, row_length) with rows over the LAST dim (a 0-d or 1-d tensor is one row).
-
-    Activations are grouped along their last (feature) dim, as COAT does: a group of 16 never
-    mixes two tokens. (The optimizer's layout in formats.group uses rows = dim 0 instead.)
-    """
-    if x.dim() == 0:
-        return x.reshape(1, 1)
-    return x.reshape(-1, x.shape[-1])
-
-
-def quantize_lastdim_groups(
-    x: torch.Tensor, group_size: int = 16, fmt: FP8Format | str = "e4m3"
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes in x's shape, float32 scales (rows, groups_per_row)), grouped along the last dim."""
-    fmt = FP8Format.parse(fmt)
-    if not x.is_floating_point():
-        raise TypeError(f"quantize_lastdim_groups takes a floating-point tensor; got {x.dtype}")
-    if not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"group_size must be a positive int; got {group_size!r}")
-    codes, scales, _ = quantize_groups(row_view(x).float(), group_size, fmt, expand=False)
-    return codes.reshape(x.shape), scales
-
-
-def dequantize_lastdim_groups(
-    codes: torch.Tensor, scales: torch.Tensor, group_size: int, dtype: torch.dtype
-) -> torch.Tensor:
-    """The inverse of quantize_lastdim_groups, cast to `dtype`."""
-    out = dequantize_groups(row_view(codes), scales, None, group_size)
-    return out.reshape(codes.shape).to(dtype)

@@ -7,7 +7,7 @@ that shares dtypes and formats: a table of addresses says where each tensor live
 blocks says which groups of which tensor each program takes. Nothing synchronises with the host:
 lr, the step counts, GradScaler's scale and found_inf are read on the device.
 
-Host side (plans, launches, the custom op): kernels/adamw_launch.py. Twin: kernels/adamw_twin.py
+Host side (plans, launches, the custom op): kernels/adamw_launch.py. Twin: coatstate.optim.reference_step
 (adamw_step_reference), the CPU path and the oracle.
 Bytes moved per element with fp32 p and g: p 4+4, g 4, codes 1+1 per moment, scales ~5/128 per
 moment: about 16.1 bytes, so the floor is numel * 16.1 / copy bandwidth.
@@ -19,15 +19,17 @@ import triton
 import triton.language as tl
 
 from ..formats.fp8 import FP8Format
-from .adamw_twin import MomentFormat
+from ..formats.optimizer_state import MomentFormat
 from .fp8_triton import encode_store, fast_divide, fp8_constants, group_offsets, load_decode
 
 # columns of the address table
-P, G, M_CODES, M_SCALES, M_EXPS, V_CODES, V_SCALES, V_EXPS, X_CODES, X_SCALES, X_EXPS, STEP = range(12)
-NPTR = 12
+P, G, M_CODES, M_SCALES, M_EXPS, V_CODES, V_SCALES, V_EXPS, X_CODES, X_SCALES, X_EXPS, STEP, C = range(13)
+NPTR = 13
+META = 4
+"""per tensor: columns, groups per row, groups, the seed of master_bits=16's rounding"""
 GROUPS_PER_PROGRAM = 8
 NUM_WARPS = 4
-DATA_COLUMNS = (P, G, M_CODES, V_CODES, X_CODES)
+DATA_COLUMNS = (P, G, M_CODES, V_CODES, X_CODES, C)
 """columns holding element offsets from the launch's base tensor; the others hold addresses"""
 
 
@@ -113,12 +115,70 @@ def _store_moment(
 
 
 @triton.jit
+def _correction_scale(high):
+    """s = ulp(w) / 256 of bfloat16 bit patterns `high` (int32), as formats.master_weights."""
+    field = tl.maximum((high >> 7) & 0xFF, 16)
+    return ((field - 15) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mix32(h):
+    """murmur3's finalizer on uint32 (wrapping), as formats.master_weights._mix32."""
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B).to(tl.uint32)
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35).to(tl.uint32)
+    return h ^ (h >> 16)
+
+
+@triton.jit
+def _load_master(p_raw, c_ptrs, mask, MASTER: tl.constexpr):
+    """The float32 master of bfloat16 weights `p_raw` and their corrections (formats.master_weights)."""
+    if MASTER == 32:
+        high = p_raw.to(tl.int16, bitcast=True).to(tl.int32)
+        rem = tl.load(c_ptrs, mask=mask, other=0).to(tl.int32)
+        x = ((high << 16) + rem).to(tl.float32, bitcast=True)
+        return tl.where(p_raw != p_raw, p_raw.to(tl.float32), x)
+    elif MASTER == 24:
+        high = p_raw.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        c = tl.load(c_ptrs, mask=mask, other=0).to(tl.float32)
+        return p_raw.to(tl.float32) + c * _correction_scale(high)
+    else:
+        return p_raw.to(tl.float32)
+
+
+@triton.jit
+def _store_master(p, p_ptrs, c_ptrs, mask, offs, seed, step, MASTER: tl.constexpr):
+    """Write float32 masters `p` as bfloat16 weights (+ corrections), as formats.master_weights."""
+    bits = p.to(tl.int32, bitcast=True)
+    if MASTER == 32:
+        high = (bits + 0x8000) >> 16  # to nearest, ties away from zero
+        tl.store(c_ptrs, (bits - (high << 16)).to(tl.int16), mask=mask)
+    elif MASTER == 24:
+        high = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # to nearest, ties to even
+        w = (high << 16).to(tl.float32, bitcast=True)
+        inv_s = ((269 - tl.maximum((high >> 7) & 0xFF, 16)) << 23).to(tl.float32, bitcast=True)
+        c = (p - w) * inv_s  # exact: a difference of neighbours times a power of two
+        c = (c + 12582912.0) - 12582912.0  # to nearest integer, ties to even
+        c = tl.minimum(tl.maximum(c, -128.0), 127.0)
+        tl.store(c_ptrs, tl.where(c == c, c, 0.0).to(tl.int8), mask=mask)
+    else:
+        key = _mix32((seed + (step.to(tl.int32).to(tl.uint32) * 0x632BE5AB).to(tl.uint32)).to(tl.uint32))
+        r = _mix32((offs.to(tl.uint32) * 0x85EBCA77).to(tl.uint32) ^ key) & 0xFFFF
+        high = (bits.to(tl.uint32, bitcast=True) + r) >> 16
+        high = high.to(tl.int32, bitcast=True)
+    w = (high << 16).to(tl.float32, bitcast=True).to(tl.bfloat16)  # exact: the low bits are zero
+    tl.store(p_ptrs, tl.where(p != p, p.to(tl.bfloat16), w), mask=mask)
+
+
+@triton.jit
 def _adamw_kernel(
     p_base,
     g_base,
     m_base,
     v_base,
     x_base,
+    c_base,
     table_ptr,
     meta_ptr,
     blocks_ptr,
@@ -149,6 +209,7 @@ def _adamw_kernel(
     V_LOG2_MAX: tl.constexpr,
     V_KNUM: tl.constexpr,
     V_E4M3: tl.constexpr,
+    MASTER: tl.constexpr,
 ):
     if HAS_INF:
         if tl.load(found_inf_ptr) != 0:
@@ -156,10 +217,10 @@ def _adamw_kernel(
     pid = tl.program_id(0)
     t = tl.load(blocks_ptr + 2 * pid).to(tl.int64)
     local_block = tl.load(blocks_ptr + 2 * pid + 1)
-    row_ptr = table_ptr + t * 12
-    cols = tl.load(meta_ptr + 3 * t)
-    groups_per_row = tl.load(meta_ptr + 3 * t + 1)
-    n_groups = tl.load(meta_ptr + 3 * t + 2)
+    row_ptr = table_ptr + t * 13
+    cols = tl.load(meta_ptr + 4 * t)
+    groups_per_row = tl.load(meta_ptr + 4 * t + 1)
+    n_groups = tl.load(meta_ptr + 4 * t + 2)
 
     gid = local_block.to(tl.int64) * GPP + tl.arange(0, GPP)
     gmask = gid < n_groups
@@ -175,7 +236,12 @@ def _adamw_kernel(
     inv_bc2_sqrt = tl.load(scalars_ptr + 2 * t + 1)
 
     p_ptrs = _data(p_base, row_ptr, 0, offs)
-    p = tl.load(p_ptrs, mask=mask, other=0.0).to(tl.float32)
+    if MASTER > 0:
+        c_ptrs = _data(c_base, row_ptr, 12, offs)
+        p = _load_master(tl.load(p_ptrs, mask=mask, other=0.0), c_ptrs, mask, MASTER)
+    else:
+        c_ptrs = p_ptrs
+        p = tl.load(p_ptrs, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(_data(g_base, row_ptr, 1, offs), mask=mask, other=0.0).to(tl.float32)
     if HAS_SCALE:
         g = g * tl.load(grad_scale_ptr)
@@ -198,7 +264,12 @@ def _adamw_kernel(
         denom = tl.sqrt(v) * inv_bc2_sqrt + eps
     p = p - step_size * fast_divide(m, denom)  # approximate division: 2 ulp
 
-    tl.store(p_ptrs, p.to(p_base.dtype.element_ty), mask=mask)
+    if MASTER > 0:
+        seed = tl.load(meta_ptr + 4 * t + 3).to(tl.uint32)
+        step = tl.load(tl.load(row_ptr + 11).to(tl.pointer_type(tl.float32)))
+        _store_master(p, p_ptrs, c_ptrs, mask, offs, seed, step, MASTER)
+    else:
+        tl.store(p_ptrs, p.to(p_base.dtype.element_ty), mask=mask)
     _store_moment(
         m,
         m_base,

@@ -18,9 +18,19 @@ import triton
 
 from ..formats.fp8 import FP8Format
 from ..formats.group import group_layout
+from ..formats.optimizer_state import (
+    CODES,
+    DEFAULT_GROUP_SIZE,
+    EXPONENTS,
+    MASTER_CORRECTION,
+    MOMENTS,
+    SCALES,
+    MomentFormat,
+    is_compressed,
+    state_keys,
+)
 from . import adamw_fused as kernel
-from .adamw_fused import M_CODES, NPTR, STEP, V_CODES, X_CODES, G, P, _adamw_kernel, _constants
-from .adamw_twin import MomentFormat
+from .adamw_fused import META, M_CODES, NPTR, STEP, V_CODES, X_CODES, C, G, P, _adamw_kernel, _constants
 
 
 def usable(device: torch.device) -> bool:
@@ -43,29 +53,33 @@ def available() -> bool:
 class _Plan:
     """Everything about a launch that stays fixed from step to step (rebuilt when params/states change)."""
 
-    def __init__(self, params, states, group_size, device):
+    def __init__(self, params, states, group_size, device, seeds=None):
         self.gpp = kernel.GROUPS_PER_PROGRAM
         n = len(params)
         table = torch.zeros((n, NPTR), dtype=torch.int64)
         self.bases = {P: params[0]}
-        meta = torch.zeros((n, 3), dtype=torch.int64)
+        meta = torch.zeros((n, META), dtype=torch.int64)
         blocks = []
         for i, (p, s) in enumerate(zip(params, states, strict=True)):
             table[i, P] = _offset(p, self.bases[P])
-            for col, name in ((M_CODES, "exp_avg"), (V_CODES, "exp_avg_sq"), (X_CODES, "max_exp_avg_sq")):
-                data = s.get(f"{name}_codes", s.get(name))
+            for col, name in zip((M_CODES, V_CODES, X_CODES), MOMENTS, strict=True):
+                data = s.get(name + CODES, s.get(name))
                 if data is None:
                     continue
                 self.bases.setdefault(col, data)
                 table[i, col] = _offset(data, self.bases[col])
-                if f"{name}_codes" in s:
-                    table[i, col + 1] = s[f"{name}_scales"].data_ptr()
-                    if f"{name}_exponents" in s:
-                        table[i, col + 2] = s[f"{name}_exponents"].data_ptr()
+                if is_compressed(s, name):
+                    table[i, col + 1] = s[name + SCALES].data_ptr()
+                    if name + EXPONENTS in s:
+                        table[i, col + 2] = s[name + EXPONENTS].data_ptr()
             table[i, STEP] = s["step"].data_ptr()
+            if MASTER_CORRECTION in s:
+                self.bases.setdefault(C, s[MASTER_CORRECTION])
+                table[i, C] = _offset(s[MASTER_CORRECTION], self.bases[C])
             rows, cols, gpr = group_layout(p.shape, group_size)
             n_groups = rows * gpr if p.numel() else 0
-            meta[i] = torch.tensor([cols, gpr, n_groups])
+            seed = 0 if seeds is None else (seeds[i] * 0x9E3779B1) & 0xFFFFFFFF  # as master_weights.random_bits
+            meta[i] = torch.tensor([cols, gpr, n_groups, seed])
             nb = triton.cdiv(n_groups, self.gpp)
             blocks.append(
                 torch.stack([torch.full((nb,), i, dtype=torch.int32), torch.arange(nb, dtype=torch.int32)], 1)
@@ -78,6 +92,8 @@ class _Plan:
         self.steps = [s["step"] for s in states]
         self.params = list(params)
         self._constants: dict | None = None
+        self.master_bits: int | None = None
+        """the bfloat16 parameters' master-weight mode; set by the owner of the plan"""
         self.nonfinite: torch.Tensor | None = None
         """per tensor: how many moment values came out NaN/Inf (counted on the device; the caller's)"""
 
@@ -126,10 +142,13 @@ class Launch:
     formats, with their states and the launch plan (address tables). Built by `prepare` when the
     parameter set changes, then reused every step while parameters and states stay in place."""
 
-    def __init__(self, index, params, grads, states, fm, fv, group_size) -> None:
+    def __init__(self, index, params, grads, states, fm, fv, group_size, master_bits=None, seeds=None) -> None:
         self.index = index
         """positions of these parameters in the caller's list"""
         self.params, self.states, self.fm, self.fv = params, states, fm, fv
+        self.master_bits = master_bits
+        """the bfloat16 parameters' master-weight mode (formats.master_weights), or None"""
+        self.seeds = list(seeds) if seeds is not None else [0] * len(params)
         self.group_size = fm.group_size if fm is not None else group_size
         if self.group_size & (self.group_size - 1):
             raise ValueError(
@@ -139,31 +158,33 @@ class Launch:
         self.addresses = [p.data_ptr() for p in params]
         self.nonfinite = torch.zeros(len(params), dtype=torch.int32, device=params[0].device)
         """per parameter: how many moment values came out NaN/Inf (read by nonfinite_parameters)"""
-        self.plan = _Plan(params, states, self.group_size, params[0].device)
+        self.plan = _Plan(params, states, self.group_size, params[0].device, self.seeds)
         self.plan.nonfinite = self.nonfinite
+        self.plan.master_bits = master_bits
         self.steps = [s["step"] for s in states]
-        names = MOMENT_COLUMNS[
-            : 3 if "max_exp_avg_sq" in states[0] or "max_exp_avg_sq_codes" in states[0] else 2
-        ]
-        self.flat = [s[key] for s in states for name in names for key in _state_keys(name, fm, fv)]
-        """the states flattened for the custom op (per parameter and moment: codes, scales[, exponents])"""
+        names = MOMENTS[: 3 if "max_exp_avg_sq" in states[0] or is_compressed(states[0], "max_exp_avg_sq") else 2]
+        extra = (MASTER_CORRECTION,) if master_bits in (32, 24) else ()
+        self.flat = [s[key] for s in states for key in [k for n in names for k in _state_keys(n, fm, fv)] + list(extra)]
+        """the states flattened for the custom op (per parameter: each moment's codes, scales[,
+        exponents] or float32 tensor, then the master correction where there is one)"""
 
 
 def _state_keys(name: str, fm: MomentFormat | None, fv: MomentFormat | None) -> tuple[str, ...]:
     """A moment's state keys in the op's flattened order (exp_avg in format fm, the others in fv)."""
-    f = fm if name == "exp_avg" else fv
-    if f is None:
-        return (name,)
-    return (f"{name}_codes", f"{name}_scales") + ((f"{name}_exponents",) if f.expand else ())
+    return state_keys(name, fm if name == "exp_avg" else fv)
 
 
-def prepare(group: dict, params: list, grads: list, states: list, formats: list) -> list[Launch]:
+def prepare(
+    group: dict, params: list, grads: list, states: list, formats: list, masters=None, seeds=None
+) -> list[Launch]:
     """The launches for local CUDA tensors `params` of one param group (their grads give the
-    gradient dtypes), with their `states` and moment formats (decided by the caller from the
-    global shapes): one per (dtypes, formats)."""
+    gradient dtypes), with their `states`, moment formats (decided by the caller from the global
+    shapes), master-weight modes and rounding seeds: one launch per (dtypes, formats, mode)."""
+    masters = masters if masters is not None else [None] * len(params)
+    seeds = seeds if seeds is not None else [0] * len(params)
     by_key: dict[tuple, list[int]] = {}
-    for i, (p, g, f) in enumerate(zip(params, grads, formats, strict=True)):
-        by_key.setdefault((p.dtype, g.dtype, p.device, f["exp_avg"], f["exp_avg_sq"]), []).append(i)
+    for i, (p, g, f, m) in enumerate(zip(params, grads, formats, masters, strict=True)):
+        by_key.setdefault((p.dtype, g.dtype, p.device, f["exp_avg"], f["exp_avg_sq"], m), []).append(i)
     return [
         Launch(
             idx,
@@ -172,9 +193,11 @@ def prepare(group: dict, params: list, grads: list, states: list, formats: list)
             [states[i] for i in idx],
             fm,
             fv,
-            group.get("group_size", 128),
+            group.get("group_size", DEFAULT_GROUP_SIZE),
+            master,
+            [seeds[i] for i in idx],
         )
-        for (_, _, _, fm, fv), idx in by_key.items()
+        for (_, _, _, fm, fv, master), idx in by_key.items()
     ]
 
 
@@ -213,14 +236,13 @@ def run(launches: list[Launch], group: dict, grads: list, grad_scale, found_inf)
                 launch.group_size,
                 grad_scale,
                 found_inf,
+                launch.master_bits or 0,
+                launch.seeds,
             )
         else:  # eager: straight to the kernel (the dispatcher would bump the version counter of
             # every mutated state tensor, about 1 ms per step for a 300-tensor model)
             _execute(launch.plan, group, gs, launch.fm, launch.fv, launch.group_size, grad_scale, found_inf)
     return True
-
-
-MOMENT_COLUMNS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 
 def _format_spec(f: MomentFormat | None) -> str:
@@ -254,14 +276,17 @@ def _fused_adamw_impl(
     group_size: int,
     grad_scale: torch.Tensor | None,
     found_inf: torch.Tensor | None,
+    master_bits: int = 0,
+    seeds: list[int] | None = None,
 ) -> None:
     """The fused CompressedAdamW step as a torch custom op (so torch.compile and fake tensors trace
     through it): params, the flattened moment tensors (per parameter: codes, scales[, exponents]
     per moment, or the float32 moment), the step counts and the non-finite counters are updated
     in place. All parameters share dtypes and formats."""
     fm, fv = _parse_spec(exp_avg_format), _parse_spec(exp_avg_sq_format)
-    names = MOMENT_COLUMNS if amsgrad else MOMENT_COLUMNS[:2]
+    names = MOMENTS if amsgrad else MOMENTS[:2]
     keys = [key for name in names for key in _state_keys(name, fm, fv)]
+    keys += [MASTER_CORRECTION] if master_bits in (32, 24) else []
     if len(states) != len(keys) * len(params) or len(steps) != len(params):
         raise ValueError(
             f"fused_adamw_: expected {len(keys)} state tensors ({', '.join(keys)}) and one step per "
@@ -287,8 +312,9 @@ def _fused_adamw_impl(
     if plan is None:
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.pop(next(iter(_PLANS)))
-        plan = _PLANS[key] = _Plan(params, state_dicts, group_size, params[0].device)
+        plan = _PLANS[key] = _Plan(params, state_dicts, group_size, params[0].device, seeds)
         plan.nonfinite = nonfinite
+        plan.master_bits = master_bits or None
     _execute(plan, group, grads, fm, fv, group_size, grad_scale, found_inf)
 
 
@@ -317,6 +343,8 @@ def _(
     group_size,
     grad_scale,
     found_inf,
+    master_bits=0,
+    seeds=None,
 ) -> None:
     return None
 
@@ -361,6 +389,7 @@ def _execute(plan: _Plan, group: dict, grads: list, fm, fv, group_size: int, gra
                 if compressed
                 else bases.get(X_CODES, bases[M_CODES])
             ),
+            bases.get(C, bases[P]),
             table,
             plan.meta,
             plan.blocks,
@@ -377,6 +406,7 @@ def _execute(plan: _Plan, group: dict, grads: list, fm, fv, group_size: int, gra
             HAS_INF=found_inf is not None,
             GROUP=group_size,
             GPP=plan.gpp,
+            MASTER=plan.master_bits or 0,
             num_warps=kernel.NUM_WARPS,
             **plan.constants(fm, fv),
         )

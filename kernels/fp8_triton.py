@@ -13,12 +13,13 @@ from __future__ import annotations
 import math
 import os
 
+import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
 from ..formats import group as _group
-from ..formats.fp8 import FP8Format
+from ..formats.fp8 import FLOAT_DTYPES, FP8Format
 
 # module constants must be constexpr to be read inside @triton.jit functions
 EXPONENT_DENOMINATOR = tl.constexpr(_group.EXPONENT_DENOMINATOR)
@@ -47,6 +48,21 @@ def fast_divide(a, b):
         return libdevice.fast_dividef(a, b)
     else:
         return tl.math.fdiv(a, b)
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) on the host (triton.cdiv is a constexpr function: microseconds per call)."""
+    return -(-a // b)
+
+
+def check_float_input(name: str, x: torch.Tensor) -> None:
+    """Host-side check shared by the launchers: a contiguous float32/bfloat16/float16 tensor."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float32, bfloat16 or float16; got {x.dtype}")
+    if not x.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (call .contiguous() first); got strides {x.stride()}")
 
 
 def fp8_constants(fmt: FP8Format) -> dict:
@@ -105,7 +121,7 @@ def to_fp8_bits(y, FP8_MAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexp
     """float32 -> FP8 code as uint8. On the GPU the conversion instruction itself rounds to
     nearest even and saturates (cvt.rn.satfinite: NaN stays NaN, +-Inf -> +-max), which is
     exactly formats.round_to_fp8_grid and saves ~16 integer ops per element; the interpreter's
-    conversion does not round that way (../shared/NOTES.md), so there the grid is rounded first."""
+    conversion truncates instead (checked against torch's cast), so there the grid is rounded first."""
     if FAST_MATH:
         r = y
     else:

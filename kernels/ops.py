@@ -18,7 +18,8 @@ import torch
 from ..formats import group as _twin
 from ..formats.fp8 import FP8Format
 from ..formats.group import GroupQuantized, group_layout
-from . import adamw_launch, codec
+from . import adamw_launch
+from . import group as codec
 
 fused_adamw_ = adamw_launch.fused_adamw_
 

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from conftest import requires_cuda
 from torch import nn
 
-from coatstate import activation_policy as codec
-from coatstate.activation_compile import CompiledActivations
+from coatstate.formats import activation as codec
+from coatstate.activations.compiled import CompiledActivations
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from models import GPT, Llama, ModelConfig  # noqa: E402
@@ -96,7 +96,7 @@ class _TwoLinears(nn.Module):
 @pytest.mark.parametrize("fmt,granularity", [("e4m3", "group"), ("e5m2", "group"), ("e4m3", "tensor")])
 def test_codes_are_the_eager_codecs(fmt, granularity, device="cpu"):
     """The second weight's gradient is dY^T @ decode(encode(h)): the traced codec gives the same
-    bytes as coatstate.activation_policy's, so the gradient matches an eager computation."""
+    bytes as coatstate.formats.activation's, so the gradient matches an eager computation."""
     model = _TwoLinears().to(device)
     x = torch.randn(8, 16, 64, device=device)
     fp8 = CompiledActivations(min_numel=0, fmt=fmt, linear=granularity)
@@ -178,7 +178,7 @@ def test_stats_are_filled_on_every_compile():
 def test_an_unrecognised_graph_layout_is_left_alone_with_a_warning(monkeypatch):
     """If the backward's inputs do not line up with the forward's saved tensors, nothing is edited:
     the graph runs uncompressed (gradients exact) and the partitioner says so."""
-    import coatstate.activation_compile as ac
+    import coatstate.activations.compiled as ac
 
     partition = ac.min_cut_rematerialization_partition
 

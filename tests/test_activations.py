@@ -25,9 +25,8 @@ import torch.nn.functional as F
 from conftest import requires_cuda
 from torch import nn
 
-from coatstate import activation_policy as codec
-from coatstate.activation_policy import ActivationPolicy
-from coatstate.activations import compress_activations
+from coatstate.formats import activation as codec
+from coatstate.activations import ActivationPolicy, compress_activations
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -38,8 +37,8 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
     import os, sys
     os.environ["TRITON_INTERPRET"] = "1"
     import torch
-    from coatstate.kernels import activation_pack as K
-    from coatstate import activation_policy as T
+    from coatstate.kernels import activation as K
+    from coatstate.formats import activation as T
     sys.path.insert(0, "tests")
     from test_activations import same_bits
     torch.manual_seed(0)
@@ -66,14 +65,15 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
                     bad.append(("unpack_groups", fmt, dt, shape))
     # FP8Linear's GEMM operands: per-tensor float32 scale, twin formats.tensorwise
     from coatstate.formats import tensorwise
+    from coatstate.kernels import tensorwise as KT
     for dt in [torch.float32, torch.bfloat16]:
         for shape in [(1,), (3, 129), (7, 1000), (9000,)]:
             x = (torch.randn(shape) * torch.exp(torch.randn(shape) * 2)).to(dt)
-            c, s = K.pack_tensorwise(x)
+            c, s = KT.pack_tensorwise(x)
             c2, s2 = tensorwise.quantize_tensorwise(x)
             if not (same_bits(c, c2) and torch.equal(s[0], s2)):
                 bad.append(("pack_tensorwise (float32 scale)", dt, shape))
-            if not same_bits(K.unpack_tensorwise(c, s, dt), tensorwise.dequantize_tensorwise(c2, s2, dt)):
+            if not same_bits(KT.unpack_tensorwise(c, s, dt), tensorwise.dequantize_tensorwise(c2, s2, dt)):
                 bad.append(("unpack_tensorwise (float32 scale)", dt, shape))
     # the whole hook path on the kernels (backend="triton") equals the twin path bit for bit
     sys.path.insert(0, "benchmarks")
@@ -343,7 +343,7 @@ def test_call_site_kind_with_python_level_callees():
     """A frame that called a Python function reports an offset inside the call's inline caches
     (3.11, 3.12): the site is still the call. Multi-line calls and method chains resolve to the
     name called last."""
-    from coatstate.activation_policy import OpKind, kind_of_call_site
+    from coatstate.activations.op_kinds import OpKind, kind_of_call_site
 
     seen = []
 
@@ -513,7 +513,7 @@ def test_compiled_graph_under_autocast_packs_16bit_saves_and_warns_about_float32
     x = torch.randn(48, 64)
     torch._dynamo.reset()
     compiled = torch.compile(model)
-    from coatstate import activations
+    from coatstate.activations import hooks as activations
 
     monkeypatch.setitem(activations._WARNED, "compiled_fp32", False)  # (warned once per process)
     with pytest.warns(UserWarning, match="compiled_fp32"):
@@ -572,11 +572,11 @@ def test_gradient_fidelity_and_bytes(arch, autocast, device="cpu"):
 @requires_cuda
 def test_kernels_bit_exact_on_gpu():
     """Compiled kernels vs the twin run on the same GPU tensors: bit for bit."""
-    from coatstate.kernels import activation_pack as K
+    from coatstate.kernels import activation as K
 
     for dt, shape, _ in itertools.product(
         (torch.float32, torch.bfloat16, torch.float16), [(37, 1000), (4096, 1024), (3, 129)], range(2)
-    ):  # the second call of each reuses the compiled kernel (activation_pack._Launcher)
+    ):  # the second call of each reuses the compiled kernel (kernels.activation._Launcher)
         x = (torch.randn(shape, device="cuda") * torch.exp(torch.randn(shape, device="cuda") * 2)).to(dt)
         c, s = K.pack_tensor(x)
         c2, s2 = codec.pack_tensor(x)
@@ -588,10 +588,11 @@ def test_kernels_bit_exact_on_gpu():
         out, want = K.unpack_groups(gc_, gs, 16, dt), codec.unpack_groups(gc2, gs2, 16, dt)
         assert same_bits(out, want), (dt, shape)
     from coatstate.formats import tensorwise
+    from coatstate.kernels import tensorwise as KT
 
     for dt in (torch.float32, torch.bfloat16):  # FP8Linear's float32-scale operands
         x = (torch.randn(37, 1000, device="cuda") * 3).to(dt)
-        c, s = K.pack_tensorwise(x)
+        c, s = KT.pack_tensorwise(x)
         # the twin on the CPU: on CUDA, torch turns formats.tensorwise's `amax / FP8_MAX` (a Python
         # float divisor) into a multiply by its reciprocal, which can round the scale differently
         c2, s2 = tensorwise.quantize_tensorwise(x.cpu())

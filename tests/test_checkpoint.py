@@ -19,8 +19,8 @@ from coatstate.formats.schema import CheckpointError
 from conftest import requires_cuda
 from safetensors import safe_open
 
-from coatstate import checkpoint as ck
-from coatstate import checkpoint_io as cio
+from coatstate.checkpoint import api as ck
+from coatstate.checkpoint import container, storage
 from coatstate.optim import CompressedAdamW
 
 
@@ -253,7 +253,7 @@ def test_sigkill_mid_save_keeps_the_previous_checkpoint(compressed_file, tmp_pat
     path, sd, _ = compressed_file
     before = open(path, "rb").read()
     marker = tmp_path / "halfway"
-    env = {**os.environ, cio.TEST_PAUSE_ENV: str(marker)}
+    env = {**os.environ, storage.TEST_PAUSE_ENV: str(marker)}
     child = subprocess.Popen([sys.executable, "-c", _CHILD, path], env=env)
     try:
         deadline = time.monotonic() + 120
@@ -345,7 +345,7 @@ def _rewrite_header(path, out, edit) -> None:
     tensors, header = ck._flatten(got.optimizer, {}, {}, got.model)
     edit(header, tensors)
     with open(out, "wb") as f:
-        cio.write_safetensors(f, tensors, ck._metadata(header))
+        container.write_safetensors(f, tensors, ck._metadata(header))
 
 
 def test_wrong_version_magic_and_missing_tensors_raise(compressed_file, tmp_path):

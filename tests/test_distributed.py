@@ -422,5 +422,5 @@ def _placement_worker(rank, world_size, port):
     opt.step()  # float32 moments work with any placement
     assert math.isfinite(float(p.to_local().sum()))
     # DTensor states count their local shard (the DTensor's flatten protocol also names its mesh)
-    assert opt.state_bytes() == coatstate.optimizer_state_bytes(opt) == 2 * p.to_local().numel() * 4
+    assert opt.state_bytes() == coatstate.optim.optimizer_state_bytes(opt) == 2 * p.to_local().numel() * 4
     dist.destroy_process_group()

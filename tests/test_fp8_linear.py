@@ -444,19 +444,19 @@ def test_matches_torchao_float8_tensorwise_on_gpu():
 
 
 def test_triton_pack_path_gives_the_twins_codes(monkeypatch):
-    """The GPU quantizer (kernels.activation_pack under Triton's interpreter here) and the CPU twin
+    """The GPU quantizer (kernels.tensorwise under Triton's interpreter here) and the CPU twin
     give the same codes and scales, so the layer's results are identical bit for bit."""
     pytest.importorskip("triton")
     if torch.cuda.is_available():  # TRITON_INTERPRET is only set without CUDA (conftest.py)
         pytest.skip("runs the kernel on CPU tensors under Triton's interpreter; the gpu tests cover CUDA")
-    import coatstate.fp8_linear as mod
+    import coatstate.nn.functional as mod
 
     torch.manual_seed(8)
     base = nn.Linear(32, 48)
     x = torch.randn(3, 20, 32)
     gy = torch.randn(3, 20, 48)
     twin = _run(FP8Linear.from_linear(copy.deepcopy(base), FP8LinearConfig(backend="emulate")), x, gy)
-    monkeypatch.setattr(mod, "_has_fp8_cores", lambda device: True)
+    monkeypatch.setattr(mod, "has_fp8_cores", lambda device: True)
     kernel = _run(FP8Linear.from_linear(copy.deepcopy(base), FP8LinearConfig(backend="emulate")), x, gy)
     for a, b in zip(kernel, twin, strict=True):
         assert torch.equal(a, b)

@@ -17,7 +17,7 @@ from conftest import requires_cuda
 from torch import nn
 
 import coatstate
-from coatstate import fp8_linear
+from coatstate.nn import functional as fp8_linear
 from coatstate.nn import FP8LinearConfig, convert_to_fp8
 
 
@@ -189,14 +189,14 @@ def test_compiled_model_trains_with_compressed_adamw_under_compress_activations(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_quantizer_matches_the_triton_kernel_on_gpu(fmt, dtype):
     """Inductor's Triton code (its float32 casts, our float64 divisions) against the eager CUDA
-    quantizer (kernels.activation_pack): the same codes and scales, so eager and compiled FP8Linear
+    quantizer (coatstate.kernels.tensorwise): the same codes and scales, so eager and compiled FP8Linear
     feed torch._scaled_mm the same operands."""
-    from coatstate.kernels import activation_pack
+    from coatstate.kernels import tensorwise as tensorwise_kernels
 
     compiled = torch.compile(fp8_linear._quantize_traceable, fullgraph=True, dynamic=False)
     for name, x in _inputs(dtype).items():
         x = x.cuda()
-        codes, scale = activation_pack.pack_tensorwise(x, fmt)
+        codes, scale = tensorwise_kernels.pack_tensorwise(x, fmt)
         c, s = compiled(x, fmt)
         assert torch.equal(s, scale[:1]), (name, s.item(), scale[0].item())
         same = c.view(torch.uint8) == codes.view(torch.uint8)

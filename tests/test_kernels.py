@@ -14,7 +14,7 @@ import torch
 
 import coatstate
 from coatstate import formats
-from coatstate.kernels import codec
+from coatstate.kernels import group as codec
 
 from conftest import requires_cuda
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import coatstate
-from coatstate import CompressedAdamW, to_adamw_state_dict
+from coatstate import CompressedAdamW
+from coatstate.optim import to_adamw_state_dict
 
 
 def _model(seed=0):

@@ -11,11 +11,12 @@ import pytest
 import torch
 from torch import nn
 
-from coatstate import CompressedAdamW, compress_activations, optimizer_state_bytes
-from coatstate.activation_policy import KEEP_ALL
+from coatstate import CompressedAdamW, compress_activations
+from coatstate.optim import optimizer_state_bytes
+from coatstate.activations import KEEP_ALL
 from coatstate.cli import main
 from coatstate.planner import Variant, plan, resolve_model
-from coatstate.planner_memory import optimizer_bytes
+from coatstate.planner import optimizer_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -163,7 +164,7 @@ def test_plain_numbers_size_the_vocabulary():
 
 
 def test_factory_input_and_fp8_variant_follows_coatstate_nn(monkeypatch, capsys):
-    import coatstate.planner as planner
+    import coatstate.planner.planning as planner
 
     monkeypatch.setattr(planner, "fp8_linear_converter", lambda: (None, "coatstate.nn has no FP8Linear"))
     monkeypatch.setitem(sys.modules, "plan_factory_mod", type(sys)("plan_factory_mod"))

@@ -7,17 +7,17 @@
 
 For torch.compile'd models, coatstate.CompiledActivations holds the same bytes without hooks: it
 rewrites the compiled graphs so that inductor fuses the packing into the model's kernels (no
-Python per saved tensor; on the H200's host the hooks cost ~13 us per save, and a transformer's
-eager forward is host-bound). This context manager is the path for eager models.
+Python per saved tensor, which matters where a transformer's eager forward is host-bound). This
+context manager is the path for eager models.
 
 How it works: a torch.autograd.graph.saved_tensors_hooks pair packs each saved tensor and
 unpacks it when backward needs it. The pack hook reads the op kind off the Python call site that
-is running the op (activation_policy.kind_of_call_site, cached per site), and for ops that say
+is running the op (coatstate.activations.op_kinds, cached per site), and for ops that say
 nothing by themselves (a mul) off the innermost nn.Module.forward on the Python stack, so the
-policy (coatstate.activation_policy) can pick the granularity by op kind. Nothing runs per op that
-saves nothing (no TorchFunctionMode): host time goes into saved tensors only. On CUDA the Triton
-kernels of coatstate.kernels.activation_pack do the work, elsewhere their pure-torch twins in
-coatstate.activation_policy.
+policy (coatstate.activations.policy) can pick the granularity by op kind. Nothing runs per op
+that saves nothing (no TorchFunctionMode): host time goes into saved tensors only. On CUDA the
+Triton kernels of coatstate.kernels.activation do the work, elsewhere their pure-torch twins in
+coatstate.formats.activation.
 
 Attention: scaled_dot_product_attention saves q, k and v before its output; which input is which
 is known only from the op's autograd node, reachable once the output is saved (its grad_fn). So
@@ -57,8 +57,7 @@ rest are packed with the policy's `compiled` granularity (16-bit) or `compiled_f
 kept by default); the op kind is not visible. Compile per block (`block.compile()` for each
 transformer block), not the whole model: a graph saves all its tensors when it returns and
 unpacks them all when its backward starts, so around one whole-model graph the originals and the
-packed copies coexist and the peak rises (measured on the H200: 1.22x of uncompressed,
-benchmarks/results/activation_memory_whole_model_compile.json). Entering the context
+packed copies coexist and the peak rises above uncompressed (docs/benchmarks.md). Entering the context
 INSIDE a compiled function raises a RuntimeError instead of silently doing nothing.
 """
 
@@ -72,21 +71,16 @@ import warnings
 import weakref
 
 import torch
+from coatstate.formats import activation as codec
+from coatstate.formats.fp8 import FLOAT_DTYPES
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from coatstate import activation_policy as codec
-from coatstate.activation_policy import (
-    RECOMPUTABLE,
-    ActivationPolicy,
-    ActivationStats,
-    Granularity,
-    OpKind,
-    kind_of_call_site,
-    kind_on_stack,
-)
-from coatstate.activation_regions import _Handle, _Kept, _KeptRegion, _Packed, _Pending, _Recomputed, _Region
+from coatstate.activations.op_kinds import OpKind, kind_of_call_site, kind_on_stack
+from coatstate.activations.policy import RECOMPUTABLE, ActivationPolicy, Granularity
+from coatstate.activations.regions import _Handle, _Kept, _KeptRegion, _Packed, _Pending, _Recomputed, _Region
+from coatstate.activations.stats import ActivationStats, KeepReason
 
-__all__ = ["ActivationPolicy", "ActivationStats", "Granularity", "OpKind", "compress_activations"]
+__all__ = ["compress_activations"]
 
 _VIEW_OR_COPY_NODES = frozenset(
     "TBackward0 ViewBackward0 ToCopyBackward0 TransposeBackward0 PermuteBackward0 ExpandBackward0 "
@@ -94,9 +88,8 @@ _VIEW_OR_COPY_NODES = frozenset(
     "AsStridedBackward0 UnsafeViewBackward0 ReshapeAliasBackward0 AliasBackward0".split()
 )
 _RESHAPE_NODES = frozenset("ViewBackward0 UnsafeViewBackward0 ReshapeAliasBackward0 AliasBackward0".split())
-_COMPRESSIBLE = (torch.float32, torch.bfloat16, torch.float16)
 _KIND_KEYS: dict = {}  # (label, granularity) -> "label/granularity" of stats.packed_by_kind
-_K = None  # coatstate.kernels.activation_pack once imported
+_K = None  # coatstate.kernels.activation once imported
 _NODE_NAMES: dict = {}  # autograd node class -> its name()
 _SLOTS = 4096  # per-tensor scale slots per device buffer (kernel path)
 _MAX_STORAGE_PER_VIEW = 4  # a strided view packs its whole storage only up to this many times its size
@@ -113,12 +106,12 @@ _KEEP, _TENSOR, _BF16 = Granularity.KEEP, Granularity.TENSOR, Granularity.BF16
 
 
 def _kernels():
-    """coatstate.kernels.activation_pack, imported on first use (it imports triton)."""
+    """coatstate.kernels.activation, imported on first use (it imports triton)."""
     global _K
     if _K is None:
-        from coatstate.kernels import activation_pack
+        from coatstate.kernels import activation as activation_kernels
 
-        _K = activation_pack
+        _K = activation_kernels
     return _K
 
 
@@ -231,19 +224,19 @@ class compress_activations:  # noqa: N801  (a context manager used like a functi
         return _Kept(x.detach() if x.requires_grad else x, x._version, reason)
 
     def _always_kept(self, x: torch.Tensor) -> str | None:
-        if x.dtype not in _COMPRESSIBLE:
-            return "not float16/bfloat16/float32"
+        if x.dtype not in FLOAT_DTYPES:
+            return KeepReason.NOT_FLOAT
         node = x.grad_fn
         if node is None:
             if x.requires_grad:
-                return "parameter or other leaf requiring grad"
-            return "no grad_fn (buffers, frozen parameters, statistics such as mean, rstd, logsumexp)"
+                return KeepReason.LEAF
+            return KeepReason.NO_GRAD_FN
         if x.numel() < self._min_numel:
-            return f"smaller than min_numel={self.policy.min_numel}"
+            return KeepReason.small(self.policy.min_numel)
         if node._sequence_nr() < self._first_seq and threading.get_ident() == self._thread:
-            return "created before the context"
+            return KeepReason.BEFORE_CONTEXT
         if _derived_from_parameter(x):
-            return "parameter cast or view"
+            return KeepReason.PARAMETER_CAST
         return None
 
     def _pack(self, x: torch.Tensor):
@@ -269,10 +262,10 @@ class compress_activations:  # noqa: N801  (a context manager used like a functi
         cls = frame.f_locals.get("cls")
         if not getattr(cls, "__module__", "").startswith(_AOT_MODULE):  # an eager autograd.Function
             return self._keep(x, self._always_kept(x))
-        if x.dtype not in _COMPRESSIBLE:
-            return self._keep(x, "not float16/bfloat16/float32")
+        if x.dtype not in FLOAT_DTYPES:
+            return self._keep(x, KeepReason.NOT_FLOAT)
         if x.numel() < self._min_numel:
-            return self._keep(x, f"smaller than min_numel={self.policy.min_numel}")
+            return self._keep(x, KeepReason.small(self.policy.min_numel))
         args = frame.f_locals.get("args")
         if args is not self._graph_args:  # the first save of this call of the graph
             self._graph_args = args
@@ -285,9 +278,9 @@ class compress_activations:  # noqa: N801  (a context manager used like a functi
             self._graph_inputs = (storages, shapes)
         storages, shapes = self._graph_inputs
         if x.untyped_storage().data_ptr() in storages:
-            return self._keep(x, "input of a compiled graph")
+            return self._keep(x, KeepReason.GRAPH_INPUT)
         if tuple(x.shape) in shapes:  # autocast's bf16 weight, as eager keeps it (a shape match
-            return self._keep(x, "parameter cast or view")  # can only keep too much, never lose)
+            return self._keep(x, KeepReason.PARAMETER_CAST)  # can only keep too much, never lose)
         if x.dtype is torch.float32:
             if self.policy.compiled_fp32 is _KEEP and not _WARNED["compiled_fp32"]:
                 _WARNED["compiled_fp32"] = True  # once per process: a context is made every step
@@ -316,7 +309,7 @@ class compress_activations:  # noqa: N801  (a context manager used like a functi
     def _settle(self, pending: _Pending, label: str) -> None:
         x, pending.tensor = pending.tensor, None
         if x._version != pending.version:  # modified in place since: keep it so that backward raises
-            kept = self._keep(x, f"policy keeps {label}")
+            kept = self._keep(x, KeepReason.by_policy(label))
             kept.version = pending.version
             pending.held = kept
         else:
@@ -370,7 +363,7 @@ class compress_activations:  # noqa: N801  (a context manager used like a functi
             if granularity is _BF16 and x.dtype is not torch.float32:
                 granularity = _KEEP  # already 16-bit: holding it as bfloat16 would save nothing
             if granularity is _KEEP:
-                reason = f"policy keeps {label}"
+                reason = KeepReason.by_policy(label)
                 if start is None:
                     return self._keep(x, reason)
                 kept = self._keep(x, reason, (stop - start) * x.element_size())

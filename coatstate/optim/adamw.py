@@ -1,8 +1,8 @@
 """CompressedAdamW: torch.optim.AdamW with its moments in the FP8 group format (COAT).
 
 Bookkeeping lives here (param groups, lazy state, GradScaler, state dicts, reporting); the update
-math lives in kernels.adamw_twin (pure torch, the CPU path) and kernels.adamw_fused with
-kernels.adamw_launch (Triton, CUDA).
+math lives in coatstate.optim.reference_step (pure torch, the CPU path) and
+coatstate.kernels.adamw_fused with its launcher coatstate.kernels.adamw_launch (Triton, CUDA).
 """
 
 from __future__ import annotations
@@ -14,92 +14,36 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from coatstate.formats import FP8Format
+from coatstate.formats.master_weights import CORRECTION_DTYPES, MASTER_BITS
+from coatstate.formats.optimizer_state import (
+    DEFAULT_GROUP_SIZE,
+    MASTER_CORRECTION,
+    MOMENTS,
+    init_moment,
+    is_compressed,
+)
 
 from coatstate.distributed import (
     check_compressible,
     is_dtensor,
-    local_chunk,
     local_state,
     local_tensor,
     wrap_state,
 )
-from coatstate.formats import FP8Format
-from coatstate.kernels.adamw_twin import (
-    MOMENTS,
-    MomentFormat,
-    adamw_step_reference,
-    init_moment,
-    is_compressed,
-    read_moment,
-    write_moment,
+from coatstate.optim.moments import (
+    FORMAT_DEFAULTS,
+    global_shape,
+    master_mode,
+    moment_formats,
+    optimizer_state_bytes,
+    why_uncompressed,
 )
+from coatstate.optim.reference_step import adamw_step_reference
+from coatstate.optim.release import GradientRelease
+from coatstate.optim.state_dict import convert_param_state
 
 logger = logging.getLogger("coatstate")
-
-FORMAT_DEFAULTS: dict[str, Any] = {
-    "compress": True,
-    "group_size": 128,
-    "exp_avg_format": "e4m3",
-    "exp_avg_sq_format": "e4m3",
-    "exp_avg_expand": True,
-    "exp_avg_sq_expand": True,
-    "min_numel": 4096,
-    "compress_1d": False,
-}
-"""coatstate's own param-group keys (beside torch.optim.AdamW's) and their defaults."""
-
-
-def global_shape(p: torch.Tensor) -> torch.Size:
-    """The full shape of a parameter: a DTensor's global shape, never its local shard's."""
-    return p.shape  # DTensor.shape is the global shape
-
-
-def moment_formats(group: dict, shape: torch.Size) -> dict[str, MomentFormat | None]:
-    """How each moment of a parameter of global `shape` is stored (None: float32)."""
-    numel = math.prod(shape)
-    compress = (
-        group.get("compress", True)
-        and numel >= group.get("min_numel", FORMAT_DEFAULTS["min_numel"])
-        and (len(shape) >= 2 or group.get("compress_1d", False))
-    )
-    if not compress:
-        return dict.fromkeys(MOMENTS)
-    g = group.get("group_size", 128)
-    first = MomentFormat(
-        FP8Format.parse(group.get("exp_avg_format", "e4m3")), group.get("exp_avg_expand", True), g
-    )
-    second = MomentFormat(
-        FP8Format.parse(group.get("exp_avg_sq_format", "e4m3")), group.get("exp_avg_sq_expand", True), g
-    )
-    return {"exp_avg": first, "exp_avg_sq": second, "max_exp_avg_sq": second}
-
-
-def _why_uncompressed(group: dict, shape: torch.Size) -> str:
-    if not group.get("compress", True):
-        return "compression is off for its param group"
-    if len(shape) < 2 and not group.get("compress_1d", False):
-        return "1-D parameter (norm weight or bias)"
-    return f"{math.prod(shape)} elements < min_numel={group.get('min_numel')}"
-
-
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of any optimizer's state tensors held on this process, step counters left out: a
-    DTensor counts its local shard, a tensor subclass (torchao's low-bit states) what it stores."""
-
-    def nbytes(t: torch.Tensor) -> int:
-        if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
-            names, _ = t.__tensor_flatten__()  # a DTensor also names its device_mesh here
-            inner = (getattr(t, n) for n in names)
-            return sum(nbytes(x) for x in inner if isinstance(x, torch.Tensor))
-        return t.numel() * t.element_size()
-
-    return sum(
-        nbytes(t)
-        for state in optimizer.state.values()
-        for key, t in state.items()
-        if key != "step" and isinstance(t, torch.Tensor)
-    )
-
 
 def _options(group: dict) -> tuple:
     """The param-group options a prepared launch depends on (a change, e.g. amsgrad switched on,
@@ -145,6 +89,15 @@ class CompressedAdamW(torch.optim.Optimizer):
       exp_avg_expand / exp_avg_sq_expand: dynamic range expansion per moment.
       min_numel: parameters with fewer elements keep float32 moments (4096).
       compress_1d: also compress 1-D parameters (off: norm weights and biases stay float32).
+      master_bits: for bfloat16 parameters, what stands for their float32 master weights
+        (coatstate.formats.master_weights): 32 (an int16 remainder: exactly the float32 master,
+        so training is bit for bit that of float32 parameters), 24 (an int8 correction: within
+        2**-15 relative), 16 (none: stochastic rounding of each update), or None (updates round
+        to the parameter's precision). float32 parameters are their own master in every mode.
+      master_seed: keys master_bits=16's rounding (saved with the param group: resume is exact).
+      gradient_release: step each parameter in its post-accumulate-grad hook during backward and
+        free its gradient (no full gradient buffer); `max_grad_norm` then clips by the previous
+        step's global norm. opt.step() and zero_grad() end the iteration.
     The decision uses each parameter's global shape, so sharding never changes precision.
     `fused=None/True` runs the Triton step on CUDA; `fused=False` forces the pure-torch step.
     """
@@ -166,13 +119,17 @@ class CompressedAdamW(torch.optim.Optimizer):
         differentiable: bool = False,
         fused: bool | None = None,
         compress: bool = True,
-        group_size: int = 128,
+        group_size: int = DEFAULT_GROUP_SIZE,
         exp_avg_format: str = "e4m3",
         exp_avg_sq_format: str = "e4m3",
         exp_avg_expand: bool = True,
         exp_avg_sq_expand: bool = True,
         min_numel: int = 4096,
         compress_1d: bool = False,
+        master_bits: int | None = None,
+        master_seed: int = 0,
+        gradient_release: bool = False,
+        max_grad_norm: float | None = None,
     ) -> None:
         if isinstance(lr, torch.Tensor):
             if lr.numel() != 1:
@@ -195,6 +152,15 @@ class CompressedAdamW(torch.optim.Optimizer):
             )
         if not isinstance(group_size, int) or group_size < 1:
             raise ValueError(f"group_size must be a positive int; got {group_size!r}")
+        if master_bits not in (None, *MASTER_BITS):
+            raise ValueError(f"master_bits must be None, 16, 24 or 32; got {master_bits!r}")
+        if not isinstance(master_seed, int):
+            raise TypeError(f"master_seed must be an int; got {type(master_seed).__name__}")
+        if max_grad_norm is not None and not gradient_release:
+            raise ValueError(
+                "max_grad_norm is for gradient_release=True; without release, clip as usual with "
+                "torch.nn.utils.clip_grad_norm_ before opt.step()"
+            )
         for name, value in (("exp_avg_format", exp_avg_format), ("exp_avg_sq_format", exp_avg_sq_format)):
             try:
                 FP8Format.parse(value)
@@ -220,6 +186,8 @@ class CompressedAdamW(torch.optim.Optimizer):
             exp_avg_sq_expand=exp_avg_sq_expand,
             min_numel=min_numel,
             compress_1d=compress_1d,
+            master_bits=master_bits,
+            master_seed=master_seed,
         )
         super().__init__(params, defaults)
         self._reported: set[int] = set()
@@ -227,6 +195,31 @@ class CompressedAdamW(torch.optim.Optimizer):
         self._prepared: dict[int, _Prepared] = {}
         """per param group (by id): its parameters sorted into paths, with the fused launches"""
         self._twin_nonfinite: dict = {}
+        self._param_index: dict[int, int] | None = None
+        self._released_launches: dict = {}
+        self._release = GradientRelease(self, max_grad_norm) if gradient_release else None
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        self._param_index = None
+        if getattr(self, "_release", None) is not None:
+            self._release.hook_new_groups()
+        group = self.param_groups[-1]
+        if group.get("master_bits") is not None and group["master_bits"] not in MASTER_BITS:
+            raise ValueError(f"master_bits must be None, 16, 24 or 32; got {group['master_bits']!r}")
+        dtypes = {p.dtype for p in group["params"]}
+        if group.get("master_bits") is not None and torch.float16 in dtypes:
+            raise ValueError(
+                "master_bits is for bfloat16 parameters (a float16 value is not the top half of a "
+                "float32 one); cast the model with coatstate.cast_model(model, torch.bfloat16), or "
+                "keep float16 parameters with master_bits=None"
+            )
+        if group.get("master_bits") is None and dtypes & {torch.bfloat16, torch.float16}:
+            logger.info(
+                "coatstate: 16-bit parameters without master_bits: each update rounds to the "
+                "parameter's precision (small updates can vanish); master_bits=24 or 32 keeps a "
+                "master correction, 16 rounds stochastically"
+            )
 
     # ---- reporting -------------------------------------------------------------------------
 
@@ -243,7 +236,7 @@ class CompressedAdamW(torch.optim.Optimizer):
                             "name": names[i] if names else f"group{gi}.param{i}",
                             "shape": tuple(shape),
                             "numel": math.prod(shape),
-                            "reason": _why_uncompressed(group, shape),
+                            "reason": why_uncompressed(group, shape),
                         }
                     )
         return out
@@ -290,11 +283,20 @@ class CompressedAdamW(torch.optim.Optimizer):
             names = MOMENTS if group["amsgrad"] else MOMENTS[:2]
             for name in names:
                 init_moment(state, name, local, formats[name])
-        elif group["amsgrad"] and "max_exp_avg_sq" not in state and "max_exp_avg_sq_codes" not in state:
+            if master_mode(group, p) in CORRECTION_DTYPES:  # the weight is exactly its master
+                state[MASTER_CORRECTION] = torch.zeros_like(local, dtype=CORRECTION_DTYPES[master_mode(group, p)])
+        elif group["amsgrad"] and "max_exp_avg_sq" not in state and not is_compressed(state, "max_exp_avg_sq"):
             init_moment(state, "max_exp_avg_sq", local_tensor(p), formats["max_exp_avg_sq"])
         if is_dtensor(p):
             wrap_state(state, p)
         return state
+
+    def _rounding_seed(self, group: dict, p: torch.Tensor) -> int:
+        """master_bits=16's seed for p: the group's master_seed and p's place in the optimizer, so
+        that every parameter rounds independently and a resumed run rounds as the original."""
+        if self._param_index is None:
+            self._param_index = {id(q): k for k, q in enumerate(q for g in self.param_groups for q in g["params"])}
+        return (int(group.get("master_seed", 0)) * 1_000_003 + self._param_index.get(id(p), 0)) & 0xFFFFFFFF
 
     def _param_name(self, p: torch.Tensor) -> str:
         for gi, group in enumerate(self.param_groups):
@@ -353,6 +355,14 @@ class CompressedAdamW(torch.optim.Optimizer):
                 loss = closure()
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
+        if self._release is not None:
+            if grad_scale is not None or found_inf is not None:
+                raise RuntimeError(
+                    "coatstate: GradScaler does not work with gradient_release=True (each parameter "
+                    "steps during backward, before the scaler can unscale or skip): train in "
+                    "bfloat16 autocast, which needs no scaler, or use gradient_release=False"
+                )
+            self._release.end_iteration()  # gradients set by hand (no hook fired) step below
         for group in self.param_groups:
             prepared = self._prepared.get(id(group))
             with_grad = [p for p in group["params"] if p.grad is not None]
@@ -404,6 +414,8 @@ class CompressedAdamW(torch.optim.Optimizer):
                 [local_tensor(p.grad) for p in fused],
                 [local_state(self._init_state(p, group, on_device=True)) for p in fused],
                 [moment_formats(group, global_shape(p)) for p in fused],
+                [master_mode(group, p) for p in fused],
+                [self._rounding_seed(group, p) for p in fused],
             )
             for key in [k for k in self._fused_cache if k[0] == id(group)]:
                 del self._fused_cache[key]  # counters of the launches being replaced
@@ -415,6 +427,30 @@ class CompressedAdamW(torch.optim.Optimizer):
             list(with_grad), fused, twin, launches, _options(group)
         )
         return prepared
+
+    def _step_released(self, group: dict, p: torch.Tensor) -> None:
+        """One parameter's step from its gradient-release hook (its launch prepared once)."""
+        if not self._use_fused(group, p):
+            self._twin_step(group, [p], None, None)
+            return
+        from coatstate.kernels import adamw_launch
+
+        grads = [local_tensor(p.grad)]
+        launches = self._released_launches.get(id(p))
+        if launches is None or not adamw_launch.run(launches, group, grads, None, None):
+            self._report_once()
+            launches = self._released_launches[id(p)] = adamw_launch.prepare(
+                group,
+                [local_tensor(p)],
+                grads,
+                [local_state(self._init_state(p, group, on_device=True))],
+                [moment_formats(group, global_shape(p))],
+                [master_mode(group, p)],
+                [self._rounding_seed(group, p)],
+            )
+            for launch in launches:
+                self._fused_cache[("released", id(p))] = _LaunchRecord([p], launch)
+            adamw_launch.run(launches, group, grads, None, None)
 
     def _twin_step(self, group, params, grad_scale, found_inf) -> None:
         if found_inf is not None and bool(found_inf.item()):
@@ -442,6 +478,8 @@ class CompressedAdamW(torch.optim.Optimizer):
                 amsgrad=group["amsgrad"],
                 step=state["step"].item(),
                 inv_grad_scale=None if inv_scale is None else inv_scale.to(g.device),
+                master_bits=master_mode(group, p),
+                seed=self._rounding_seed(group, p),
             )
             if bad:
                 self._twin_nonfinite[p] = self._twin_nonfinite.get(p, 0) + bad
@@ -482,125 +520,11 @@ class CompressedAdamW(torch.optim.Optimizer):
         self.state.clear()
         self._fused_cache.clear()
         self._prepared.clear()
+        self._released_launches.clear()
+        self._param_index = None
         param_group = {id(p): g for g in new_groups for p in g["params"]}
         for pid, saved_state in state_dict["state"].items():
             if pid not in id_to_param:
                 raise ValueError(f"loaded state refers to parameter id {pid!r}, not in any param group")
             p = id_to_param[pid]
             self.state[p] = convert_param_state(saved_state, p, param_group[id(p)])
-
-
-def convert_param_state(saved: dict, p: torch.Tensor, group: dict) -> dict:
-    """One parameter's saved state, in this group's format for `p`, on p's device."""
-    local = local_tensor(p)
-    formats = moment_formats(group, global_shape(p))
-    saved_group_size = group.get("group_size", 128)
-    out: dict[str, Any] = {}
-    for key, value in saved.items():
-        if key == "step":
-            step = value if isinstance(value, torch.Tensor) else torch.tensor(float(value))
-            on_device = local.is_cuda and group.get("fused") is not False
-            out["step"] = (
-                step.detach().to(dtype=torch.float32, device=local.device if on_device else "cpu").clone()
-            )
-    for name in MOMENTS:
-        if name not in saved and f"{name}_codes" not in saved:
-            continue
-        src = {
-            k: (_local_part(v, p).to(local.device) if isinstance(v, torch.Tensor) else v)
-            for k, v in saved.items()
-        }
-        if not is_compressed(src, name) and tuple(src[name].shape) != tuple(local.shape):
-            raise ValueError(
-                f"state {name!r} has shape {tuple(src[name].shape)} but its parameter has shape "
-                f"{tuple(local.shape)}"
-            )
-        if is_compressed(src, name) and tuple(src[f"{name}_codes"].shape) != tuple(local.shape):
-            raise ValueError(
-                f"state {name}_codes has shape {tuple(src[f'{name}_codes'].shape)} but its parameter has "
-                f"shape {tuple(local.shape)}"
-            )
-        value = read_moment(src, name, saved_group_size).float()
-        init_moment(out, name, local, formats[name])
-        if formats[name] is None:
-            out[name].copy_(value)
-        else:
-            same = (
-                is_compressed(src, name)
-                and src[f"{name}_codes"].dtype == formats[name].fmt.dtype
-                and (f"{name}_exponents" in src) == formats[name].expand
-                and src[f"{name}_scales"].shape == out[f"{name}_scales"].shape
-            )
-            if same:  # already in this format: copy the bits, never requantize (bit-exact resume)
-                for k in (f"{name}_codes", f"{name}_scales", f"{name}_exponents"):
-                    if k in src:
-                        out[k].copy_(src[k])
-            else:
-                write_moment(out, name, value, formats[name])
-    if "step" not in out:
-        raise ValueError("parameter state has no 'step'")
-    if is_dtensor(p):
-        if any(k.endswith("_codes") for k in out):
-            check_compressible(p, f"of global shape {tuple(p.shape)}")
-        wrap_state(out, p)
-    return out
-
-
-def _local_part(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """The part of a saved state tensor that belongs to this rank's shard of `p`: a DTensor's
-    local shard, or for a DTensor `p` and a full (gathered) tensor, its rows of it."""
-    if is_dtensor(value):
-        return local_tensor(value)
-    if is_dtensor(p) and value.ndim > 0:
-        return local_chunk(value, p)
-    return value
-
-
-def _format_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    unknown = set(kwargs) - set(FORMAT_DEFAULTS)
-    if unknown:
-        raise TypeError(f"unknown format option(s) {sorted(unknown)}; allowed: {sorted(FORMAT_DEFAULTS)}")
-    return {**FORMAT_DEFAULTS, **kwargs}
-
-
-def compress_adamw_state_dict(state_dict: dict[str, Any], **format_options: Any) -> dict[str, Any]:
-    """A torch.optim.AdamW state dict -> a CompressedAdamW one (format options as its constructor's)."""
-    options = _format_kwargs(format_options)
-    groups, state = [], {}
-    for saved in state_dict["param_groups"]:
-        group = {**saved, **options}
-        groups.append(group)
-        for pid in saved["params"]:
-            if pid not in state_dict["state"]:
-                continue
-            s = state_dict["state"][pid]
-            formats = moment_formats(group, s["exp_avg"].shape)
-            out = {
-                "step": s["step"].clone()
-                if isinstance(s["step"], torch.Tensor)
-                else torch.tensor(float(s["step"]))
-            }
-            for name in MOMENTS:
-                if name in s:
-                    init_moment(out, name, s[name], formats[name])
-                    write_moment(out, name, s[name].float(), formats[name])
-            state[pid] = out
-    return {"state": state, "param_groups": groups}
-
-
-def to_adamw_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
-    """A CompressedAdamW state dict -> one torch.optim.AdamW loads (moments decompressed to fp32)."""
-    groups, state = [], {}
-    for saved in state_dict["param_groups"]:
-        groups.append({k: v for k, v in saved.items() if k not in FORMAT_DEFAULTS})
-        g = saved.get("group_size", 128)
-        for pid in saved["params"]:
-            if pid not in state_dict["state"]:
-                continue
-            s = state_dict["state"][pid]
-            out = {"step": s["step"]}
-            for name in MOMENTS:
-                if name in s or f"{name}_codes" in s:
-                    out[name] = read_moment(s, name, g).float().clone()
-            state[pid] = out
-    return {"state": state, "param_groups": groups}

@@ -18,18 +18,18 @@ from collections.abc import Mapping
 from typing import Any, BinaryIO
 
 import torch
-
 from coatstate.formats import schema
+from coatstate.formats.optimizer_state import CODES, EXPONENTS, MOMENTS, is_compressed, moment_of
 from coatstate.formats.schema import CheckpointError
 
-from . import checkpoint_io as cio
-from . import distributed as dist_utils
+from coatstate import distributed
+from coatstate.checkpoint import container, storage
+from coatstate.checkpoint.dcp import read_dcp
 
 __all__ = ["Checkpoint", "CheckpointError", "load", "read", "read_header", "read_state_dict", "save"]
 
 DEFAULT_SHARD_SIZE = 5 * 2**30
 """Bytes above which a checkpoint is split into shards (as Hugging Face does for weights)."""
-_MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 
 @dataclasses.dataclass
@@ -96,13 +96,13 @@ def _source(
 def _moment_formats(state: Mapping[str, Any], group: Mapping[str, Any]) -> dict[str, Any]:
     out = {}
     for name, value in state.items():
-        parts = schema.moment_of(name)
-        if parts and parts[1] == "_codes" and isinstance(value, torch.Tensor):
+        parts = moment_of(name)
+        if parts and parts[1] == CODES and isinstance(value, torch.Tensor):
             moment = parts[0]
             out[moment] = {
                 "format": "e4m3" if value.dtype == torch.float8_e4m3fn else "e5m2",
                 "group_size": group.get("group_size"),
-                "expand": f"{moment}_exponents" in state,
+                "expand": moment + EXPONENTS in state,
             }
     return out
 
@@ -139,7 +139,7 @@ def _flatten(
         info = params[str(pid)]
         info["compressed"] = _moment_formats(pstate, sd["param_groups"][info["group"]])
         if info["shape"] is None:
-            for name in ("exp_avg_codes", "exp_avg"):
+            for name in ("exp_avg" + CODES, "exp_avg"):
                 if isinstance(pstate.get(name), torch.Tensor):
                     info["shape"] = list(pstate[name].shape)
                     break
@@ -178,8 +178,8 @@ def _encode_zstd(tensors: dict[str, torch.Tensor], header: dict[str, Any]) -> di
     stored = {}
     for key, t in tensors.items():
         nbytes = t.numel() * t.element_size()
-        if nbytes >= cio.ZSTD_MIN_BYTES:
-            blob = cio.zstd_compress(schema.tensor_bytes(t))
+        if nbytes >= container.ZSTD_MIN_BYTES:
+            blob = container.zstd_compress(schema.tensor_bytes(t))
             if len(blob) < nbytes:
                 stored[key] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
                 header["tensors"][key].update(encoding="zstd", stored_bytes=len(blob))
@@ -207,11 +207,6 @@ def _metadata(header: Mapping[str, Any]) -> dict[str, str]:
     }
 
 
-def _sibling_url(url: str, name: str) -> str:
-    """The URL of file `name` in the directory of `url` (same scheme and filesystem)."""
-    return url[: len(url) - len(os.path.basename(url))] + name
-
-
 def _plan_shards(stored: Mapping[str, torch.Tensor], shard_size: int) -> list[list[str]]:
     shards, current, size = [], [], 0
     for key, t in stored.items():
@@ -226,8 +221,8 @@ def _plan_shards(stored: Mapping[str, torch.Tensor], shard_size: int) -> list[li
 
 def _old_shards(url: str) -> list[str]:
     try:
-        _, _, st_header = cio.read_head(url, url)
-        return [s["file"] for s in cio.coatstate_header(st_header, url).get("shards") or []]
+        _, _, st_header = container.read_head(url, url)
+        return [s["file"] for s in container.coatstate_header(st_header, url).get("shards") or []]
     except Exception:  # no previous checkpoint, or not one of ours: nothing to clean up
         return []
 
@@ -260,24 +255,24 @@ def save(
     model_sd = model.state_dict() if isinstance(model, torch.nn.Module) else model
     params = getattr(optimizer_or_state_dict, "param_groups", [])
     sharded = (
-        dist_utils.has_dtensors(sd)
-        or any(dist_utils.is_dtensor(v) for v in (model_sd or {}).values())
-        or any(dist_utils.is_dtensor(p) for g in params if isinstance(g, dict) for p in g.get("params", ()))
+        distributed.has_dtensors(sd)
+        or any(distributed.is_dtensor(v) for v in (model_sd or {}).values())
+        or any(distributed.is_dtensor(p) for g in params if isinstance(g, dict) for p in g.get("params", ()))
     )
     if not sharded:
         _write(url, sd, shapes, names, kind, model_sd, compress, shard_size)
         return
     # FSDP2/DTensor: gather every tensor (a collective), rank 0 writes, every rank learns how it went
-    sd = dist_utils.gather_state_dict(sd)
+    sd = distributed.gather_state_dict(sd)
     if model_sd:
-        model_sd = {k: dist_utils.full_tensor(v).detach().cpu() for k, v in model_sd.items()}
+        model_sd = {k: distributed.full_tensor(v).detach().cpu() for k, v in model_sd.items()}
     error = None
-    if dist_utils.is_main_process():
+    if distributed.is_main_process():
         try:
             _write(url, sd, shapes, names, kind, model_sd, compress, shard_size)
         except Exception as e:  # noqa: BLE001 - re-raised below, after the other ranks are told
             error = e
-    failed = dist_utils.broadcast_from_main(None if error is None else f"{type(error).__name__}: {error}")
+    failed = distributed.broadcast_from_main(None if error is None else f"{type(error).__name__}: {error}")
     if error is not None:
         raise error
     if failed is not None:
@@ -292,8 +287,8 @@ def _write(url, sd, shapes, names, kind, model_sd, compress, shard_size) -> None
     old = _old_shards(url)  # shards of a previous sharded save at url, removed after the commit
     if shard_size is None or total <= shard_size:
         meta = _metadata(header)
-        cio.atomic_write(url, lambda f: cio.write_safetensors(f, stored, meta), total)
-        cio.remove_quietly(url, old)
+        storage.atomic_write(url, lambda f: container.write_safetensors(f, stored, meta), total)
+        storage.remove_quietly(url, old)
         return
     _save_sharded(url, stored, header, shard_size, old)
 
@@ -305,30 +300,30 @@ def _save_sharded(url: str, stored, header, shard_size: int, old: list[str]) -> 
     shards = []
     for i, keys in enumerate(plan, 1):
         name = f"{stem}-{save_id}-{i:05d}-of-{len(plan):05d}.safetensors"
-        shard_url = _sibling_url(url, name)
+        shard_url = storage.sibling_url(url, name)
         part = {k: stored[k] for k in keys}
         meta = {"format": "pt", "coatstate.shard": f'{{"save_id":"{save_id}","index":{i},"of":{len(plan)}}}'}
         box = {}
 
         def write(f, part=part, meta=meta, box=box):
             hashing = _Hashing(f)
-            box["bytes"] = cio.write_safetensors(hashing, part, meta)
+            box["bytes"] = container.write_safetensors(hashing, part, meta)
             box["sha256"] = hashing.h.hexdigest()
 
-        cio.atomic_write(shard_url, write, sum(t.numel() * t.element_size() for t in part.values()))
+        storage.atomic_write(shard_url, write, sum(t.numel() * t.element_size() for t in part.values()))
         shards.append({"file": name, "sha256": box["sha256"], "bytes": box["bytes"], "tensors": keys})
     header["shards"] = shards
     meta = _metadata(header)
-    cio.atomic_write(url, lambda f: cio.write_safetensors(f, {}, meta))  # the commit point
-    cio.remove_quietly(url, [n for n in old if n not in {s["file"] for s in shards}])
+    storage.atomic_write(url, lambda f: container.write_safetensors(f, {}, meta))  # the commit point
+    storage.remove_quietly(url, [n for n in old if n not in {s["file"] for s in shards}])
 
 
 # ----------------------------------------------------------------------------------- reading
 def read_header(url: str | os.PathLike) -> dict[str, Any]:
     """The JSON header of a checkpoint, reading only the first bytes of the file."""
     url = os.fspath(url)
-    _, _, st_header = cio.read_head(url, url)
-    return cio.coatstate_header(st_header, url)
+    _, _, st_header = container.read_head(url, url)
+    return container.coatstate_header(st_header, url)
 
 
 def _decode(stored: Mapping[str, torch.Tensor], header: Mapping[str, Any], where: str, verify: bool):
@@ -349,7 +344,7 @@ def _decode(stored: Mapping[str, torch.Tensor], header: Mapping[str, Any], where
             raise CheckpointError(f"{where}: corrupt header entry for {key!r} ({e!r})") from None
         if info.get("encoding") == "zstd":
             nbytes = dtype.itemsize * int(torch.Size(shape).numel())
-            raw = cio.zstd_decompress(schema.tensor_bytes(t), nbytes, f"{where}: {key}")
+            raw = container.zstd_decompress(schema.tensor_bytes(t), nbytes, f"{where}: {key}")
             t = torch.frombuffer(bytearray(raw), dtype=dtype) if nbytes else torch.empty(0, dtype=dtype)
             t = t.reshape(shape)
         if t.dtype != dtype or list(t.shape) != shape:
@@ -368,14 +363,14 @@ def _decode(stored: Mapping[str, torch.Tensor], header: Mapping[str, Any], where
 def _read_shards(url: str, header: Mapping[str, Any], verify: bool) -> dict[str, torch.Tensor]:
     stored = {}
     for shard in header["shards"]:
-        shard_url = _sibling_url(url, shard["file"])
+        shard_url = storage.sibling_url(url, shard["file"])
         try:
-            data = cio.read_bytes(shard_url)
+            data = storage.read_bytes(shard_url)
         except FileNotFoundError:
             raise CheckpointError(f"{url}: shard {shard['file']} is missing") from None
         if verify and hashlib.sha256(data).hexdigest() != shard["sha256"]:
             raise CheckpointError(f"{url}: checksum mismatch for shard {shard['file']}: the file is corrupt")
-        part = cio.load_tensors(data, shard_url)
+        part = container.load_tensors(data, shard_url)
         if sorted(part) != sorted(shard["tensors"]):
             raise CheckpointError(f"{url}: shard {shard['file']} does not hold the tensors its index lists")
         stored.update(part)
@@ -401,7 +396,7 @@ def _read_pt(data: bytes, where: str) -> Checkpoint:
 
 
 def _read_dcp(path: str) -> Checkpoint:
-    optimizer, model, names = dist_utils.read_dcp(path)
+    optimizer, model, names = read_dcp(path)
     params = {
         str(pid): {"group": g, "name": names.get(pid), "shape": None}
         for g, group in enumerate(optimizer["param_groups"])
@@ -422,13 +417,13 @@ def read(url: str | os.PathLike, *, verify: bool = True) -> Checkpoint:
     url = os.fspath(url)
     if os.path.isdir(url):
         return _read_dcp(url)
-    data = cio.read_bytes(url)
+    data = storage.read_bytes(url)
     if data[:4] == b"PK\x03\x04":
         return _read_pt(data, url)
-    _, st_header = cio.parse_header(data, url)
-    header = cio.coatstate_header(st_header, url)
+    _, st_header = container.parse_header(data, url)
+    header = container.coatstate_header(st_header, url)
     try:
-        stored = _read_shards(url, header, verify) if header.get("shards") else cio.load_tensors(data, url)
+        stored = _read_shards(url, header, verify) if header.get("shards") else container.load_tensors(data, url)
         tensors = _decode(stored, header, url, verify)
         groups = [schema.decode_value(g, tensors) for g in header["param_groups"]]
         state = {int(pid): schema.decode_value(s, tensors) for pid, s in header["state"].items()}
@@ -452,7 +447,7 @@ def _expected_shape(pid: int, header: Mapping[str, Any], state: Mapping[int, Any
     info = header.get("params", {}).get(str(pid)) or {}
     if info.get("shape") is not None:
         return list(info["shape"])
-    for name in ("exp_avg_codes", *_MOMENT_KEYS):
+    for name in ("exp_avg" + CODES, *MOMENTS):
         t = state.get(pid, {}).get(name)
         if isinstance(t, torch.Tensor):
             return list(t.shape)
@@ -531,18 +526,18 @@ def load(
     if model is not None:
         _check_model(model, ckpt.model, url)
     sd = ckpt.optimizer
-    has_codes = any(k.endswith("_codes") for s in sd["state"].values() for k in s)
+    has_codes = any(is_compressed(s, name) for s in sd["state"].values() for name in MOMENTS)
     if has_codes and not _is_compressed_optimizer(optimizer):
         from coatstate.optim import to_adamw_state_dict
 
         sd = to_adamw_state_dict(sd)
     if model is not None:
-        if any(dist_utils.is_dtensor(t) for t in model.state_dict().values()):
-            dist_utils.load_model_state_dict(model, ckpt.model)
+        if any(distributed.is_dtensor(t) for t in model.state_dict().values()):
+            distributed.load_model_state_dict(model, ckpt.model)
         else:
             model.load_state_dict(ckpt.model)
     if not _is_compressed_optimizer(optimizer):  # CompressedAdamW cuts full tensors itself
-        sd = dist_utils.shard_like_params(sd, optimizer)
+        sd = distributed.shard_like_params(sd, optimizer)
     try:
         optimizer.load_state_dict(sd)
     except (ValueError, KeyError, RuntimeError) as e:

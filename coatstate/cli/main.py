@@ -15,9 +15,11 @@ import sys
 import time
 from typing import Any
 
-from coatstate import checkpoint_io as cio
 from coatstate.formats import schema
+from coatstate.formats.optimizer_state import MOMENTS, is_compressed
 from coatstate.formats.schema import CheckpointError
+
+from coatstate.checkpoint import container, storage
 
 PT_EXTENSIONS = (".pt", ".pth", ".bin")
 ST_EXTENSIONS = (".safetensors",)
@@ -47,10 +49,10 @@ def _first_step(url: str, header: dict[str, Any]) -> float | None:
         key, file_url = ref["$tensor"], url
         for shard in header.get("shards") or []:
             if key in shard["tensors"]:
-                file_url = url[: len(url) - len(os.path.basename(url))] + shard["file"]
-        _, start, st_header = cio.read_head(file_url, file_url)
+                file_url = storage.sibling_url(url, shard["file"])
+        _, start, st_header = container.read_head(file_url, file_url)
         begin, end = st_header[key]["data_offsets"]
-        fs, path = cio.url_to_fs(file_url)
+        fs, path = storage.url_to_fs(file_url)
         with fs.open(path, "rb") as f:
             f.seek(start + begin)
             raw = f.read(end - begin)
@@ -183,20 +185,20 @@ def _print_summary(url: str, s: dict[str, Any], verified: bool | None, show_all:
 
 
 def _file_bytes(url: str, header: dict[str, Any]) -> int:
-    fs, path = cio.url_to_fs(url)
+    fs, path = storage.url_to_fs(url)
     return fs.size(path) + sum(s["bytes"] for s in header.get("shards") or [])
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from coatstate import checkpoint
+    from coatstate.checkpoint import api as checkpoint
 
     url = args.file
-    head = cio.read_bytes(url, length=4)
+    head = storage.read_bytes(url, length=4)
     if head == b"PK\x03\x04":  # a torch.save file: read it (weights_only) and describe it
         ckpt = checkpoint.read(url)
         _, header = checkpoint._flatten(ckpt.optimizer, {}, {}, None)
         header["optimizer"]["class"] = "torch optimizer"
-        s = summarize(header, file_bytes=cio.url_to_fs(url)[0].size(cio.url_to_fs(url)[1]), step=None)
+        s = summarize(header, file_bytes=storage.url_to_fs(url)[0].size(storage.url_to_fs(url)[1]), step=None)
         s.update(step=_first_step_from(ckpt.optimizer), format_version=None, library_version=None)
         verified = None
     else:
@@ -245,11 +247,11 @@ def _write_pt(obj: Any, url: str) -> None:
     buf = io.BytesIO()
     torch.save(obj, buf)
     view = buf.getbuffer()
-    cio.atomic_write(url, lambda f: f.write(view), len(view))
+    storage.atomic_write(url, lambda f: f.write(view), len(view))
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from coatstate import checkpoint
+    from coatstate.checkpoint import api as checkpoint
 
     direction = _direction(args)
     if _ext(args.dst) not in PT_EXTENSIONS + ST_EXTENSIONS:
@@ -257,7 +259,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     ckpt = checkpoint.read(args.src)
     sd = ckpt.optimizer
-    has_codes = any(k.endswith("_codes") for s in sd["state"].values() for k in s)
+    has_codes = any(is_compressed(s, name) for s in sd["state"].values() for name in MOMENTS)
     names = {int(k): v["name"] for k, v in (ckpt.header.get("params") or {}).items() if v.get("name")}
     if direction == "keep":
         direction = "compressed" if has_codes else "adamw"
@@ -287,7 +289,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         if ckpt.model is not None:
             print("coatstate: note: the model state dict in SRC is not written to a .pt DST", file=sys.stderr)
         _write_pt(sd, args.dst)
-    src_size, dst_size = (cio.url_to_fs(u)[0].du(cio.url_to_fs(u)[1]) for u in (args.src, args.dst))
+    src_size, dst_size = (storage.url_to_fs(u)[0].du(storage.url_to_fs(u)[1]) for u in (args.src, args.dst))
     print(
         f"{args.src} ({_mb(src_size)}) -> {args.dst} ({_mb(dst_size)}, {dst_size / src_size:.3f}x, "
         f"{direction}) in {time.perf_counter() - t0:.1f} s",
@@ -323,7 +325,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--min-numel", type=int, default=4096, help="smaller params keep fp32 states")
     c.add_argument("--zstd", action="store_true", help="zstandard-compress the tensors")
     c.set_defaults(run=cmd_convert)
-    from coatstate.planner_cli import add_plan_parser
+    from coatstate.cli.plan import add_plan_parser
 
     add_plan_parser(sub)
     return p

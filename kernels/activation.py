@@ -1,6 +1,6 @@
 """Triton kernels that pack saved activations into FP8 and unpack them for backward.
 
-Twin (the CPU path and the oracle): coatstate.activation_policy's `pack_tensor`,
+Twin (the CPU path and the oracle): coatstate.formats.activation's `pack_tensor`,
 `pack_groups`, ... (docs/FORMAT.md, "Saved activations").
 
 Scales are powers of two stored as one byte (E8M0, as in the MX formats): byte b means 2**(b-127),
@@ -39,12 +39,9 @@ import triton
 import triton.language as tl
 from triton.compiler.compiler import CompiledKernel
 
-from ..formats.fp8 import FP8Format
-from ..formats.group import MIN_SCALE
-from ..formats.tensorwise import AMAX_BLOCK
-from .fp8_triton import FAST_MATH, from_fp8_bits, group_offsets, round_to_fp8_grid
+from ..formats.fp8 import FLOAT_DTYPES, FP8Format
+from .fp8_triton import FAST_MATH, cdiv, check_float_input, from_fp8_bits, group_offsets, round_to_fp8_grid
 
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # absent from CPU builds
 _BLOCK = 4096  # elements per program of the per-tensor kernels
 _AMAX_ITERS = 4  # blocks per program of the amax kernel: fewer atomics on one address
@@ -83,7 +80,7 @@ def _encode(x, e, byte, FP8_MAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.cons
     y = tl.where(byte == NAN_SCALE, 0.0, x.to(tl.float32) * inv)
     if FAST_MATH:  # the GPU's conversion rounds to nearest even itself (|y| <= FP8_MAX already)
         return y
-    else:  # the interpreter's conversion does not (../shared/NOTES.md): put y on the grid first
+    else:  # Triton's interpreter truncates instead: put y on the grid first
         return round_to_fp8_grid(y, FP8_MAX, MANT, EMIN)
 
 
@@ -283,10 +280,6 @@ _CONSTANTS: dict = {}
 _AMAX_CONSTANTS = {"BLOCK": _BLOCK, "ITERS": _AMAX_ITERS}
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)  # (triton.cdiv is a constexpr function: several microseconds per host call)
-
-
 def _encode_constants(fmt: FP8Format, **extra) -> dict:
     """constexprs of a pack kernel (cached: the launchers' keys are built from them per call)."""
     key = (fmt, *extra.items())
@@ -320,9 +313,9 @@ def pack_tensor_flat(x, n: int, fmt: FP8Format, amax, scales, slot: int) -> torc
     """Codes (n,) uint8 of the n elements at x's data pointer (dense); the scale byte goes to
     scales[slot], the maximum through amax[slot] (int32, zero before the call)."""
     codes = torch.empty(n, dtype=torch.uint8, device=x.device)
-    _amax((max(1, _cdiv(n, _BLOCK * _AMAX_ITERS)),), (x, amax, slot, n), _AMAX_CONSTANTS)
+    _amax((max(1, cdiv(n, _BLOCK * _AMAX_ITERS)),), (x, amax, slot, n), _AMAX_CONSTANTS)
     _pack_tensor(
-        (max(1, _cdiv(n, _BLOCK)),), (x, amax, codes, scales, slot, n), _encode_constants(fmt, BLOCK=_BLOCK)
+        (max(1, cdiv(n, _BLOCK)),), (x, amax, codes, scales, slot, n), _encode_constants(fmt, BLOCK=_BLOCK)
     )
     return codes
 
@@ -332,7 +325,7 @@ def unpack_tensor_flat(codes, scales, slot: int, fmt: FP8Format, dtype: torch.dt
     n = codes.numel()
     out = torch.empty(n, dtype=dtype, device=codes.device)
     const = _decode_constants(fmt, dtype, BLOCK=_BLOCK)
-    _unpack_tensor((max(1, _cdiv(n, _BLOCK)),), (codes, scales, out, slot, n), const)
+    _unpack_tensor((max(1, cdiv(n, _BLOCK)),), (codes, scales, out, slot, n), const)
     return out
 
 
@@ -340,7 +333,7 @@ def _group_layout(n: int, cols: int, group_size: int) -> tuple[int, int, int, bo
     if group_size < 1 or group_size & (group_size - 1) or group_size > 1024:
         raise ValueError(f"group_size must be a power of two in [1, 1024] for the kernel; got {group_size}")
     rows = n // cols if cols else 0
-    groups_per_row = max(1, _cdiv(cols, group_size))
+    groups_per_row = max(1, cdiv(cols, group_size))
     return (
         rows * groups_per_row,
         cols,
@@ -357,7 +350,7 @@ def pack_groups_flat(x, n: int, cols: int, group_size: int, fmt: FP8Format) -> t
     buf = torch.empty(n + n_groups, dtype=torch.uint8, device=x.device)
     if n_groups:
         const = _encode_constants(fmt, G=group_size, EVEN=even, BLOCK_GROUPS=block)
-        _pack_groups((_cdiv(n_groups, block),), (x, buf, n, n_groups, cols, per_row), const)
+        _pack_groups((cdiv(n_groups, block),), (x, buf, n, n_groups, cols, per_row), const)
     return buf
 
 
@@ -367,31 +360,22 @@ def unpack_groups_flat(buf, n: int, cols: int, group_size: int, fmt: FP8Format, 
     out = torch.empty(n, dtype=dtype, device=buf.device)
     if n_groups:
         const = _decode_constants(fmt, dtype, G=group_size, EVEN=even, BLOCK_GROUPS=block)
-        _unpack_groups((_cdiv(n_groups, block),), (buf, out, n, n_groups, cols, per_row), const)
+        _unpack_groups((cdiv(n_groups, block),), (buf, out, n, n_groups, cols, per_row), const)
     return out
 
 
 # -- checked API on tensors (tests, other callers) -----------------------------------------
-def _check_input(name: str, x: torch.Tensor) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
-    if x.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"{name} must be float32, bfloat16 or float16; got {x.dtype}")
-    if not x.is_contiguous():
-        raise ValueError(f"{name} must be contiguous (call .contiguous() first); got strides {x.stride()}")
-
-
 def _check_unpack(name: str, codes: torch.Tensor, dtype: torch.dtype) -> FP8Format:
     if not codes.is_contiguous():
         raise ValueError(f"{name} must be contiguous; got strides {codes.stride()}")
-    if dtype not in _FLOAT_DTYPES:
+    if dtype not in FLOAT_DTYPES:
         raise TypeError(f"dtype must be float32, bfloat16 or float16; got {dtype}")
     return FP8Format.parse(codes.dtype)  # raises for a non-FP8 dtype
 
 
 def pack_tensor(x: torch.Tensor, fmt: FP8Format | str = "e4m3") -> tuple[torch.Tensor, torch.Tensor]:
     """(codes in x's shape, scale byte (1,) uint8): x ~= codes * 2**(scale - 127)."""
-    _check_input("x", x)
+    check_float_input("x", x)
     fmt = FP8Format.parse(fmt)
     amax = torch.zeros(1, dtype=torch.int32, device=x.device)
     scale = torch.empty(1, dtype=torch.uint8, device=x.device)
@@ -410,14 +394,14 @@ def unpack_tensor(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) 
 
 def pack_groups(x2d: torch.Tensor, group_size: int = 16, fmt: FP8Format | str = "e4m3"):
     """(codes (rows, cols), scale bytes (rows, groups_per_row) uint8) of a contiguous 2-D tensor."""
-    _check_input("x2d", x2d)
+    check_float_input("x2d", x2d)
     if x2d.dim() != 2:
         raise ValueError(f"x2d must be 2-D (rows, row_length); got shape {tuple(x2d.shape)}")
     fmt = FP8Format.parse(fmt)
     rows, cols = x2d.shape
     n = x2d.numel()
     buf = pack_groups_flat(x2d, n, cols, group_size, fmt)
-    per_row = max(1, _cdiv(cols, group_size))
+    per_row = max(1, cdiv(cols, group_size))
     scales = (
         buf[n:].view(rows, per_row)
         if n
@@ -432,7 +416,7 @@ def unpack_groups(codes2d: torch.Tensor, scales: torch.Tensor, group_size: int, 
     if codes2d.dim() != 2:
         raise ValueError(f"codes2d must be 2-D; got shape {tuple(codes2d.shape)}")
     rows, cols = codes2d.shape
-    want = (rows, max(1, _cdiv(cols, group_size)))
+    want = (rows, max(1, cdiv(cols, group_size)))
     if tuple(scales.shape) != want or scales.dtype != torch.uint8:
         raise ValueError(
             f"scales must be uint8 exponent bytes of shape {want}; got {scales.dtype} {tuple(scales.shape)}"
@@ -440,115 +424,3 @@ def unpack_groups(codes2d: torch.Tensor, scales: torch.Tensor, group_size: int, 
     n = codes2d.numel()
     buf = torch.cat([codes2d.reshape(-1).view(torch.uint8), scales.reshape(-1)])
     return unpack_groups_flat(buf, n, cols, group_size, fmt, dtype).view(rows, cols)
-
-
-# -- per-tensor FP8 with a float32 scale: GEMM operands of coatstate.fp8_linear ---------------
-# Not the held-activation format above: torch._scaled_mm takes any float32 scale, and FP8Linear's
-# CPU path is the twin coatstate.formats.tensorwise (s = amax / FP8_MAX, two-stage max, correctly
-# rounded divisions), which these kernels match bit for bit.
-@triton.jit
-def _gemm_round_to_bf16(x):
-    """Round float32 x to the nearest bfloat16 (ties to even) in integer arithmetic, so the cast
-    to bfloat16 that follows is exact (the interpreter's own cast truncates)."""
-    bits = x.to(tl.int32, bitcast=True)
-    bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _gemm_partial_amax_kernel(x_ptr, partial_ptr, n, BLOCK: tl.constexpr):
-    pid = tl.program_id(0)
-    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
-    tl.store(partial_ptr + pid, tl.max(tl.abs(x), axis=0))
-
-
-@triton.jit
-def _gemm_scale_kernel(partial_ptr, scale_ptr, n_partial, fp8_max, min_scale, BLOCK: tl.constexpr):
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, n_partial, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        acc = tl.maximum(acc, tl.load(partial_ptr + offs, mask=offs < n_partial, other=0.0))
-    amax = tl.max(acc, axis=0)
-    scale = tl.maximum(tl.div_rn(amax, fp8_max), min_scale)
-    scale = tl.where(amax > 0, scale, 0.0)
-    safe = tl.where(scale > 0, scale, 1.0)
-    inv = tl.where(scale > 0, tl.div_rn(1.0, safe), 0.0)
-    tl.store(scale_ptr, scale)
-    tl.store(scale_ptr + 1, inv)
-
-
-@triton.jit
-def _gemm_pack_kernel(
-    x_ptr,
-    scale_ptr,
-    codes_ptr,
-    n,
-    FP8_MAX: tl.constexpr,
-    MANT: tl.constexpr,
-    EMIN: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    inv = tl.load(scale_ptr + 1)
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    q = round_to_fp8_grid(x * inv, FP8_MAX, MANT, EMIN)
-    tl.store(codes_ptr + offs, q.to(codes_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _gemm_unpack_kernel(codes_ptr, scale_ptr, out_ptr, n, BF16: tl.constexpr, BLOCK: tl.constexpr):
-    pid = tl.program_id(0)
-    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    scale = tl.load(scale_ptr)
-    q = tl.load(codes_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    x = q * scale
-    if BF16:
-        x = _gemm_round_to_bf16(x)
-    tl.store(out_ptr + offs, x.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def _launch_options() -> dict:
-    return {"enable_fp_fusion": False}
-
-
-def pack_tensorwise(x: torch.Tensor, fmt: FP8Format | str = "e4m3") -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes in x's shape, float32 [scale, 1/scale]) with one scale for the whole tensor."""
-    _check_input("x", x)
-    fmt = FP8Format.parse(fmt)
-    n = x.numel()
-    codes = torch.empty(x.shape, dtype=fmt.dtype, device=x.device)
-    n_partial = max(1, _cdiv(n, AMAX_BLOCK))
-    partial = torch.empty(n_partial, dtype=torch.float32, device=x.device)
-    scale = torch.empty(2, dtype=torch.float32, device=x.device)
-    _gemm_partial_amax_kernel[(n_partial,)](x, partial, n, BLOCK=AMAX_BLOCK, **_launch_options())
-    _gemm_scale_kernel[(1,)](partial, scale, n_partial, fmt.max, MIN_SCALE, BLOCK=1024, **_launch_options())
-    _gemm_pack_kernel[(n_partial,)](
-        x,
-        scale,
-        codes,
-        n,
-        FP8_MAX=fmt.max,
-        MANT=fmt.mantissa_bits,
-        EMIN=fmt.min_normal_exponent,
-        BLOCK=AMAX_BLOCK,
-        **_launch_options(),
-    )
-    return codes, scale
-
-
-def unpack_tensorwise(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """codes * scale[0] in `dtype` (scale as returned by pack_tensorwise, or a 1-element tensor)."""
-    FP8Format.parse(codes.dtype)  # raises for a non-FP8 dtype
-    if dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"dtype must be float32, bfloat16 or float16; got {dtype}")
-    out = torch.empty(codes.shape, dtype=dtype, device=codes.device)
-    n = codes.numel()
-    grid = (max(1, _cdiv(n, AMAX_BLOCK)),)
-    _gemm_unpack_kernel[grid](
-        codes, scale.float(), out, n, BF16=dtype == torch.bfloat16, BLOCK=AMAX_BLOCK, **_launch_options()
-    )
-    return out

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..formats.fp8 import FP8Format
+from ..formats.fp8 import FLOAT_DTYPES, FP8Format
 from ..formats.group import GroupQuantized, group_layout
 from .fp8_triton import encode_store, fp8_constants, group_offsets, load_decode
 
@@ -93,7 +93,7 @@ def quantize(
     """Triton twin of coatstate.formats.quantize (no finiteness check: it would synchronise)."""
     fmt = FP8Format.parse(fmt)
     _check_group_size(group_size)
-    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    if x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"quantize takes float32, bfloat16 or float16 tensors; got {x.dtype}")
     x = x.contiguous()
     rows, cols, groups = group_layout(x.shape, group_size)

@@ -7,14 +7,13 @@
     print(fp8_saves.stats.summary())                      # per compiled graph, at compile time
 
 Why a second path: compress_activations works on any model through saved-tensor hooks, which run
-Python per saved tensor (benchmarks/activation_host.py: ~13 us per save and ~90 us per packed
-tensor on the H200's host). A transformer's forward is already host-bound, so that Python time
-is step time. Here nothing runs per step: inductor's partitioner splits the joint graph into
+Python per saved tensor (benchmarks/activation_host.py measures it). A transformer's forward is
+often host-bound, so that Python time is step time. Here nothing runs per step: inductor's partitioner splits the joint graph into
 forward and backward, and this partitioner (inductor's `custom_partitioner_fn` hook) rewrites the
 boundary. Each floating-point tensor the forward saves for backward is replaced by its FP8 codes
 and scale bytes, computed by nodes appended to the forward graph (inductor fuses them into the
 kernel that produces the tensor, or into one pass over it), and the backward graph decodes them
-right before their first use. The codec is coatstate.activation_policy's pure-torch one, traced:
+right before their first use. The codec is coatstate.formats.activation's pure-torch one, traced:
 the bytes held are exactly compress_activations' (docs/FORMAT.md, "Saved activations").
 
 The op kind comes from the graph, not the Python call site: a saved tensor that feeds a matmul
@@ -48,13 +47,16 @@ import warnings
 
 import torch
 import torch.fx as fx
+from coatstate.formats import activation as codec
+from coatstate.formats import fp8 as fp8_format
+from coatstate.formats.fp8 import FLOAT_DTYPES
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files  # (torch >= 2.9)
 
-from coatstate import activation_policy as codec
-from coatstate.activation_graph import Boundary, LayoutError, copy_nodes, inline, is_tensor
-from coatstate.activation_policy import ActivationPolicy, ActivationStats, Granularity, OpKind
-from coatstate.formats import fp8 as fp8_format
+from coatstate.activations.graph import Boundary, LayoutError, copy_nodes, inline, is_tensor
+from coatstate.activations.op_kinds import OpKind
+from coatstate.activations.policy import ActivationPolicy, Granularity
+from coatstate.activations.stats import ActivationStats, KeepReason
 
 __all__ = ["CompiledActivations"]
 
@@ -98,7 +100,6 @@ _POINTWISE_TO_REDUCTION = _ops("pow.Tensor_Scalar mul.Tensor sub.Tensor add.Tens
 _STATISTIC_STEPS = _ops(
     "add.Tensor add.Scalar sub.Tensor rsqrt.default sqrt.default reciprocal.default div.Tensor"
 )
-_COMPRESSIBLE = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class CompiledActivations(CustomPartitionerFn):
@@ -150,7 +151,7 @@ class CompiledActivations(CustomPartitionerFn):
         except LayoutError as e:  # raised before any edit: the graphs run as partitioned
             msg = f"CompiledActivations left a compiled graph's saved tensors as they are: {e}"
             warnings.warn(msg, stacklevel=2)
-            self.stats.kept_reasons["graph layout not recognised (warned)"] += 1
+            self.stats.kept_reasons[KeepReason.LAYOUT_NOT_RECOGNISED] += 1
             return fw, bw
         rewrite.run()
         return fw, bw
@@ -173,7 +174,7 @@ class _Recompute:  # (keyed by its position in the forward's outputs)
     from_parameter: bool  # a view/cast of a parameter (not activation bytes)
 
 
-_FROM_PARAMETER = "parameter cast or view"
+_FROM_PARAMETER = KeepReason.PARAMETER_CAST
 
 
 class _Rewrite:
@@ -230,28 +231,28 @@ class _Rewrite:
 
     def _decide(self, node: fx.Node, val: torch.Tensor, returned: set):
         """A reason to keep the tensor (str), or (granularity, label)."""
-        if val.dtype not in _COMPRESSIBLE:
-            return "not float16/bfloat16/float32"
+        if val.dtype not in FLOAT_DTYPES:
+            return KeepReason.NOT_FLOAT
         if any(not isinstance(s, int) for s in (*val.shape, *val.stride())):
             return "dynamic (symbolic) shape in a compiled graph"
         root, cast = _view_root(node)
         if root.op == "placeholder" and root in self.parameters:  # (alive anyway)
-            return "parameter or other leaf requiring grad" if node is root else _FROM_PARAMETER
+            return KeepReason.LEAF if node is root else _FROM_PARAMETER
         if val.numel() < max(self.policy.min_numel, 1):
-            return f"smaller than min_numel={self.policy.min_numel}"
+            return KeepReason.small(self.policy.min_numel)
         if any(st == 0 and n > 1 for n, st in zip(val.shape, val.stride(), strict=True)):
             return "expanded (stride-0) view"
         if node in returned:
-            return "also returned by the compiled graph"
+            return KeepReason.GRAPH_OUTPUT
         if _is_statistic(node):
             return "statistics of a reduction (a norm's mean/rstd)"
         if root.op == "placeholder" and not cast and root not in self.needs_grad:
-            return "input of a compiled graph"  # data the caller holds; an activation needs grad
+            return KeepReason.GRAPH_INPUT  # data the caller holds; an activation needs grad
         label, granularity = self._kind(node)
         if granularity is Granularity.BF16 and val.dtype is not torch.float32:
             granularity = Granularity.KEEP  # already 16-bit: bfloat16 would save nothing
         if granularity is Granularity.KEEP:
-            return f"policy keeps {label}"
+            return KeepReason.by_policy(label)
         return granularity, label
 
     def _share_buffers(self, decided: dict) -> None:
@@ -302,7 +303,7 @@ class _Rewrite:
         if node.target is operator.getitem and getattr(node.args[0], "target", None) in _ATTENTION:
             if node.args[1] == 0:  # the attention op's output; its other outputs are statistics
                 return "attention_v_out", policy.attention_v_out
-            return "attention statistics", Granularity.KEEP
+            return KeepReason.ATTENTION_STATISTICS, Granularity.KEEP
         users = _users_through_views(node)
         for user, arg in users:
             if user.target in _ATTENTION:

@@ -27,13 +27,13 @@ import sys
 from collections.abc import Callable, Iterable
 
 import torch
+from coatstate.activations.policy import KEEP_ALL, ActivationPolicy
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from coatstate.activation_policy import KEEP_ALL, ActivationPolicy
-from coatstate.activations import compress_activations
+from coatstate.activations.hooks import compress_activations
 
 
 class LiveBytes(TorchDispatchMode):

@@ -10,7 +10,7 @@ import dataclasses
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from coatstate.activation_policy import Granularity
+from coatstate.activations.policy import Granularity
 
 _TENSOR, _BF16 = Granularity.TENSOR, Granularity.BF16
 
@@ -49,7 +49,7 @@ class _Region:
 
 @dataclasses.dataclass(eq=False)
 class _Packed(_Region):
-    """A region held as FP8 codes and power-of-two scale bytes (codec in activation_policy)."""
+    """A region held as FP8 codes and power-of-two scale bytes (codec in coatstate.formats.activation)."""
 
     granularity: Granularity = Granularity.TENSOR
     codes: torch.Tensor | None = None  # kernels: uint8 codes (+ group scale bytes); twin: FP8 codes

@@ -21,10 +21,10 @@ import math
 from typing import Any
 
 import torch
-
 from coatstate.formats.group import storage_bytes
-from coatstate.optim import FORMAT_DEFAULTS, moment_formats
-from coatstate.planner_trace import ActivationModel
+from coatstate.planner.trace import ActivationModel
+
+from coatstate.optim.moments import FORMAT_DEFAULTS, moment_formats
 
 GB = 1e9
 PARAM_BYTES = {"bf16": 2, "fp32": 4}
@@ -90,7 +90,7 @@ class Row:
 
 @dataclasses.dataclass
 class Plan:
-    """What `coatstate plan` prints. Built by coatstate.planner.plan."""
+    """What `coatstate plan` prints. Built by coatstate.planner.plan()."""
 
     model: str
     params: int

@@ -8,7 +8,7 @@ Per GPU, for torch AdamW + BF16, CompressedAdamW, CompressedAdamW + compress_act
 optimizer states from the model's real parameter shapes (on the meta device) and the library's
 own rules (CompressedAdamW's moment_formats: group size, formats, expansion, min_numel, 1-D
 params; formats.group.storage_bytes), FSDP2 shards as dim-0 chunks; activation bytes and the
-step's transient peak from a short CPU trace of the model (coatstate.planner_trace). The model
+step's transient peak from a short CPU trace of the model (coatstate.planner.trace). The model
 then gives the peak per GPU, the fewest GPUs that fit and the largest micro-batch that fits.
 """
 
@@ -24,11 +24,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from coatstate.planner.memory import Plan, Row, Variant, optimizer_bytes
+from coatstate.planner.models import PlannerLM, Shape, shape_from_config, shape_from_numbers
+from coatstate.planner.trace import ActivationModel, find_layers, trace
 from torch import nn
-
-from coatstate.planner_memory import Plan, Row, Variant, optimizer_bytes
-from coatstate.planner_models import PlannerLM, Shape, shape_from_config, shape_from_numbers
-from coatstate.planner_trace import ActivationModel, find_layers, trace
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -198,6 +197,27 @@ def default_variants() -> tuple[list[Variant], str]:
 # ----------------------------------------------------------------------------------- the plan
 
 
+def _checked_setup(spec, seq, batch, gpus, sharding, gpu_memory, param_dtype) -> tuple[int | float, int]:
+    """plan()'s arguments checked: (gpu_memory in bytes, the sequence length)."""
+    if isinstance(gpu_memory, str):
+        from coatstate.planner.units import parse_bytes
+
+        gpu_memory = parse_bytes(gpu_memory)
+    if param_dtype not in _DTYPES:
+        raise ValueError(f"param_dtype must be 'bf16' or 'fp32'; got {param_dtype!r}")
+    if sharding not in ("none", "fsdp2"):
+        raise ValueError(f"sharding must be 'none' or 'fsdp2'; got {sharding!r}")
+    for name, v in (("batch", batch), ("gpus", gpus)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive int; got {v!r}")
+    seq = seq or spec.max_seq
+    if not seq:
+        raise ValueError(f"{spec.name}: give the sequence length (--seq); the model does not say its maximum")
+    if spec.max_seq and seq > spec.max_seq:
+        raise ValueError(f"seq={seq} exceeds the model's maximum {spec.max_seq}: lower --seq")
+    return gpu_memory, seq
+
+
 def plan(
     model: Any,
     *,
@@ -220,22 +240,7 @@ def plan(
     sharding 'fsdp2': params, grads, master weights and states are dim-0 sharded over `gpus`.
     """
     spec = resolve_model(model)
-    if isinstance(gpu_memory, str):
-        from coatstate.planner_cli import parse_bytes
-
-        gpu_memory = parse_bytes(gpu_memory)
-    if param_dtype not in _DTYPES:
-        raise ValueError(f"param_dtype must be 'bf16' or 'fp32'; got {param_dtype!r}")
-    if sharding not in ("none", "fsdp2"):
-        raise ValueError(f"sharding must be 'none' or 'fsdp2'; got {sharding!r}")
-    for name, v in (("batch", batch), ("gpus", gpus)):
-        if not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be a positive int; got {v!r}")
-    seq = seq or spec.max_seq
-    if not seq:
-        raise ValueError(f"{spec.name}: give the sequence length (--seq); the model does not say its maximum")
-    if spec.max_seq and seq > spec.max_seq:
-        raise ValueError(f"seq={seq} exceeds the model's maximum {spec.max_seq}: lower --seq")
+    gpu_memory, seq = _checked_setup(spec, seq, batch, gpus, sharding, gpu_memory, param_dtype)
     master = param_dtype == "bf16" if master_weights is None else bool(master_weights)
     use_autocast = autocast and param_dtype == "fp32"
     notes = []

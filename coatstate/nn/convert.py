@@ -1,0 +1,65 @@
+"""convert_to_fp8 (swap nn.Linear for FP8Linear in a model) and fp8_fallbacks (what did not run FP8)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from torch import nn
+
+from coatstate.distributed import is_dtensor
+from coatstate.nn.config import FP8LinearConfig
+from coatstate.nn.module import FP8Linear
+
+logger = logging.getLogger("coatstate")
+
+
+def convert_to_fp8(
+    model: nn.Module,
+    filter_fn: Callable[[nn.Module, str], bool] | None = None,
+    config: FP8LinearConfig | None = None,
+) -> nn.Module:
+    """Turn the nn.Linear modules of `model` (those `filter_fn(module, name)` accepts) into FP8Linear.
+
+    In place, and returns `model`. Each module keeps its identity, parameters (tied weights stay
+    tied, an optimizer built before keeps working), hooks and state-dict keys, so a checkpoint of
+    the converted model loads into the original and back. Only modules of type exactly nn.Linear
+    are converted (subclasses such as MultiheadAttention's out_proj never run their own forward).
+    Layers whose shape torch._scaled_mm cannot take are converted but run in high precision;
+    one log line lists them, and so does `fp8_fallbacks(model)`.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module; got {type(model).__name__}")
+    if filter_fn is not None and not callable(filter_fn):
+        raise TypeError(f"filter_fn must be callable as filter_fn(module, name) -> bool; got {filter_fn!r}")
+    sharded = [name for name, p in model.named_parameters() if is_dtensor(p)]
+    if sharded:  # FSDP2 wraps modules in subclasses a type check would skip: refuse, never skip silently
+        raise ValueError(
+            f"{len(sharded)} parameters (e.g. {sharded[0]!r}) are already DTensors: call convert_to_fp8 "
+            "BEFORE fully_shard (FSDP2) or parallelize_module"
+        )
+    converted = []
+    for name, module in model.named_modules():
+        if type(module) is not nn.Linear or (filter_fn is not None and not filter_fn(module, name)):
+            continue
+        module.__class__ = FP8Linear
+        module._setup_fp8(config, log=False)
+        converted.append(name)
+    fallbacks = fp8_fallbacks(model)
+    if fallbacks:
+        logger.warning(
+            "convert_to_fp8: %d of %d converted linear layers run in high precision: %s",
+            len(fallbacks),
+            len(converted),
+            "; ".join(f"{n} ({r})" for n, r in fallbacks.items()),
+        )
+    return model
+
+
+def fp8_fallbacks(model: nn.Module) -> dict[str, str]:
+    """{module name: reason} for every FP8Linear in `model` that runs in high precision."""
+    return {
+        name: module.fallback_reason
+        for name, module in model.named_modules()
+        if isinstance(module, FP8Linear) and module.fallback_reason is not None
+    }

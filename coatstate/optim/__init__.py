@@ -1,0 +1,7 @@
+"""CompressedAdamW (AdamW with FP8 moments), its pure-torch step and state-dict conversion."""
+
+from coatstate.optim.adamw import CompressedAdamW
+from coatstate.optim.moments import optimizer_state_bytes
+from coatstate.optim.state_dict import compress_adamw_state_dict, to_adamw_state_dict
+
+__all__ = ["CompressedAdamW", "compress_adamw_state_dict", "optimizer_state_bytes", "to_adamw_state_dict"]

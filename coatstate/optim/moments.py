@@ -1,0 +1,84 @@
+"""Which moments of a parameter are compressed and how (param-group options -> MomentFormat), and
+what an optimizer's state costs in bytes."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from coatstate.formats import FP8Format
+from coatstate.formats.optimizer_state import DEFAULT_GROUP_SIZE, MOMENTS, MomentFormat
+
+FORMAT_DEFAULTS: dict[str, Any] = {
+    "compress": True,
+    "group_size": DEFAULT_GROUP_SIZE,
+    "exp_avg_format": "e4m3",
+    "exp_avg_sq_format": "e4m3",
+    "exp_avg_expand": True,
+    "exp_avg_sq_expand": True,
+    "min_numel": 4096,
+    "compress_1d": False,
+    "master_bits": None,
+    "master_seed": 0,
+}
+"""coatstate's own param-group keys (beside torch.optim.AdamW's) and their defaults."""
+
+
+def global_shape(p: torch.Tensor) -> torch.Size:
+    """The full shape of a parameter: a DTensor's global shape, never its local shard's."""
+    return p.shape  # DTensor.shape is the global shape
+
+
+def moment_formats(group: dict, shape: torch.Size) -> dict[str, MomentFormat | None]:
+    """How each moment of a parameter of global `shape` is stored (None: float32)."""
+    numel = math.prod(shape)
+    compress = (
+        group.get("compress", True)
+        and numel >= group.get("min_numel", FORMAT_DEFAULTS["min_numel"])
+        and (len(shape) >= 2 or group.get("compress_1d", False))
+    )
+    if not compress:
+        return dict.fromkeys(MOMENTS)
+    g = group.get("group_size", DEFAULT_GROUP_SIZE)
+    first = MomentFormat(
+        FP8Format.parse(group.get("exp_avg_format", "e4m3")), group.get("exp_avg_expand", True), g
+    )
+    second = MomentFormat(
+        FP8Format.parse(group.get("exp_avg_sq_format", "e4m3")), group.get("exp_avg_sq_expand", True), g
+    )
+    return {"exp_avg": first, "exp_avg_sq": second, "max_exp_avg_sq": second}
+
+
+def master_mode(group: dict, p: torch.Tensor) -> int | None:
+    """The master-weight mode a parameter steps with: the group's master_bits for a bfloat16
+    parameter, None (the parameter is its own master) for a float32 one."""
+    bits = group.get("master_bits")
+    return bits if bits is not None and p.dtype == torch.bfloat16 else None
+
+
+def why_uncompressed(group: dict, shape: torch.Size) -> str:
+    if not group.get("compress", True):
+        return "compression is off for its param group"
+    if len(shape) < 2 and not group.get("compress_1d", False):
+        return "1-D parameter (norm weight or bias)"
+    return f"{math.prod(shape)} elements < min_numel={group.get('min_numel')}"
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of any optimizer's state tensors held on this process, step counters left out: a
+    DTensor counts its local shard, a tensor subclass (torchao's low-bit states) what it stores."""
+
+    def nbytes(t: torch.Tensor) -> int:
+        if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
+            names, _ = t.__tensor_flatten__()  # a DTensor also names its device_mesh here
+            inner = (getattr(t, n) for n in names)
+            return sum(nbytes(x) for x in inner if isinstance(x, torch.Tensor))
+        return t.numel() * t.element_size()
+
+    return sum(
+        nbytes(t)
+        for state in optimizer.state.values()
+        for key, t in state.items()
+        if key != "step" and isinstance(t, torch.Tensor)
+    )

@@ -1,0 +1,39 @@
+"""Memory sizes and counts as people write them ('80GB', '141 GiB', '6.7B'); no torch import."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 1e3,
+    "mb": 1e6,
+    "gb": 1e9,
+    "tb": 1e12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_COUNT_SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
+
+
+def parse_bytes(text: str) -> int:
+    """'80GB', '141 GiB', '8e10' -> bytes (a bare number is bytes; GB = 1e9, GiB = 2**30)."""
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a memory size: write e.g. 80GB, 141GiB or a number of bytes"
+        )
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def parse_count(text: str) -> int:
+    """'6.7B', '355M', '7e9' -> an integer count."""
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([kKmMbBtT]?)\s*", str(text))
+    if m is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count: write e.g. 6.7B, 355M or 7e9")
+    return int(float(m.group(1)) * _COUNT_SUFFIX[m.group(2).lower()])
