@@ -9,8 +9,8 @@ arithmetic, so the Triton step (kernels/adamw_fused.py) computes the same bits:
   w and d give back x exactly: bits = (w << 16) + d.
 - 24 bits: w = x rounded to nearest bfloat16 (ties to even) and an int8 correction
   c = round((x - w) / s), with s = ulp(w) / 256 a power of two: x ~= w + c * s, within s / 2,
-  or within s where x lies exactly half a bfloat16 step above w (c = +128 is clamped to 127):
-  a relative error of at most 2**-15.
+  or within s where x lies within s / 2 of half a bfloat16 step above w (c = +128 is clamped
+  to 127; about 1 value in 512): a relative error of at most 2**-15.
 - 16 bits: no correction; x is rounded to bfloat16 stochastically, rounding up with probability
   equal to the dropped fraction: unbiased. The random bits are a hash of (seed, step, element),
   so a run is reproducible and its resume bit-exact.

@@ -3,6 +3,7 @@ conversions between torch.optim.AdamW's state dicts and CompressedAdamW's."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -10,6 +11,7 @@ from coatstate.formats.optimizer_state import (
     CODES,
     DEFAULT_GROUP_SIZE,
     EXPONENTS,
+    MASTER_CORRECTION,
     MOMENTS,
     SCALES,
     init_moment,
@@ -19,7 +21,10 @@ from coatstate.formats.optimizer_state import (
 )
 
 from coatstate.distributed import check_compressible, is_dtensor, local_chunk, local_tensor, wrap_state
-from coatstate.optim.moments import FORMAT_DEFAULTS, global_shape, moment_formats
+from coatstate.formats.master_weights import CORRECTION_DTYPES
+from coatstate.optim.moments import FORMAT_DEFAULTS, global_shape, master_mode, moment_formats
+
+logger = logging.getLogger("coatstate")
 
 
 def convert_param_state(saved: dict, p: torch.Tensor, group: dict) -> dict:
@@ -69,6 +74,7 @@ def convert_param_state(saved: dict, p: torch.Tensor, group: dict) -> dict:
                         out[k].copy_(src[k])
             else:
                 write_moment(out, name, value, formats[name])
+    _convert_master_correction(saved, out, p, group, local)
     if "step" not in out:
         raise ValueError("parameter state has no 'step'")
     if is_dtensor(p):
@@ -136,3 +142,27 @@ def to_adamw_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
                     out[name] = read_moment(s, name, g).float().clone()
             state[pid] = out
     return {"state": state, "param_groups": groups}
+
+
+def _convert_master_correction(saved: dict, out: dict, p: torch.Tensor, group: dict, local: torch.Tensor) -> None:
+    """The master-weight correction of a bfloat16 parameter in this group's mode: copied when the
+    saved one is in it, else zero (the weight alone is then the master: precision below the
+    weight's is lost once, and said so)."""
+    mode = master_mode(group, p)
+    if mode not in CORRECTION_DTYPES:
+        return
+    want = CORRECTION_DTYPES[mode]
+    have = saved.get(MASTER_CORRECTION)
+    if isinstance(have, torch.Tensor):
+        have = _local_part(have, p)
+        if have.dtype == want and tuple(have.shape) == tuple(local.shape):
+            out[MASTER_CORRECTION] = have.to(local.device).clone()
+            return
+    if have is not None:
+        logger.warning(
+            "coatstate: a saved master correction (%s) does not fit master_bits=%d; starting from the "
+            "weight alone",
+            getattr(have, "dtype", type(have).__name__),
+            mode,
+        )
+    out[MASTER_CORRECTION] = torch.zeros_like(local, dtype=want)
