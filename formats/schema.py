@@ -28,6 +28,9 @@ CHECKSUM_ALGORITHM = "sha256"
 """Per-tensor checksum: sha256 over the tensor's raw little-endian bytes (before any zstd)."""
 MAX_HEADER_BYTES = 100 * 2**20
 """safetensors' own limit on the JSON header."""
+MAX_JSON_DEPTH = 64
+"""Deepest nesting a header may have: ours is about 6 deep, and a bound keeps every recursive
+walk of it far from Python's recursion limit."""
 
 STATE_PREFIX = "state"
 MODEL_PREFIX = "model"
@@ -143,11 +146,37 @@ def encode_value(value: Any, where: str) -> Any:
     )
 
 
+NONFINITE_FLOATS = ("inf", "-inf", "nan")
+"""The only values of a {"$float": ...} tag (encode_value writes repr() of non-finite floats)."""
+
+
+def tag_problem(value: Mapping[str, Any]) -> str | None:
+    """Why a dict with a reserved '$' key is not a valid tag, or None for a valid one (or a plain dict)."""
+    tags = [k for k in value if isinstance(k, str) and k.startswith("$")]
+    if not tags:
+        return None
+    if len(value) != 1:
+        return f"a tag must be the only key of its object; got keys {sorted(map(str, value))[:5]}"
+    tag, inner = tags[0], value[tags[0]]
+    if tag == "$tuple":
+        return None if isinstance(inner, list) else "$tuple must hold a list"
+    if tag == "$float":
+        return (
+            None if inner in NONFINITE_FLOATS else f"$float must be one of {NONFINITE_FLOATS}; got {inner!r}"
+        )
+    if tag == "$tensor":
+        return None if isinstance(inner, str) else "$tensor must hold a tensor key (a string)"
+    return f"unknown tag {tag!r} (keys starting with '$' are reserved)"
+
+
 def decode_value(value: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
     """Inverse of `encode_value`; {"$tensor": key} is looked up in `tensors`."""
     if isinstance(value, list):
         return [decode_value(v, tensors) for v in value]
     if isinstance(value, dict):
+        problem = tag_problem(value)
+        if problem:
+            raise CheckpointError(f"invalid tagged value in the header: {problem}")
         if "$tuple" in value:
             return tuple(decode_value(v, tensors) for v in value["$tuple"])
         if "$float" in value:
@@ -158,6 +187,52 @@ def decode_value(value: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
                 raise CheckpointError(f"tensor {key!r} named in the header is missing from the file")
             return tensors[key]
         return {k: decode_value(v, tensors) for k, v in value.items()}
+    return value
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"non-standard JSON literal {name} (the header is strict JSON)")
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"duplicate key {dup!r}")
+    return out
+
+
+def json_depth(value: Any, limit: int = MAX_JSON_DEPTH) -> int:
+    """Nesting depth of parsed JSON (a scalar is 0), walked without recursion; stops past `limit`."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, (dict, list, tuple)):
+            d += 1
+            deepest = max(deepest, d)
+            if deepest > limit:
+                return deepest
+            stack.extend((x, d) for x in (v.values() if isinstance(v, dict) else v))
+    return deepest
+
+
+def loads_json(text: str | bytes, where: str, what: str = "header") -> Any:
+    """Strict JSON: no NaN/Infinity literals, no duplicate keys, at most MAX_JSON_DEPTH deep.
+
+    Any violation (or a parser hitting the recursion limit on deep nesting) is a CheckpointError
+    naming `where` and the problem.
+    """
+    try:
+        value = json.loads(text, parse_constant=_refuse_constant, object_pairs_hook=_no_duplicates)
+    except RecursionError:
+        raise CheckpointError(
+            f"{where}: corrupt {what}: JSON nested deeper than Python's recursion limit"
+        ) from None
+    except (UnicodeDecodeError, ValueError) as e:  # json.JSONDecodeError is a ValueError
+        raise CheckpointError(f"{where}: corrupt {what} ({e})") from None
+    if json_depth(value) > MAX_JSON_DEPTH:
+        raise CheckpointError(f"{where}: corrupt {what}: JSON nested deeper than {MAX_JSON_DEPTH} levels")
     return value
 
 

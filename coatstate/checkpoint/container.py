@@ -15,10 +15,11 @@ from collections.abc import Mapping
 from typing import Any, BinaryIO
 
 import torch
-from coatstate.formats import schema
-from coatstate.formats.schema import CheckpointError
 
 from coatstate.checkpoint.storage import read_bytes
+from coatstate.checkpoint.validate import validate_header
+from coatstate.formats import schema
+from coatstate.formats.schema import CheckpointError
 
 ZSTD_LEVEL = 3
 """Higher levels buy nothing on FP8 codes (docs/CHECKPOINT.md)."""
@@ -66,21 +67,27 @@ def parse_header(head: bytes, where: str) -> tuple[int, dict[str, Any]]:
     if len(head) < 8:
         raise CheckpointError(f"{where}: file is {len(head)} bytes, too short for a safetensors header")
     (n,) = struct.unpack("<Q", head[:8])
-    if n > schema.MAX_HEADER_BYTES or 8 + n > len(head):
+    if n > schema.MAX_HEADER_BYTES:
         raise CheckpointError(
-            f"{where}: truncated or corrupt: header length {n} but only {len(head)} bytes read"
+            f"{where}: not a safetensors file, or corrupt: its first 8 bytes give a header length of {n}, "
+            f"over safetensors' limit of {schema.MAX_HEADER_BYTES}"
+        )
+    if 8 + n > len(head):
+        raise CheckpointError(
+            f"{where}: truncated or corrupt: header length {n} but the file has {len(head)} bytes"
         )
     try:
-        header = json.loads(head[8 : 8 + n].decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        text = head[8 : 8 + n].decode("utf-8")
+    except UnicodeDecodeError as e:
         raise CheckpointError(f"{where}: corrupt safetensors header ({e})") from None
+    header = schema.loads_json(text, where, "safetensors header")
     if not isinstance(header, dict):
         raise CheckpointError(f"{where}: corrupt safetensors header (not a JSON object)")
     return 8 + n, header
 
 
 def coatstate_header(st_header: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """Our JSON header out of the safetensors metadata, its checksum verified."""
+    """Our JSON header out of the safetensors metadata, its checksum verified, its schema checked."""
     meta = st_header.get("__metadata__")
     if not isinstance(meta, dict) or not isinstance(meta.get(schema.METADATA_KEY), str):
         raise CheckpointError(
@@ -90,11 +97,28 @@ def coatstate_header(st_header: Mapping[str, Any], where: str) -> dict[str, Any]
     text = meta[schema.METADATA_KEY]
     if meta.get(schema.HEADER_CHECKSUM_KEY) != schema.header_checksum(text):
         raise CheckpointError(f"{where}: header checksum mismatch: the file is corrupt")
-    try:
-        header = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{where}: corrupt coatstate header ({e})") from None
-    return schema.check_header(header, where)
+    return validate_header(schema.loads_json(text, where, "coatstate header"), where)
+
+
+def tensor_span(st_header: Mapping[str, Any], key: str, data_bytes: int, where: str) -> tuple[int, int]:
+    """(begin, end) of tensor `key` within the data section, checked against the data's size."""
+    entry = st_header.get(key)
+    if not isinstance(entry, dict):
+        raise CheckpointError(
+            f"{where}: tensor {key!r} is listed in the coatstate header but not in the safetensors header"
+        )
+    span = entry.get("data_offsets")
+    if not (
+        isinstance(span, list)
+        and len(span) == 2
+        and all(isinstance(x, int) and not isinstance(x, bool) for x in span)
+        and 0 <= span[0] <= span[1] <= data_bytes
+    ):
+        raise CheckpointError(
+            f"{where}: tensor {key!r} has data offsets {span!r:.60} outside the file's "
+            f"{data_bytes} data bytes: truncated or corrupt"
+        )
+    return span[0], span[1]
 
 
 def load_tensors(data: bytes, where: str) -> dict[str, torch.Tensor]:
@@ -128,6 +152,12 @@ def zstd_compress(data: memoryview, level: int = ZSTD_LEVEL) -> bytes:
 
 def zstd_decompress(blob: memoryview | bytes, expected_size: int, where: str) -> bytes:
     z = _zstd()
+    try:
+        claimed = z.frame_content_size(blob)
+    except z.ZstdError as e:
+        raise CheckpointError(f"{where}: corrupt zstd frame ({e})") from None
+    if claimed != expected_size:  # checked before the frame allocates what it claims
+        raise CheckpointError(f"{where}: zstd frame holds {claimed} bytes, expected {expected_size}")
     try:
         out = z.ZstdDecompressor().decompress(blob, max_output_size=expected_size)
     except z.ZstdError as e:

@@ -1,0 +1,480 @@
+"""Checks of a checkpoint before anything is built from it, and before it is loaded.
+
+`validate_header` checks a header against its schema (docs/CHECKPOINT.md) from the header alone:
+field types and ranges, the tagged values, which tensors the entries name, and that every moment
+agrees with its parameter's shape and with its group format (a `group_size` that disagrees with
+the stored scales would requantize the moments silently). A header that a buggy writer produced
+with a valid checksum is refused here with a CheckpointError, never a TypeError deeper down.
+`check_*` compare a read checkpoint with the optimizer and model it is about to be loaded into.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from coatstate.formats import schema
+from coatstate.formats.group import group_layout
+from coatstate.formats.optimizer_state import CODES, DEFAULT_GROUP_SIZE, EXPONENTS, MOMENTS, SCALES
+from coatstate.formats.schema import CheckpointError
+
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_FP8_DTYPES = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}
+_BOOL_KEYS = (
+    "amsgrad", "maximize", "capturable", "differentiable", "decoupled_weight_decay", "compress",
+    "compress_1d", "exp_avg_expand", "exp_avg_sq_expand", "nesterov",
+)  # fmt: skip
+MAX_DIMS = 64
+"""More dimensions than any torch tensor has (torch's own limit)."""
+ADAMW_FAMILY = frozenset({"AdamW", "CompressedAdamW"})
+"""Classes whose checkpoints load into each other (compressed on load, or decompressed)."""
+
+
+class _Ref:
+    """A {"$tensor": key} reference, decoded for checking."""
+
+    def __init__(self, key: str):
+        self.key = key
+
+
+class _Tensor:
+    """A state tensor as the header describes it."""
+
+    def __init__(self, dtype: str, shape: list[int]):
+        self.dtype, self.shape = dtype, shape
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _plain(v: Any, where: str, fail) -> Any:
+    """A tagged JSON value decoded with tensors as _Ref; bad tags fail (depth is bounded already)."""
+    if isinstance(v, list):
+        return [_plain(x, where, fail) for x in v]
+    if isinstance(v, dict):
+        problem = schema.tag_problem(v)
+        if problem:
+            fail(f"{where}: {problem}")
+        if "$tuple" in v:
+            return tuple(_plain(x, where, fail) for x in v["$tuple"])
+        if "$float" in v:
+            return float(v["$float"])
+        if "$tensor" in v:
+            return _Ref(v["$tensor"])
+        return {k: _plain(x, f"{where}.{k}", fail) for k, x in v.items()}
+    return v
+
+
+def _shape(v: Any) -> bool:
+    return isinstance(v, list) and len(v) <= MAX_DIMS and all(_is_int(s) and s >= 0 for s in v)
+
+
+def validate_header(header: Any, where: str) -> dict[str, Any]:
+    """The header, or a CheckpointError naming `where`, the field and the problem."""
+
+    def fail(problem: str):
+        raise CheckpointError(f"{where}: invalid header: {problem}")
+
+    schema.check_header(header, where)
+    if isinstance(header["format_version"], bool):
+        fail("format_version must be an integer")
+    opt = header.get("optimizer")
+    if opt is not None:
+        if not isinstance(opt, dict) or not isinstance(opt.get("class"), (str, type(None))):
+            fail("optimizer must be {'class': str or null, 'variant': ...}")
+        if opt.get("variant") not in (None, "compressed", "full"):
+            fail(f"optimizer.variant must be 'compressed' or 'full'; got {opt.get('variant')!r:.40}")
+    if header.get("checksum", schema.CHECKSUM_ALGORITHM) != schema.CHECKSUM_ALGORITHM:
+        fail(f"checksum must be {schema.CHECKSUM_ALGORITHM!r}")
+    if header.get("compression") not in (None, "zstd"):
+        fail(f"compression must be null or 'zstd'; got {header.get('compression')!r:.40}")
+    tensors = _tensors(header["tensors"], fail)
+    referenced: dict[str, str] = {}
+
+    def ref(key: str, expected: str, what: str):
+        if key != expected:
+            fail(f"{what} names tensor {key!r:.80}; its tensor is {expected!r}")
+        if key not in tensors:
+            fail(f"{what} names tensor {key!r:.80}, which the header's 'tensors' does not list")
+        referenced[key] = what
+        return tensors[key]
+
+    group_of = _param_groups(header["param_groups"], fail, ref)
+    group_sizes = [g.get("group_size", DEFAULT_GROUP_SIZE) for g in header["param_groups"]]
+    params = header["params"]
+    if set(params) != {str(pid) for pid in group_of}:
+        extra = sorted(set(params) - {str(p) for p in group_of})[:5]
+        missing = sorted({str(p) for p in group_of} - set(params))[:5]
+        fail(f"params must list exactly the param ids of param_groups (extra {extra}, missing {missing})")
+    for key, info in params.items():
+        if not isinstance(info, dict):
+            fail(f"params[{key}] must be an object")
+        if info.get("group") != group_of[int(key)] or isinstance(info.get("group"), bool):
+            fail(
+                f"params[{key}].group is {info.get('group')!r:.40}, but param group "
+                f"{group_of[int(key)]} lists it"
+            )
+        if not isinstance(info.get("name"), (str, type(None))):
+            fail(f"params[{key}].name must be a string or null")
+        if info.get("shape") is not None and not _shape(info["shape"]):
+            fail(f"params[{key}].shape must be a list of non-negative ints or null")
+        compressed = info.get("compressed", {})
+        if not isinstance(compressed, dict) or not set(compressed) <= set(MOMENTS):
+            fail(f"params[{key}].compressed must map moments {MOMENTS} to their format")
+        for m, f in compressed.items():
+            if not isinstance(f, dict) or f.get("format") not in _FP8_DTYPES:
+                fail(f"params[{key}].compressed.{m}.format must be one of {sorted(_FP8_DTYPES)}")
+            if (
+                not _is_int(f.get("group_size"))
+                or f["group_size"] < 1
+                or not isinstance(f.get("expand"), bool)
+            ):
+                fail(f"params[{key}].compressed.{m} needs a positive int group_size and a bool expand")
+            if f["group_size"] != group_sizes[info["group"]]:
+                fail(
+                    f"params[{key}].compressed.{m}.group_size is {f['group_size']}, its param group's "
+                    f"group_size is {group_sizes[info['group']]}"
+                )
+    state = header["state"]
+    for key, entry in state.items():
+        if key not in params:
+            fail(f"state[{key!r:.40}] belongs to no parameter of params")
+        if not isinstance(entry, dict):
+            fail(f"state[{key}] must be an object")
+        values = {}
+        for name, v in entry.items():
+            if isinstance(v, dict) and "$tensor" in v:
+                if schema.tag_problem(v):
+                    fail(f"state[{key}].{name}: {schema.tag_problem(v)}")
+                values[name] = ref(v["$tensor"], schema.state_key(int(key), name), f"state[{key}].{name}")
+            else:
+                values[name] = _plain(v, f"state[{key}].{name}", fail)
+                if _contains_ref(values[name]):
+                    fail(f"state[{key}].{name}: a tensor may only be a state's own value")
+        _param_state(key, values, params[key], group_sizes[params[key]["group"]], fail)
+    model = header.get("model")
+    if model is not None:
+        if (
+            not isinstance(model, list)
+            or not all(isinstance(n, str) for n in model)
+            or len(set(model)) != len(model)
+        ):
+            fail("model must be null or a list of distinct names")
+        for name in model:
+            ref(schema.model_key(name), schema.model_key(name), f"model entry {name!r:.80}")
+    unreferenced = sorted(set(tensors) - set(referenced))
+    if unreferenced:
+        fail(f"tensors {unreferenced[:3]} are listed but no state, param group or model entry names them")
+    if header.get("shards") is not None:
+        _shards(header["shards"], tensors, fail)
+    return header
+
+
+def _contains_ref(v: Any) -> bool:
+    if isinstance(v, _Ref):
+        return True
+    if isinstance(v, (list, tuple)):
+        return any(_contains_ref(x) for x in v)
+    return isinstance(v, dict) and any(_contains_ref(x) for x in v.values())
+
+
+def _tensors(infos: dict, fail) -> dict[str, _Tensor]:
+    out = {}
+    for key, info in infos.items():
+        if not isinstance(info, dict):
+            fail(f"tensors[{key!r:.80}] must be an object")
+        if info.get("dtype") not in schema.DTYPES or not _shape(info.get("shape")):
+            fail(f"tensors[{key!r:.80}] needs a dtype of {sorted(schema.DTYPES)} and a shape")
+        digest = info.get("checksum")
+        if not (isinstance(digest, str) and digest.startswith("sha256:") and _HEX64.fullmatch(digest[7:])):
+            fail(f"tensors[{key!r:.80}].checksum must be 'sha256:' and 64 hex digits")
+        if info.get("encoding") not in (None, "zstd"):
+            fail(f"tensors[{key!r:.80}].encoding must be absent or 'zstd'")
+        if info.get("encoding") == "zstd" and not (
+            _is_int(info.get("stored_bytes")) and info["stored_bytes"] >= 0
+        ):
+            fail(f"tensors[{key!r:.80}] is zstd-encoded but has no stored_bytes")
+        out[key] = _Tensor(info["dtype"], info["shape"])
+    return out
+
+
+def _check_group_values(g: int, values: dict[str, Any], fail) -> None:
+    where = f"param_groups[{g}]"
+
+    def number(name: str, low: float = 0.0) -> None:
+        v = values[name]
+        if isinstance(v, _Tensor):
+            if (
+                math.prod(v.shape) != 1
+                or not v.dtype.startswith(("float", "bfloat"))
+                or v.dtype.startswith("float8")
+            ):
+                fail(f"{where}.{name} must be a one-element floating-point tensor; got {v.dtype} {v.shape}")
+            return
+        if not _is_num(v) or not v >= low:
+            fail(f"{where}.{name} must be a number >= {low:g}; got {v!r:.40}")
+
+    for name in ("lr", "eps", "weight_decay"):
+        if name in values:
+            number(name)
+    if "betas" in values:
+        b = values["betas"]
+        if not (isinstance(b, (tuple, list)) and len(b) == 2 and all(_is_num(x) and 0 <= x < 1 for x in b)):
+            fail(f"{where}.betas must be two numbers in [0, 1); got {b!r:.60}")
+    for name in _BOOL_KEYS:
+        if name in values and not isinstance(values[name], bool):
+            fail(f"{where}.{name} must be true or false; got {values[name]!r:.40}")
+    for name in ("foreach", "fused"):
+        if name in values and not isinstance(values[name], (bool, type(None))):
+            fail(f"{where}.{name} must be true, false or null")
+    if "group_size" in values and not (_is_int(values["group_size"]) and values["group_size"] >= 1):
+        fail(f"{where}.group_size must be a positive integer; got {values['group_size']!r:.40}")
+    if "min_numel" in values and not (_is_int(values["min_numel"]) and values["min_numel"] >= 0):
+        fail(f"{where}.min_numel must be a non-negative integer")
+    for name in ("exp_avg_format", "exp_avg_sq_format"):
+        if name in values and values[name] not in _FP8_DTYPES:
+            fail(f"{where}.{name} must be one of {sorted(_FP8_DTYPES)}; got {values[name]!r:.40}")
+    if values.get("master_bits") not in (None, 16, 24, 32) or isinstance(values.get("master_bits"), bool):
+        fail(f"{where}.master_bits must be null, 16, 24 or 32")
+    if "master_seed" in values and not _is_int(values["master_seed"]):
+        fail(f"{where}.master_seed must be an integer")
+
+
+def _param_groups(groups: list, fail, ref) -> dict[int, int]:
+    group_of: dict[int, int] = {}
+    for g, group in enumerate(groups):
+        if not isinstance(group, dict):
+            fail(f"param_groups[{g}] must be an object")
+        pids = group.get("params")
+        if not isinstance(pids, list) or not all(_is_int(p) and p >= 0 for p in pids):
+            fail(f"param_groups[{g}].params must be a list of non-negative param ids")
+        for pid in pids:
+            if pid in group_of:
+                fail(f"param id {pid} is listed by param groups {group_of[pid]} and {g}")
+            group_of[pid] = g
+        names = group.get("param_names")
+        if names is not None and not (
+            isinstance(names, list) and len(names) == len(pids) and all(isinstance(n, str) for n in names)
+        ):
+            fail(f"param_groups[{g}].param_names must list one name per param")
+        values = {}
+        for k, v in group.items():
+            if k in ("params", "param_names"):
+                continue
+            if isinstance(v, dict) and "$tensor" in v and not schema.tag_problem(v):
+                values[k] = ref(v["$tensor"], schema.group_key(g, k), f"param_groups[{g}].{k}")
+            else:
+                values[k] = _plain(v, f"param_groups[{g}].{k}", fail)
+                if _contains_ref(values[k]):
+                    fail(f"param_groups[{g}].{k}: a tensor may only be a hyperparameter's own value")
+        _check_group_values(g, values, fail)
+    return group_of
+
+
+def _param_state(key: str, values: dict[str, Any], info: dict, group_size: int, fail) -> None:
+    """One parameter's state: moments shaped like the parameter, compressed parts consistent."""
+    where = f"state[{key}]"
+    step = values.get("step")
+    if isinstance(step, _Tensor):
+        if math.prod(step.shape) != 1 or step.dtype in ("float8_e4m3fn", "float8_e5m2", "bool"):
+            fail(f"{where}.step must be a one-element number tensor; got {step.dtype} {step.shape}")
+    elif step is not None and not (_is_num(step) and step >= 0):
+        fail(f"{where}.step must be a non-negative number or tensor; got {step!r:.40}")
+    shape = info.get("shape")
+    compressed = info.get("compressed") or {}
+    for m in MOMENTS:
+        parts = {s: values.get(m + s) for s in ("", CODES, SCALES, EXPONENTS) if m + s in values}
+        if not parts:
+            if m in compressed:
+                fail(f"params[{key}].compressed lists {m}, which its state does not hold")
+            continue
+        if any(not isinstance(v, _Tensor) for v in parts.values()):
+            fail(f"{where}.{m}: moments must be tensors")
+        if "" in parts:
+            if len(parts) > 1 or m in compressed:
+                fail(f"{where}: {m} is both a float tensor and compressed parts")
+            dtype, mshape = parts[""].dtype, parts[""].shape
+            if not dtype.startswith(("float", "bfloat")) or dtype.startswith("float8"):
+                fail(f"{where}.{m} must be a floating-point tensor; got {dtype}")
+        else:
+            if CODES not in parts or SCALES not in parts or m not in compressed:
+                fail(
+                    f"{where}: compressed {m} needs {m}{CODES}, {m}{SCALES} and its "
+                    f"params[{key}].compressed entry"
+                )
+            fmt = compressed[m]
+            dtype, mshape = parts[CODES].dtype, parts[CODES].shape
+            if dtype != _FP8_DTYPES[fmt["format"]]:
+                fail(f"{where}.{m}{CODES} is {dtype} but its format is {fmt['format']}")
+            if (EXPONENTS in parts) != fmt["expand"]:
+                fail(f"{where}: {m}{EXPONENTS} must be present exactly when expand is true")
+            rows, _, groups = group_layout(mshape, group_size)
+            for part, want in ((SCALES, "float32"), (EXPONENTS, "uint8")):
+                if part in parts and (parts[part].dtype, parts[part].shape) != (want, [rows, groups]):
+                    got = parts[part]
+                    fail(
+                        f"{where}.{m}{part} is {got.dtype} {got.shape}; codes of shape {mshape} in groups of "
+                        f"{group_size} need {want} {[rows, groups]} (group_size disagrees with the scales?)"
+                    )
+        if shape is None:
+            shape = mshape
+        elif list(mshape) != list(shape):
+            fail(f"{where}.{m} has shape {mshape} but its parameter (params[{key}]) has shape {shape}")
+
+
+def _shards(shards: Any, tensors: Mapping[str, Any], fail) -> None:
+    if not isinstance(shards, list) or not shards:
+        fail("shards must be null or a non-empty list")
+    owner: dict[str, int] = {}
+    for i, s in enumerate(shards):
+        if not isinstance(s, dict):
+            fail(f"shards[{i}] must be an object")
+        name = s.get("file")
+        if not (isinstance(name, str) and name.endswith(".safetensors") and name == name.strip()):
+            fail(f"shards[{i}].file must be a .safetensors file name")
+        if "/" in name or "\\" in name or name.startswith(".") or "\x00" in name:
+            fail(f"shards[{i}].file {name!r:.80} must be a plain file name in the checkpoint's directory")
+        if not (isinstance(s.get("sha256"), str) and _HEX64.fullmatch(s["sha256"])):
+            fail(f"shards[{i}].sha256 must be 64 hex digits")
+        if not (_is_int(s.get("bytes")) and s["bytes"] >= 0):
+            fail(f"shards[{i}].bytes must be a non-negative integer")
+        keys = s.get("tensors")
+        if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+            fail(f"shards[{i}].tensors must be a list of tensor keys")
+        for k in keys:
+            if k not in tensors or k in owner:
+                where = f"in shard {owner[k]} already" if k in owner else "not in the header"
+                fail(f"shards[{i}] lists tensor {k!r:.80}, which is {where}")
+            owner[k] = i
+    if set(owner) != set(tensors):
+        fail(f"tensors {sorted(set(tensors) - set(owner))[:3]} are in no shard")
+
+
+# ---------------------------------------------------------------------- plain state dicts
+def check_state_dict(sd: Any, where: str) -> dict[str, Any]:
+    """An optimizer state dict from a .pt or a DCP directory: the structure load() relies on."""
+    if not (
+        isinstance(sd, dict)
+        and isinstance(sd.get("state"), dict)
+        and isinstance(sd.get("param_groups"), list)
+    ):
+        raise CheckpointError(
+            f"{where}: not an optimizer state dict (expected a dict with 'state' and 'param_groups')"
+        )
+    if schema.json_depth(sd) > schema.MAX_JSON_DEPTH:
+        raise CheckpointError(f"{where}: the state dict is nested deeper than {schema.MAX_JSON_DEPTH} levels")
+    seen: set = set()
+    for g, group in enumerate(sd["param_groups"]):
+        if not isinstance(group, dict) or not isinstance(group.get("params"), list):
+            raise CheckpointError(f"{where}: param_groups[{g}] must be a dict with a 'params' list")
+        for pid in group["params"]:
+            if not isinstance(pid, (int, str)) or isinstance(pid, bool) or pid in seen:
+                raise CheckpointError(
+                    f"{where}: param_groups[{g}] lists param id {pid!r:.40} twice or of a bad type"
+                )
+            seen.add(pid)
+    for pid, state in sd["state"].items():
+        if pid not in seen or not isinstance(state, dict):
+            raise CheckpointError(f"{where}: state of param id {pid!r:.40} is not a dict of a listed param")
+    return sd
+
+
+# --------------------------------------------------------------- against the loading side
+def is_compressed_optimizer(optimizer) -> bool:
+    try:
+        from coatstate.optim import CompressedAdamW
+    except ImportError:
+        return False
+    return isinstance(optimizer, CompressedAdamW)
+
+
+def check_class(optimizer, saved_class: str | None, has_codes: bool, where: str) -> None:
+    """Refuse a checkpoint of another optimizer class (its states would load as wrong ones)."""
+    ours = type(optimizer).__name__
+    lineage = {c.__name__ for c in type(optimizer).__mro__}
+    adamw_like = isinstance(optimizer, torch.optim.AdamW) or is_compressed_optimizer(optimizer)
+    if saved_class is None:  # saved from a state dict: compressed moments are AdamW's
+        if has_codes and not adamw_like:
+            raise CheckpointError(
+                f"{where}: holds compressed AdamW moments; {ours} cannot use them (load it into "
+                "CompressedAdamW or torch.optim.AdamW)"
+            )
+        return
+    if saved_class in lineage or (saved_class in ADAMW_FAMILY and adamw_like):
+        return
+    into = "CompressedAdamW or torch.optim.AdamW" if saved_class in ADAMW_FAMILY else saved_class
+    raise CheckpointError(
+        f"{where}: holds the state of a {saved_class}, which a {ours} cannot load (the header names the "
+        f"class that saved it); load it into a {into}"
+    )
+
+
+def _expected_shape(pid: Any, header: Mapping[str, Any], state: Mapping[Any, Any]) -> list[int] | None:
+    info = (header.get("params") or {}).get(str(pid)) or {}
+    if info.get("shape") is not None:
+        return list(info["shape"])
+    for name in ("exp_avg" + CODES, *MOMENTS):
+        t = state.get(pid, {}).get(name)
+        if isinstance(t, torch.Tensor):
+            return list(t.shape)
+    return None
+
+
+def check_optimizer(optimizer, ckpt, names: Mapping[int, str], where: str) -> None:
+    """Group and param counts equal, and every parameter's recorded shape equal to the optimizer's."""
+    file_groups = ckpt.optimizer["param_groups"]
+    ours = [len(g["params"]) for g in optimizer.param_groups]
+    theirs = [len(g["params"]) for g in file_groups]
+    if ours != theirs:
+        raise CheckpointError(
+            f"{where}: the file has {len(theirs)} param group(s) with {theirs} params; the optimizer has "
+            f"{len(ours)} with {ours}"
+        )
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    ids = [pid for g in file_groups for pid in g["params"]]
+    for index, (pid, p) in enumerate(zip(ids, params, strict=True)):
+        shape = _expected_shape(pid, ckpt.header, ckpt.optimizer["state"])
+        if shape is not None and list(p.shape) != shape:
+            info = (ckpt.header.get("params") or {}).get(str(pid)) or {}
+            name = info.get("name") or names.get(index) or f"#{index}"
+            raise CheckpointError(
+                f"{where}: parameter {name} (index {index}) has shape {list(p.shape)} in the optimizer "
+                f"but {shape} in the checkpoint"
+            )
+
+
+def check_model(model: torch.nn.Module, saved: Mapping[str, torch.Tensor] | None, where: str) -> None:
+    """Same keys and shapes, and each saved tensor copyable into the model's (tried on one element)."""
+    if saved is None:
+        raise CheckpointError(f"{where}: holds no model state dict (save it with save(..., model=model))")
+    current = model.state_dict()
+    missing, unexpected = sorted(set(current) - set(saved)), sorted(set(saved) - set(current))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{where}: model keys differ: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+    for name, t in current.items():
+        s = saved[name]
+        if not isinstance(s, torch.Tensor) or t.shape != s.shape:
+            got = list(s.shape) if isinstance(s, torch.Tensor) else type(s).__name__
+            raise CheckpointError(
+                f"{where}: model tensor {name} has shape {list(t.shape)} in the model but {got} in the "
+                "checkpoint"
+            )
+        if s.numel():
+            try:  # a copy the model's load_state_dict would refuse fails here, before anything is loaded
+                torch.empty((), dtype=t.dtype).copy_(s.reshape(-1)[0])
+            except (RuntimeError, TypeError) as e:
+                raise CheckpointError(
+                    f"{where}: model tensor {name} is {s.dtype} in the checkpoint and cannot be copied into "
+                    f"the model's {t.dtype} ({e})"
+                ) from None
