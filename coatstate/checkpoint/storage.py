@@ -5,12 +5,15 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import stat
 import time
 import uuid
 from collections.abc import Callable, Iterable
 from typing import Any, BinaryIO
 
 import fsspec
+
+from coatstate.formats.schema import CheckpointError
 
 TEST_PAUSE_ENV = "COATSTATE_TEST_PAUSE_MID_WRITE"
 """Test-only hook: when set to a path, every write pauses for 60 s after writing half of the
@@ -44,14 +47,90 @@ def sibling_url(url: str, name: str) -> str:
     return url[: len(url) - len(os.path.basename(url))] + name
 
 
-def read_bytes(url: str, *, length: int | None = None) -> bytes:
-    """The whole object (or its first `length` bytes)."""
-    fs, path = url_to_fs(url)
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _read_local(path: str, url: str, length: int | None) -> bytes:
+    # O_NONBLOCK: opening a FIFO must not wait for a writer; the type is checked on the open
+    # descriptor (no race with a rename), and reads stop at the size it had then
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
-        with fs.open(path, "rb") as f:
-            return f.read() if length is None else f.read(length)
+        fd = os.open(path, flags)
     except FileNotFoundError:
         raise FileNotFoundError(f"no checkpoint at {url}") from None
+    except OSError as e:
+        raise CheckpointError(f"{url}: cannot open ({e.strerror or e})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(
+                f"{url}: is {_kind(st.st_mode)}, not a regular file; a checkpoint is a .safetensors or "
+                ".pt file (or a torch.distributed.checkpoint directory, for read/load/convert)"
+            )
+        want = st.st_size if length is None else min(length, st.st_size)
+        chunks, got = [], 0
+        while got < want:
+            chunk = os.read(fd, min(want - got, 1 << 26))
+            if not chunk:
+                break  # the file shrank while being read: the caller sees a short read
+            chunks.append(chunk)
+            got += len(chunk)
+        return b"".join(chunks)
+    except IsADirectoryError:
+        raise CheckpointError(f"{url}: is a directory, not a checkpoint file") from None
+    finally:
+        os.close(fd)
+
+
+def read_bytes(url: str, *, length: int | None = None) -> bytes:
+    """The whole object (or its first `length` bytes), never more than its size.
+
+    Local paths must be regular files: a FIFO, a device, a directory or a symlink loop raises
+    CheckpointError instead of blocking or reading forever.
+    """
+    fs, path = url_to_fs(url)
+    if is_local(fs):
+        return _read_local(path, url, length)
+    try:
+        size = fs.size(path)
+        with fs.open(path, "rb") as f:
+            want = size if length is None else min(length, size)
+            return f.read(want)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no checkpoint at {url}") from None
+
+
+def read_range(url: str, start: int, length: int) -> bytes:
+    """`length` bytes at `start` (regular local files only, as read_bytes), bounded by the size."""
+    fs, path = url_to_fs(url)
+    if is_local(fs):
+        flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+        fd = os.open(path, flags)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise CheckpointError(f"{url}: is {_kind(st.st_mode)}, not a regular file")
+            return os.pread(fd, max(0, min(length, st.st_size - start)), start)
+        finally:
+            os.close(fd)
+    with fs.open(path, "rb") as f:
+        f.seek(start)
+        return f.read(max(0, min(length, fs.size(path) - start)))
+
+
+def file_size(url: str) -> int:
+    fs, path = url_to_fs(url)
+    return int(fs.size(path))
 
 
 def _pause_for_tests(f: BinaryIO) -> None:
