@@ -489,42 +489,32 @@ class CompressedAdamW(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a CompressedAdamW or a torch.optim.AdamW state dict (compressing it as configured).
 
-        Hyperparameters come from the loaded dict; coatstate's format keys that it lacks (an
-        AdamW dict) keep this optimizer's values. Moments are converted to this optimizer's
-        format for each parameter; states are never cast to the parameter's dtype.
+        As torch.optim.Optimizer.load_state_dict: the load_state_dict pre-hooks run first (one
+        may return a new dict), the post-hooks last; keys an older torch did not write
+        (maximize, foreach, ...) get torch's defaults; a loaded group without param_names keeps
+        this optimizer's. Hyperparameters come from the loaded dict; coatstate's format keys that
+        it lacks (an AdamW dict) keep this optimizer's values. Moments are converted to this
+        optimizer's format for each parameter; states are never cast to the parameter's dtype.
+        Everything is checked and converted before anything changes: a dict that is refused
+        (ValueError) leaves the optimizer as it was.
         """
-        groups = state_dict.get("param_groups")
-        if not isinstance(groups, list) or "state" not in state_dict:
-            raise ValueError("not an optimizer state dict: expected keys 'state' and 'param_groups'")
-        if len(groups) != len(self.param_groups):
-            raise ValueError(
-                f"loaded state dict has {len(groups)} param groups, this optimizer has "
-                f"{len(self.param_groups)}"
-            )
-        id_to_param: dict[Any, torch.Tensor] = {}
-        new_groups = []
-        for gi, (mine, saved) in enumerate(zip(self.param_groups, groups, strict=False)):
-            if len(mine["params"]) != len(saved["params"]):
-                raise ValueError(
-                    f"param group {gi}: loaded state has {len(saved['params'])} parameters, this "
-                    f"optimizer has {len(mine['params'])}"
-                )
-            id_to_param.update(zip(saved["params"], mine["params"], strict=False))
-            merged = {k: v for k, v in saved.items() if k != "params"}
-            for key, default in FORMAT_DEFAULTS.items():
-                merged.setdefault(key, mine.get(key, default))
-            merged.setdefault("decoupled_weight_decay", True)
-            merged["params"] = mine["params"]
-            new_groups.append(merged)
-        self.param_groups = new_groups
+        state_dict = dict(state_dict) if isinstance(state_dict, dict) else state_dict
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        from coatstate.optim.state_dict import loaded_state
+
+        # everything checked and converted first: a refused dict changes nothing
+        new_groups, new_state = loaded_state(self.param_groups, state_dict, convert_param_state)
+        for mine, merged in zip(self.param_groups, new_groups, strict=True):  # in place: references hold
+            mine.clear()
+            mine.update(merged)
         self.state.clear()
+        self.state.update(new_state)
         self._fused_cache.clear()
         self._prepared.clear()
         self._released_launches.clear()
-        self._param_index = None
-        param_group = {id(p): g for g in new_groups for p in g["params"]}
-        for pid, saved_state in state_dict["state"].items():
-            if pid not in id_to_param:
-                raise ValueError(f"loaded state refers to parameter id {pid!r}, not in any param group")
-            p = id_to_param[pid]
-            self.state[p] = convert_param_state(saved_state, p, param_group[id(p)])
+        self._twin_nonfinite.clear()
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)

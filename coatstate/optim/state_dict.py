@@ -3,10 +3,16 @@ conversions between torch.optim.AdamW's state dicts and CompressedAdamW's."""
 
 from __future__ import annotations
 
+import copy
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from coatstate.distributed import check_compressible, is_dtensor, local_chunk, local_tensor, wrap_state
+from coatstate.formats import FP8Format
+from coatstate.formats.master_weights import CORRECTION_DTYPES, MASTER_BITS
 from coatstate.formats.optimizer_state import (
     CODES,
     DEFAULT_GROUP_SIZE,
@@ -19,16 +25,121 @@ from coatstate.formats.optimizer_state import (
     read_moment,
     write_moment,
 )
-
-from coatstate.distributed import check_compressible, is_dtensor, local_chunk, local_tensor, wrap_state
-from coatstate.formats.master_weights import CORRECTION_DTYPES
 from coatstate.optim.moments import FORMAT_DEFAULTS, global_shape, master_mode, moment_formats
 
 logger = logging.getLogger("coatstate")
 
 
+TORCH_GROUP_DEFAULTS: dict[str, Any] = {
+    "amsgrad": False,
+    "maximize": False,
+    "foreach": None,
+    "capturable": False,
+    "differentiable": False,
+    "fused": None,
+    "decoupled_weight_decay": True,
+}
+"""What torch.optim.AdamW.__setstate__ fills into a loaded param group that lacks the key (a
+state dict of an older torch)."""
+
+
+def loaded_state(
+    groups: list[dict[str, Any]], state_dict: Any, convert: Callable[[dict, torch.Tensor, dict], dict]
+) -> tuple[list[dict[str, Any]], dict[Any, Any]]:
+    """(param groups, state) that CompressedAdamW.load_state_dict installs for `state_dict`, given
+    the optimizer's current `groups`; every value checked, ValueError before anything changes.
+
+    `convert(saved, p, group)` puts one parameter's saved state into the group's format.
+    """
+    saved_groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+    if not isinstance(saved_groups, list) or not isinstance(state_dict.get("state"), dict):
+        raise ValueError("not an optimizer state dict: expected keys 'state' and 'param_groups'")
+    if len(saved_groups) != len(groups):
+        raise ValueError(
+            f"loaded state dict has {len(saved_groups)} param groups, this optimizer has {len(groups)}"
+        )
+    id_to_param: dict[Any, torch.Tensor] = {}
+    new_groups = []
+    for gi, (mine, saved) in enumerate(zip(groups, saved_groups, strict=True)):
+        if not isinstance(saved, dict) or not isinstance(saved.get("params"), list):
+            raise ValueError(f"param group {gi} of the loaded state dict has no 'params' list")
+        if len(mine["params"]) != len(saved["params"]):
+            raise ValueError(
+                f"param group {gi}: loaded state has {len(saved['params'])} parameters, this "
+                f"optimizer has {len(mine['params'])}"
+            )
+        id_to_param.update(zip(saved["params"], mine["params"], strict=True))
+        merged = copy.deepcopy({k: v for k, v in saved.items() if k != "params"})  # as torch: no aliasing
+        for key, default in TORCH_GROUP_DEFAULTS.items():
+            merged.setdefault(key, default)
+        for key in ("lr", "betas", "eps", "weight_decay"):
+            merged.setdefault(key, mine[key])
+        for key, default in FORMAT_DEFAULTS.items():
+            merged.setdefault(key, mine.get(key, default))
+        merged["capturable"] = merged["differentiable"] = False  # CompressedAdamW runs neither mode
+        if "param_names" in mine and "param_names" not in merged:
+            merged["param_names"] = mine["param_names"]
+        merged["params"] = mine["params"]
+        check_group(gi, merged)
+        new_groups.append(merged)
+    group_of = {id(p): g for g in new_groups for p in g["params"]}
+    new_state: dict[Any, Any] = {}
+    for pid, saved_state in state_dict["state"].items():
+        if pid not in id_to_param:  # as torch: state that belongs to no parameter is kept as it is
+            new_state[pid] = saved_state
+            continue
+        p = id_to_param[pid]
+        try:
+            new_state[p] = convert(saved_state, p, group_of[id(p)])
+        except (ValueError, TypeError, KeyError, RuntimeError) as e:
+            raise ValueError(f"state of parameter {pid!r}: {e}") from e
+    return new_groups, new_state
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def check_group(gi: int, group: dict[str, Any]) -> None:
+    """A loaded param group's hyperparameters, as CompressedAdamW's constructor checks them."""
+    lr, betas = group["lr"], group["betas"]
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1:
+            raise ValueError(f"param group {gi}: tensor lr must have one element; got {tuple(lr.shape)}")
+    elif not (_number(lr) and lr >= 0):
+        raise ValueError(f"param group {gi}: lr must be a number >= 0; got {lr!r:.40}")
+    if not (
+        isinstance(betas, (tuple, list)) and len(betas) == 2 and all(_number(b) and 0 <= b < 1 for b in betas)
+    ):
+        raise ValueError(f"param group {gi}: betas must be two floats in [0, 1); got {betas!r:.60}")
+    for key in ("eps", "weight_decay"):
+        if not (_number(group[key]) and group[key] >= 0):
+            raise ValueError(f"param group {gi}: {key} must be a number >= 0; got {group[key]!r:.40}")
+    g = group["group_size"]
+    if isinstance(g, bool) or not isinstance(g, int) or g < 1:
+        raise ValueError(f"param group {gi}: group_size must be a positive int; got {g!r:.40}")
+    if isinstance(group["master_bits"], bool) or group["master_bits"] not in (None, *MASTER_BITS):
+        raise ValueError(f"param group {gi}: master_bits must be None, 16, 24 or 32")
+    for key in ("exp_avg_format", "exp_avg_sq_format"):
+        try:
+            FP8Format.parse(group[key])
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"param group {gi}: {key}: {e}") from None
+
+
 def convert_param_state(saved: dict, p: torch.Tensor, group: dict) -> dict:
     """One parameter's saved state, in this group's format for `p`, on p's device."""
+    if not isinstance(saved, dict):
+        raise TypeError(f"a parameter's state must be a dict; got {type(saved).__name__}")
+    missing = [k for k in ("step", "exp_avg", "exp_avg_sq") if k not in saved and k + CODES not in saved]
+    if missing:
+        raise ValueError(
+            f"it has keys {sorted(map(str, saved))[:6]} but lacks AdamW's {missing}: is it another "
+            "optimizer's state?"
+        )
+    for key, value in saved.items():
+        if isinstance(key, str) and key.startswith(MOMENTS) and not isinstance(value, torch.Tensor):
+            raise TypeError(f"state {key!r} must be a tensor; got {type(value).__name__}")
     local = local_tensor(p)
     formats = moment_formats(group, global_shape(p))
     saved_group_size = group.get("group_size", DEFAULT_GROUP_SIZE)
@@ -144,7 +255,9 @@ def to_adamw_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
     return {"state": state, "param_groups": groups}
 
 
-def _convert_master_correction(saved: dict, out: dict, p: torch.Tensor, group: dict, local: torch.Tensor) -> None:
+def _convert_master_correction(
+    saved: dict, out: dict, p: torch.Tensor, group: dict, local: torch.Tensor
+) -> None:
     """The master-weight correction of a bfloat16 parameter in this group's mode: copied when the
     saved one is in it, else zero (the weight alone is then the master: precision below the
     weight's is lost once, and said so)."""
