@@ -9,27 +9,29 @@ tensors (codes, scales, exponents); any torch optimizer whose state is tensors a
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import io
 import os
 import time
-import uuid
 from collections.abc import Mapping
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
+
+from coatstate import distributed
+from coatstate.checkpoint import container, shards, storage, validate
+from coatstate.checkpoint.dcp import load_failure, read_dcp
 from coatstate.formats import schema
 from coatstate.formats.optimizer_state import CODES, EXPONENTS, MOMENTS, is_compressed, moment_of
 from coatstate.formats.schema import CheckpointError
-
-from coatstate import distributed
-from coatstate.checkpoint import container, storage
-from coatstate.checkpoint.dcp import read_dcp
 
 __all__ = ["Checkpoint", "CheckpointError", "load", "read", "read_header", "read_state_dict", "save"]
 
 DEFAULT_SHARD_SIZE = 5 * 2**30
 """Bytes above which a checkpoint is split into shards (as Hugging Face does for weights)."""
+PT_EXTENSIONS = (".pt", ".pth", ".bin")
+"""Read as torch.save files whatever their first bytes (others by their magic)."""
+READ_ATTEMPTS = 8
+"""Roots re-read when a newer save removed a shard mid-read."""
 
 
 @dataclasses.dataclass
@@ -90,6 +92,15 @@ def _source(
     if param_names is not None:
         items = param_names.items() if isinstance(param_names, Mapping) else enumerate(param_names)
         names.update({int(k): str(v) for k, v in items})
+    if isinstance(model, torch.nn.Module):
+        by_name = {n: list(p.shape) for n, p in model.named_parameters()}
+    elif isinstance(model, Mapping):
+        by_name = {n: list(t.shape) for n, t in model.items() if isinstance(t, torch.Tensor)}
+    else:
+        by_name = {}
+    for pid, name in names.items():  # a parameter without state has no other record of its shape
+        if pid not in shapes and name in by_name:
+            shapes[pid] = by_name[name]
     return sd, shapes, names, kind
 
 
@@ -189,15 +200,6 @@ def _encode_zstd(tensors: dict[str, torch.Tensor], header: dict[str, Any]) -> di
     return stored
 
 
-class _Hashing:
-    def __init__(self, f: BinaryIO):
-        self.f, self.h = f, hashlib.sha256()
-
-    def write(self, b) -> int:
-        self.h.update(b)
-        return self.f.write(b)
-
-
 def _metadata(header: Mapping[str, Any]) -> dict[str, str]:
     text = schema.dump_header(header)
     return {
@@ -205,26 +207,6 @@ def _metadata(header: Mapping[str, Any]) -> dict[str, str]:
         schema.METADATA_KEY: text,
         schema.HEADER_CHECKSUM_KEY: schema.header_checksum(text),
     }
-
-
-def _plan_shards(stored: Mapping[str, torch.Tensor], shard_size: int) -> list[list[str]]:
-    shards, current, size = [], [], 0
-    for key, t in stored.items():
-        nbytes = t.numel() * t.element_size()
-        if current and size + nbytes > shard_size:
-            shards.append(current)
-            current, size = [], 0
-        current.append(key)
-        size += nbytes
-    return shards + [current] if current else shards
-
-
-def _old_shards(url: str) -> list[str]:
-    try:
-        _, _, st_header = container.read_head(url, url)
-        return [s["file"] for s in container.coatstate_header(st_header, url).get("shards") or []]
-    except Exception:  # no previous checkpoint, or not one of ours: nothing to clean up
-        return []
 
 
 def save(
@@ -283,39 +265,7 @@ def _write(url, sd, shapes, names, kind, model_sd, compress, shard_size) -> None
     tensors, header = _flatten(sd, shapes, names, model_sd)
     header["optimizer"]["class"] = kind
     stored = _encode_zstd(tensors, header) if compress == "zstd" else tensors
-    total = sum(t.numel() * t.element_size() for t in stored.values())
-    old = _old_shards(url)  # shards of a previous sharded save at url, removed after the commit
-    if shard_size is None or total <= shard_size:
-        meta = _metadata(header)
-        storage.atomic_write(url, lambda f: container.write_safetensors(f, stored, meta), total)
-        storage.remove_quietly(url, old)
-        return
-    _save_sharded(url, stored, header, shard_size, old)
-
-
-def _save_sharded(url: str, stored, header, shard_size: int, old: list[str]) -> None:
-    stem = os.path.basename(url.rstrip("/")).removesuffix(".safetensors")
-    save_id = uuid.uuid4().hex[:8]
-    plan = _plan_shards(stored, shard_size)
-    shards = []
-    for i, keys in enumerate(plan, 1):
-        name = f"{stem}-{save_id}-{i:05d}-of-{len(plan):05d}.safetensors"
-        shard_url = storage.sibling_url(url, name)
-        part = {k: stored[k] for k in keys}
-        meta = {"format": "pt", "coatstate.shard": f'{{"save_id":"{save_id}","index":{i},"of":{len(plan)}}}'}
-        box = {}
-
-        def write(f, part=part, meta=meta, box=box):
-            hashing = _Hashing(f)
-            box["bytes"] = container.write_safetensors(hashing, part, meta)
-            box["sha256"] = hashing.h.hexdigest()
-
-        storage.atomic_write(shard_url, write, sum(t.numel() * t.element_size() for t in part.values()))
-        shards.append({"file": name, "sha256": box["sha256"], "bytes": box["bytes"], "tensors": keys})
-    header["shards"] = shards
-    meta = _metadata(header)
-    storage.atomic_write(url, lambda f: container.write_safetensors(f, {}, meta))  # the commit point
-    storage.remove_quietly(url, [n for n in old if n not in {s["file"] for s in shards}])
+    shards.write(url, stored, header, shard_size, _metadata)
 
 
 # ----------------------------------------------------------------------------------- reading
@@ -360,45 +310,27 @@ def _decode(stored: Mapping[str, torch.Tensor], header: Mapping[str, Any], where
     return out
 
 
-def _read_shards(url: str, header: Mapping[str, Any], verify: bool) -> dict[str, torch.Tensor]:
-    stored = {}
-    for shard in header["shards"]:
-        shard_url = storage.sibling_url(url, shard["file"])
-        try:
-            data = storage.read_bytes(shard_url)
-        except FileNotFoundError:
-            raise CheckpointError(f"{url}: shard {shard['file']} is missing") from None
-        if verify and hashlib.sha256(data).hexdigest() != shard["sha256"]:
-            raise CheckpointError(f"{url}: checksum mismatch for shard {shard['file']}: the file is corrupt")
-        part = container.load_tensors(data, shard_url)
-        if sorted(part) != sorted(shard["tensors"]):
-            raise CheckpointError(f"{url}: shard {shard['file']} does not hold the tensors its index lists")
-        stored.update(part)
-    return stored
-
-
 def _read_pt(data: bytes, where: str) -> Checkpoint:
+    ext = os.path.splitext(where)[1].lower()
+    why = f"because of its extension {ext}" if ext in PT_EXTENSIONS else "because it starts like a zip file"
     try:
         obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:  # weights_only refuses anything that would need unpickling code
+        reason = load_failure(e)
+        if data[:2] != b"PK" and data[:1] != b"\x80":  # neither a zip nor a pickle's protocol opcode
+            reason = f"it is neither a zip archive (torch.save's format) nor a pickle ({reason})"
         raise CheckpointError(
-            f"{where}: cannot read as a torch.save file with weights_only=True ({e})"
+            f"{where}: not a readable torch.save file (read as one {why}, with weights_only=True): {reason}"
         ) from None
-    if not (
-        isinstance(obj, dict)
-        and isinstance(obj.get("state"), dict)
-        and isinstance(obj.get("param_groups"), list)
-    ):
-        raise CheckpointError(
-            f"{where}: not an optimizer state dict (expected a dict with 'state' and 'param_groups')"
-        )
-    return Checkpoint(optimizer=obj, model=None, header={})
+    return Checkpoint(optimizer=validate.check_state_dict(obj, where), model=None, header={})
 
 
 def _read_dcp(path: str) -> Checkpoint:
     optimizer, model, names = read_dcp(path)
+    validate.check_state_dict(optimizer, path)
+    model_shapes = {n: list(t.shape) for n, t in (model or {}).items() if isinstance(t, torch.Tensor)}
     params = {
-        str(pid): {"group": g, "name": names.get(pid), "shape": None}
+        str(pid): {"group": g, "name": names.get(pid), "shape": model_shapes.get(names.get(pid))}
         for g, group in enumerate(optimizer["param_groups"])
         for pid in group["params"]
     }
@@ -407,34 +339,52 @@ def _read_dcp(path: str) -> Checkpoint:
     )
 
 
-def read(url: str | os.PathLike, *, verify: bool = True) -> Checkpoint:
-    """Everything in a checkpoint, checksums verified (no optimizer needed).
-
-    Also reads a torch.save'd optimizer state dict (.pt) with torch.load(weights_only=True) and
-    a local torch.distributed.checkpoint directory (distributed.read_dcp: whole tensors, any
-    world size; its `header` then lists only the parameter names).
-    """
-    url = os.fspath(url)
-    if os.path.isdir(url):
-        return _read_dcp(url)
-    data = storage.read_bytes(url)
-    if data[:4] == b"PK\x03\x04":
-        return _read_pt(data, url)
+def _read_safetensors(url: str, data: bytes, verify: bool) -> Checkpoint:
     _, st_header = container.parse_header(data, url)
     header = container.coatstate_header(st_header, url)
+    stored = shards.read(url, header, verify) if header.get("shards") else container.load_tensors(data, url)
     try:
-        stored = _read_shards(url, header, verify) if header.get("shards") else container.load_tensors(data, url)
         tensors = _decode(stored, header, url, verify)
         groups = [schema.decode_value(g, tensors) for g in header["param_groups"]]
         state = {int(pid): schema.decode_value(s, tensors) for pid, s in header["state"].items()}
         model = None
         if header.get("model") is not None:
             model = {name: tensors[schema.model_key(name)] for name in header["model"]}
-    except CheckpointError:
-        raise
+    except CheckpointError as e:
+        if str(e).startswith(url):
+            raise
+        raise CheckpointError(f"{url}: {e}") from None
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise CheckpointError(f"{url}: malformed header ({e!r})") from None
     return Checkpoint(optimizer={"state": state, "param_groups": groups}, model=model, header=header)
+
+
+def read(url: str | os.PathLike, *, verify: bool = True) -> Checkpoint:
+    """Everything in a checkpoint, checksums verified (no optimizer needed).
+
+    Also reads a torch.save'd optimizer state dict (.pt/.pth/.bin, or any file that starts as a
+    zip) with torch.load(weights_only=True) and a local torch.distributed.checkpoint directory
+    (coatstate.checkpoint.dcp: whole tensors, any world size; its `header` then lists only the
+    parameter names and shapes). Any problem with the input is a CheckpointError naming it.
+    """
+    url = os.fspath(url)
+    try:
+        if os.path.isdir(url):
+            return _read_dcp(url)
+        for _ in range(READ_ATTEMPTS):
+            data = storage.read_bytes(url)
+            if data[:4] == b"PK\x03\x04" or os.path.splitext(url)[1].lower() in PT_EXTENSIONS:
+                return _read_pt(data, url)
+            try:
+                return _read_safetensors(url, data, verify)
+            except shards.ShardMissing:
+                if storage.read_bytes(url) == data:
+                    raise  # the root did not change: the shard is really gone
+        raise CheckpointError(
+            f"{url}: the checkpoint was replaced {READ_ATTEMPTS} times while being read; retry"
+        )
+    except RecursionError:
+        raise CheckpointError(f"{url}: nested too deeply to read (a corrupt or hostile file)") from None
 
 
 def read_state_dict(url: str | os.PathLike) -> dict[str, Any]:
@@ -443,62 +393,29 @@ def read_state_dict(url: str | os.PathLike) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------------- loading
-def _expected_shape(pid: int, header: Mapping[str, Any], state: Mapping[int, Any]) -> list[int] | None:
-    info = header.get("params", {}).get(str(pid)) or {}
-    if info.get("shape") is not None:
-        return list(info["shape"])
-    for name in ("exp_avg" + CODES, *MOMENTS):
-        t = state.get(pid, {}).get(name)
-        if isinstance(t, torch.Tensor):
-            return list(t.shape)
-    return None
+def _snapshot(optimizer) -> tuple:
+    """What load_state_dict may replace or edit: the state and param-group containers, their
+    entries and the entries' items (tensors are not copied: loading replaces them, never edits)."""
+    entries = [(k, v, dict(v) if isinstance(v, dict) else None) for k, v in optimizer.state.items()]
+    return optimizer.state, entries, optimizer.param_groups, [(g, dict(g)) for g in optimizer.param_groups]
 
 
-def _check_optimizer(optimizer, ckpt: Checkpoint, names: Mapping[int, str], where: str) -> None:
-    file_groups = ckpt.optimizer["param_groups"]
-    ours = [len(g["params"]) for g in optimizer.param_groups]
-    theirs = [len(g["params"]) for g in file_groups]
-    if ours != theirs:
-        raise CheckpointError(
-            f"{where}: the file has {len(theirs)} param group(s) with {theirs} params; the optimizer has "
-            f"{len(ours)} with {ours}"
-        )
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    ids = [pid for g in file_groups for pid in g["params"]]
-    for index, (pid, p) in enumerate(zip(ids, params, strict=False)):
-        shape = _expected_shape(pid, ckpt.header, ckpt.optimizer["state"])
-        if shape is not None and list(p.shape) != shape:
-            info = ckpt.header.get("params", {}).get(str(pid)) or {}
-            name = info.get("name") or names.get(index) or f"#{index}"
-            raise CheckpointError(
-                f"{where}: parameter {name} (index {index}) has shape {list(p.shape)} in the optimizer "
-                f"but {shape} in the checkpoint"
-            )
-
-
-def _check_model(model: torch.nn.Module, saved: Mapping[str, torch.Tensor] | None, where: str) -> None:
-    if saved is None:
-        raise CheckpointError(f"{where}: holds no model state dict (save it with save(..., model=model))")
-    current = model.state_dict()
-    missing, unexpected = sorted(set(current) - set(saved)), sorted(set(saved) - set(current))
-    if missing or unexpected:
-        raise CheckpointError(
-            f"{where}: model keys differ: missing {missing[:5]}, unexpected {unexpected[:5]}"
-        )
-    for name, t in current.items():
-        if t.shape != saved[name].shape:
-            raise CheckpointError(
-                f"{where}: model tensor {name} has shape {list(t.shape)} in the model but "
-                f"{list(saved[name].shape)} in the checkpoint"
-            )
-
-
-def _is_compressed_optimizer(optimizer) -> bool:
-    try:
-        from coatstate.optim import CompressedAdamW
-    except ImportError:
-        return False
-    return isinstance(optimizer, CompressedAdamW)
+def _restore(optimizer, snapshot: tuple) -> None:
+    state, entries, groups, group_items = snapshot
+    for _, v, items in entries:
+        if items is not None:
+            v.clear()
+            v.update(items)
+    state.clear()
+    state.update({k: v for k, v, _ in entries})
+    for g, items in group_items:
+        g.clear()
+        g.update(items)
+    groups[:] = [g for g, _ in group_items]
+    optimizer.state, optimizer.param_groups = state, groups
+    for cache in ("_prepared", "_fused_cache", "_released_launches"):  # CompressedAdamW's launch caches
+        if isinstance(getattr(optimizer, cache, None), dict):
+            getattr(optimizer, cache).clear()
 
 
 def load(
@@ -509,10 +426,12 @@ def load(
 ) -> Checkpoint:
     """Restore `optimizer` (and `model`) from `url`; bit-exact for the optimizer that saved it.
 
-    Everything is checked (checksums, param counts, shapes, model keys) before anything is
-    modified. A compressed checkpoint loaded into a plain torch optimizer is decompressed first
-    (the values CompressedAdamW used, in fp32). With DTensor (FSDP2) parameters every rank reads
-    the file and keeps its own rows, whatever world size saved it. `url` may also be a local
+    Everything is checked (checksums, the header's schema, the optimizer class the header names,
+    param counts, shapes, model keys) before anything is modified, and a load that fails anyway
+    (the optimizer refuses the state) leaves optimizer and model as they were. A compressed
+    checkpoint loaded into a plain torch optimizer is decompressed first (the values
+    CompressedAdamW used, in fp32). With DTensor (FSDP2) parameters every rank reads the file and
+    keeps its own rows, whatever world size saved it. `url` may also be a local
     torch.distributed.checkpoint directory.
     """
     url = os.fspath(url)
@@ -522,24 +441,38 @@ def load(
         by_obj = {id(p): n for n, p in model.named_parameters()}
         flat = [p for g in optimizer.param_groups for p in g["params"]]
         names = {i: by_obj[id(p)] for i, p in enumerate(flat) if id(p) in by_obj}
-    _check_optimizer(optimizer, ckpt, names, url)
-    if model is not None:
-        _check_model(model, ckpt.model, url)
     sd = ckpt.optimizer
     has_codes = any(is_compressed(s, name) for s in sd["state"].values() for name in MOMENTS)
-    if has_codes and not _is_compressed_optimizer(optimizer):
-        from coatstate.optim import to_adamw_state_dict
-
-        sd = to_adamw_state_dict(sd)
+    validate.check_class(optimizer, (ckpt.header.get("optimizer") or {}).get("class"), has_codes, url)
+    validate.check_optimizer(optimizer, ckpt, names, url)
     if model is not None:
-        if any(distributed.is_dtensor(t) for t in model.state_dict().values()):
-            distributed.load_model_state_dict(model, ckpt.model)
-        else:
-            model.load_state_dict(ckpt.model)
-    if not _is_compressed_optimizer(optimizer):  # CompressedAdamW cuts full tensors itself
-        sd = distributed.shard_like_params(sd, optimizer)
+        validate.check_model(model, ckpt.model, url)
+    compressed_optimizer = validate.is_compressed_optimizer(optimizer)
+    try:
+        if has_codes and not compressed_optimizer:
+            from coatstate.optim import to_adamw_state_dict
+
+            sd = to_adamw_state_dict(sd)
+        if not compressed_optimizer:  # CompressedAdamW cuts full tensors itself
+            sd = distributed.shard_like_params(sd, optimizer)
+    except Exception as e:  # noqa: BLE001 - nothing is modified yet
+        raise CheckpointError(f"{url}: cannot convert the state for {type(optimizer).__name__} ({e})") from e
+    before = _snapshot(optimizer)
     try:
         optimizer.load_state_dict(sd)
-    except (ValueError, KeyError, RuntimeError) as e:
+    except Exception as e:  # noqa: BLE001 - any refusal, with the optimizer put back as it was
+        _restore(optimizer, before)
         raise CheckpointError(f"{url}: the optimizer refused the state dict ({e})") from e
+    if model is not None:
+        try:
+            if any(distributed.is_dtensor(t) for t in model.state_dict().values()):
+                distributed.load_model_state_dict(model, ckpt.model)
+            else:
+                model.load_state_dict(ckpt.model)
+        except Exception as e:  # noqa: BLE001 - after every check: a module's own load hook refused
+            _restore(optimizer, before)
+            raise CheckpointError(
+                f"{url}: the model refused its state dict ({e}); the optimizer is unchanged, the model "
+                "may be partly loaded"
+            ) from e
     return ckpt

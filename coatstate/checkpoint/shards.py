@@ -1,0 +1,278 @@
+"""Sharded checkpoints: writing shards and the root (the commit point), removing orphans, reading.
+
+Concurrent saves to one URL each write their own shards (a fresh save id in every name), then
+replace the root atomically: the last commit wins and no save overwrites a shard another root
+names. After its commit a save removes every shard of its stem that the current root does not
+name and whose save is over. On a local filesystem "over" is told by a lock: each save holds an
+exclusive flock on a marker file `.{stem}-{save_id}.saving` from before its first shard until
+after its cleanup, and the kernel drops the lock of a crashed process, so the shards of crashed
+and losing saves go with the next successful save while those of a save still writing stay.
+Other fsspec filesystems have no such lock: there a save removes only the shards of the root it
+replaced (and its own if it lost). Readers that find a shard gone re-read the root (a newer
+commit removed it) and retry.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import uuid
+from typing import Any, BinaryIO
+
+from coatstate.checkpoint import container, storage
+from coatstate.formats.schema import CheckpointError
+
+SHARD_KEY = "coatstate.shard"
+"""safetensors metadata key of a shard: {"save_id", "index", "of"}."""
+
+
+class ShardMissing(CheckpointError):
+    """A shard the root names is not there (a newer save may have replaced the root)."""
+
+
+def stem_of(url: str) -> str:
+    return os.path.basename(url.rstrip("/")).removesuffix(".safetensors")
+
+
+def shard_name(stem: str, save_id: str, i: int, n: int) -> str:
+    return f"{stem}-{save_id}-{i:05d}-of-{n:05d}.safetensors"
+
+
+def _shard_pattern(stem: str) -> re.Pattern:
+    return re.compile(re.escape(stem) + r"-([0-9a-f]{8})-\d{5}-of-\d{5}\.safetensors")
+
+
+def _temp_shard_pattern(stem: str) -> re.Pattern:
+    """The temporary file of a shard being written (storage.atomic_write's name for it)."""
+    return re.compile(
+        r"\." + re.escape(stem) + r"-([0-9a-f]{8})-\d{5}-of-\d{5}\.safetensors\.tmp-[0-9a-f]{12}"
+    )
+
+
+def _marker_pattern(stem: str) -> re.Pattern:
+    return re.compile(r"\." + re.escape(stem) + r"-([0-9a-f]{8})\.saving")
+
+
+class _Hashing:
+    def __init__(self, f: BinaryIO):
+        self.f, self.h = f, hashlib.sha256()
+
+    def write(self, b) -> int:
+        self.h.update(b)
+        return self.f.write(b)
+
+
+# ------------------------------------------------------------------------- the save's lock
+class _SaveLock:
+    """The exclusive flock a local save holds on its marker (nothing on other filesystems)."""
+
+    def __init__(self, url: str, save_id: str):
+        self.fd: int | None = None
+        self.path: str | None = None
+        fs, path = storage.url_to_fs(url)
+        try:
+            import fcntl
+        except ImportError:  # no flock (Windows): cleaned up as on a remote filesystem
+            return
+        if not storage.is_local(fs):
+            return
+        directory = os.path.dirname(path) or "."
+        self.path = os.path.join(directory, f".{stem_of(url)}-{save_id}.saving")
+        tmp = f"{self.path}.tmp-{uuid.uuid4().hex[:8]}"
+        # locked before it has its name: a cleaner never sees this marker unlocked while we run
+        self.fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o644)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        os.replace(tmp, self.path)
+
+    def release(self) -> None:
+        if self.fd is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+            os.close(self.fd)
+            self.fd = None
+
+
+def _save_is_over(directory: str, stem: str, save_id: str, held: list[int]) -> bool:
+    """True when no live process holds save `save_id`'s lock (its marker gone, or lockable)."""
+    try:
+        import fcntl
+    except ImportError:
+        return False
+
+    marker = os.path.join(directory, f".{stem}-{save_id}.saving")
+    try:
+        fd = os.open(marker, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return True  # the save removed it when it finished (markers exist before any shard)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return False
+    held.append(fd)  # kept until its shards are gone, so the marker is not taken over meanwhile
+    return True
+
+
+def _root_shards(url: str) -> set[str] | None:
+    """The shard files the root at `url` names now; None when it cannot be read."""
+    try:
+        _, _, st_header = container.read_head(url, url)
+        return {s["file"] for s in container.coatstate_header(st_header, url).get("shards") or []}
+    except FileNotFoundError:
+        return set()
+    except Exception:  # noqa: BLE001 - an unreadable root: remove nothing
+        return None
+
+
+def _is_our_shard(url: str, save_id: str) -> bool:
+    try:
+        _, _, st_header = container.read_head(url, url)
+        info = json.loads(st_header["__metadata__"][SHARD_KEY])
+        return info["save_id"] == save_id
+    except Exception:  # noqa: BLE001 - not one of our shards: leave it alone
+        return False
+
+
+def remove_orphans(url: str, own_id: str | None, replaced: list[str]) -> None:
+    """Best effort, after a commit: remove shards of `url`'s stem that no running save needs."""
+    fs, path = storage.url_to_fs(url)
+    try:
+        import fcntl  # noqa: F401 - the local cleanup below relies on the save locks
+    except ImportError:
+        fs = None
+    if fs is None or not storage.is_local(fs):
+        current = _root_shards(url)
+        if current is not None:
+            pattern = _shard_pattern(stem_of(url))
+            mine = [n for n in _listing(url) if (m := pattern.fullmatch(n)) and m.group(1) == own_id]
+            storage.remove_quietly(url, [n for n in {*replaced, *mine} if n not in current])
+        return
+    directory, stem = os.path.dirname(path) or ".", stem_of(url)
+    shard_re, marker_re, temp_re = _shard_pattern(stem), _marker_pattern(stem), _temp_shard_pattern(stem)
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    ids: dict[str, list[str]] = {}
+    markers: set[str] = set()
+    temps: dict[str, list[str]] = {}
+    for name in names:
+        if m := shard_re.fullmatch(name):
+            ids.setdefault(m.group(1), []).append(name)
+        elif m := marker_re.fullmatch(name):
+            markers.add(m.group(1))
+        elif m := temp_re.fullmatch(name):
+            temps.setdefault(m.group(1), []).append(name)
+    held: list[int] = []
+    try:
+        # which saves are over is decided before the root is read: a save that ends after this
+        # point is kept, and one that ended before has committed (or failed) already
+        candidates = set(ids) | markers | set(temps)
+        over = {i for i in candidates if i == own_id or _save_is_over(directory, stem, i, held)}
+        current = _root_shards(url)
+        if current is None:
+            return
+        for save_id in over:
+            for name in temps.get(save_id, ()) if save_id != own_id else ():  # a crashed shard write
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(directory, name))
+            for name in ids.get(save_id, ()):
+                full = os.path.join(directory, name)
+                if name not in current and _is_our_shard(full, save_id):
+                    with contextlib.suppress(OSError):
+                        os.unlink(full)
+            if save_id != own_id and not any(n in current for n in ids.get(save_id, ())):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(directory, f".{stem}-{save_id}.saving"))
+    finally:
+        for fd in held:
+            os.close(fd)
+
+
+def _listing(url: str) -> list[str]:
+    fs, path = storage.url_to_fs(url)
+    parent = path.rsplit("/", 1)[0] if "/" in path else ""
+    try:
+        return [p.rsplit("/", 1)[-1] for p in fs.ls(parent, detail=False)]
+    except Exception:  # noqa: BLE001
+        return []
+
+
+# ---------------------------------------------------------------------------------- writing
+def plan_shards(stored: dict, shard_size: int) -> list[list[str]]:
+    shards, current, size = [], [], 0
+    for key, t in stored.items():
+        nbytes = t.numel() * t.element_size()
+        if current and size + nbytes > shard_size:
+            shards.append(current)
+            current, size = [], 0
+        current.append(key)
+        size += nbytes
+    return shards + [current] if current else shards
+
+
+def write(url: str, stored: dict, header: dict, shard_size: int | None, metadata) -> None:
+    """Write the checkpoint (shards first when it exceeds `shard_size`), commit the root, clean up.
+
+    `metadata(header)` makes the root's safetensors metadata once the shard index is in `header`.
+    """
+    replaced = sorted(_root_shards(url) or ())  # shards of the root this save replaces
+    total = sum(t.numel() * t.element_size() for t in stored.values())
+    if shard_size is None or total <= shard_size:
+        storage.atomic_write(url, lambda f: container.write_safetensors(f, stored, metadata(header)), total)
+        remove_orphans(url, None, replaced)
+        return
+    stem, save_id = stem_of(url), uuid.uuid4().hex[:8]
+    lock = _SaveLock(url, save_id)
+    written: list[str] = []
+    try:
+        plan = plan_shards(stored, shard_size)
+        shards = []
+        for i, keys in enumerate(plan, 1):
+            name = shard_name(stem, save_id, i, len(plan))
+            part = {k: stored[k] for k in keys}
+            meta = {"format": "pt", SHARD_KEY: json.dumps({"save_id": save_id, "index": i, "of": len(plan)})}
+            box: dict[str, Any] = {}
+
+            def write_shard(f, part=part, meta=meta, box=box):
+                hashing = _Hashing(f)
+                box["bytes"] = container.write_safetensors(hashing, part, meta)
+                box["sha256"] = hashing.h.hexdigest()
+
+            written.append(name)
+            storage.atomic_write(
+                storage.sibling_url(url, name),
+                write_shard,
+                sum(t.numel() * t.element_size() for t in part.values()),
+            )
+            shards.append({"file": name, "sha256": box["sha256"], "bytes": box["bytes"], "tensors": keys})
+        header["shards"] = shards
+        meta = metadata(header)
+        storage.atomic_write(url, lambda f: container.write_safetensors(f, {}, meta))  # the commit point
+        written = []
+        remove_orphans(url, save_id, replaced)
+    finally:
+        storage.remove_quietly(url, written)  # a save that failed before its commit
+        lock.release()
+
+
+# ---------------------------------------------------------------------------------- reading
+def read(url: str, header: dict, verify: bool) -> dict:
+    """All tensors of the shards the root's `header` names; ShardMissing when one is gone."""
+    stored = {}
+    for shard in header["shards"]:
+        shard_url = storage.sibling_url(url, shard["file"])
+        try:
+            data = storage.read_bytes(shard_url)
+        except FileNotFoundError:
+            raise ShardMissing(f"{url}: shard {shard['file']} is missing") from None
+        if len(data) != shard["bytes"] or (verify and hashlib.sha256(data).hexdigest() != shard["sha256"]):
+            raise CheckpointError(f"{url}: checksum mismatch for shard {shard['file']}: the file is corrupt")
+        part = container.load_tensors(data, shard_url)
+        if sorted(part) != sorted(shard["tensors"]):
+            raise CheckpointError(f"{url}: shard {shard['file']} does not hold the tensors its index lists")
+        stored.update(part)
+    return stored
