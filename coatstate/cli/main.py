@@ -1,7 +1,9 @@
-"""The `coatstate` command: `inspect` a checkpoint, `convert` between torch AdamW and compressed.
+"""The `coatstate` command: `inspect` a checkpoint, `convert` between torch AdamW and compressed,
+`plan` a job's memory.
 
 Exit codes: 0 success, 1 a checkpoint problem (unreadable, corrupt, mismatched: one line on
-stderr), 2 a usage error.
+stderr naming the file), 2 a usage error (one line). Nothing heavy is imported at module level:
+the parser builds, and every --help prints, without importing torch.
 """
 
 from __future__ import annotations
@@ -15,18 +17,20 @@ import sys
 import time
 from typing import Any
 
-from coatstate.formats import schema
-from coatstate.formats.optimizer_state import MOMENTS, is_compressed
-from coatstate.formats.schema import CheckpointError
-
-from coatstate.checkpoint import container, storage
-
 PT_EXTENSIONS = (".pt", ".pth", ".bin")
 ST_EXTENSIONS = (".safetensors",)
+DEBUG_ENV = "COATSTATE_TRACEBACK"
+"""Set to 1 to get the traceback of an unexpected error instead of its one-line summary."""
 
 
 class UsageError(Exception):
     """Bad command-line arguments: exit code 2."""
+
+
+def _checkpoint_error(message: str) -> Exception:
+    from coatstate.formats.schema import CheckpointError
+
+    return CheckpointError(message)
 
 
 # ----------------------------------------------------------------------------------- inspect
@@ -35,14 +39,36 @@ def _numel(shape) -> int:
 
 
 def _nbytes(info: dict[str, Any]) -> int:
+    from coatstate.formats import schema
+
     return _numel(info["shape"]) * schema.DTYPES[info["dtype"]][1]
 
 
+def _read_step(file_url: str, key: str, dtype_name: str) -> float | None:
+    from coatstate.checkpoint import container, storage
+    from coatstate.formats import schema
+
+    _, start, st_header = container.read_head(file_url, file_url)
+    data_bytes = storage.file_size(file_url) - start
+    begin, end = container.tensor_span(st_header, key, data_bytes, file_url)
+    dtype = schema.torch_dtype(dtype_name)
+    if end - begin != dtype.itemsize:
+        raise _checkpoint_error(f"{file_url}: tensor {key!r} holds {end - begin} bytes, not one {dtype_name}")
+    raw = storage.read_range(file_url, start + begin, end - begin)
+    if len(raw) != end - begin:
+        raise _checkpoint_error(f"{file_url}: truncated: tensor {key!r} lies past the end of the file")
+    import torch
+
+    return float(torch.frombuffer(bytearray(raw), dtype=dtype)[0])
+
+
 def _first_step(url: str, header: dict[str, Any]) -> float | None:
-    """The step of the first parameter with state, reading only its 4 bytes."""
+    """The step of the first parameter with state, reading only its bytes."""
+    from coatstate.checkpoint import storage
+
     for pstate in header["state"].values():
         ref = pstate.get("step")
-        if isinstance(ref, (int, float)):
+        if isinstance(ref, (int, float)) and not isinstance(ref, bool):
             return float(ref)
         if not (isinstance(ref, dict) and "$tensor" in ref):
             continue
@@ -50,21 +76,17 @@ def _first_step(url: str, header: dict[str, Any]) -> float | None:
         for shard in header.get("shards") or []:
             if key in shard["tensors"]:
                 file_url = storage.sibling_url(url, shard["file"])
-        _, start, st_header = container.read_head(file_url, file_url)
-        begin, end = st_header[key]["data_offsets"]
-        fs, path = storage.url_to_fs(file_url)
-        with fs.open(path, "rb") as f:
-            f.seek(start + begin)
-            raw = f.read(end - begin)
-        import torch
-
-        dtype = schema.torch_dtype(header["tensors"][key]["dtype"])
-        return float(torch.frombuffer(bytearray(raw), dtype=dtype)[0]) if raw else None
+        try:
+            return _read_step(file_url, key, header["tensors"][key]["dtype"])
+        except FileNotFoundError:
+            raise _checkpoint_error(f"{url}: shard {os.path.basename(file_url)} is missing") from None
     return None
 
 
 def summarize(header: dict[str, Any], *, file_bytes: int, step: float | None) -> dict[str, Any]:
     """What `inspect` reports, as a JSON-able dict."""
+    from coatstate.formats import schema
+
     tensors = header["tensors"]
     state_raw = sum(_nbytes(i) for k, i in tensors.items() if k.startswith(schema.STATE_PREFIX + "/"))
     model_raw = sum(_nbytes(i) for k, i in tensors.items() if k.startswith(schema.MODEL_PREFIX + "/"))
@@ -185,27 +207,47 @@ def _print_summary(url: str, s: dict[str, Any], verified: bool | None, show_all:
 
 
 def _file_bytes(url: str, header: dict[str, Any]) -> int:
-    fs, path = storage.url_to_fs(url)
-    return fs.size(path) + sum(s["bytes"] for s in header.get("shards") or [])
+    from coatstate.checkpoint import storage
+
+    return storage.file_size(url) + sum(s["bytes"] for s in header.get("shards") or [])
+
+
+def _is_pt(url: str, head: bytes) -> bool:
+    return head == b"PK\x03\x04" or _ext(url) in PT_EXTENSIONS
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from coatstate.checkpoint import api as checkpoint
+    from coatstate.checkpoint import shards, storage
 
     url = args.file
+    if os.path.isdir(url):
+        raise _checkpoint_error(
+            f"{url}: is a directory; inspect reads a .safetensors or .pt file (convert a "
+            "torch.distributed.checkpoint directory to .safetensors first)"
+        )
     head = storage.read_bytes(url, length=4)
-    if head == b"PK\x03\x04":  # a torch.save file: read it (weights_only) and describe it
+    if _is_pt(url, head):  # a torch.save file: read it (weights_only) and describe it
         ckpt = checkpoint.read(url)
-        _, header = checkpoint._flatten(ckpt.optimizer, {}, {}, None)
+        try:
+            _, header = checkpoint._flatten(ckpt.optimizer, {}, {}, None)
+        except (TypeError, ValueError) as e:
+            raise _checkpoint_error(f"{url}: cannot describe this state dict ({e})") from None
         header["optimizer"]["class"] = "torch optimizer"
-        s = summarize(header, file_bytes=storage.url_to_fs(url)[0].size(storage.url_to_fs(url)[1]), step=None)
+        s = summarize(header, file_bytes=storage.file_size(url), step=None)
         s.update(step=_first_step_from(ckpt.optimizer), format_version=None, library_version=None)
         verified = None
     else:
-        header = checkpoint.read_header(url)
-        if args.verify:
-            checkpoint.read(url, verify=True)
-        s = summarize(header, file_bytes=_file_bytes(url, header), step=_first_step(url, header))
+        for attempt in range(3):  # a concurrent save may replace the root and remove its shards
+            header = checkpoint.read_header(url)
+            try:
+                if args.verify:
+                    checkpoint.read(url, verify=True)
+                s = summarize(header, file_bytes=_file_bytes(url, header), step=_first_step(url, header))
+                break
+            except (shards.ShardMissing, FileNotFoundError):
+                if attempt == 2 or checkpoint.read_header(url) == header:
+                    raise
         verified = True if args.verify else None
     if args.json:
         print(json.dumps({**s, "checksums_verified": bool(verified)}, indent=1))
@@ -217,7 +259,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def _first_step_from(sd: dict[str, Any]) -> float | None:
     for pstate in sd["state"].values():
         if "step" in pstate:
-            return float(pstate["step"])
+            try:
+                return float(pstate["step"])
+            except (TypeError, ValueError, RuntimeError):
+                return None
     return None
 
 
@@ -244,18 +289,51 @@ def _direction(args: argparse.Namespace) -> str:
 def _write_pt(obj: Any, url: str) -> None:
     import torch
 
+    from coatstate.checkpoint import storage
+
     buf = io.BytesIO()
     torch.save(obj, buf)
     view = buf.getbuffer()
     storage.atomic_write(url, lambda f: f.write(view), len(view))
 
 
+def _same_file(a: str, b: str) -> bool:
+    if "://" in a or "://" in b:
+        return a.rstrip("/") == b.rstrip("/")
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _converted(what: str, src: str, fn, *args, **kwargs):
+    """fn's result; a state it cannot convert is a checkpoint problem of SRC, said in one line."""
+    from coatstate.formats.schema import CheckpointError
+
+    try:
+        return fn(*args, **kwargs)
+    except CheckpointError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError, IndexError) as e:
+        raise _checkpoint_error(f"{src}: cannot {what} ({type(e).__name__}: {e})") from None
+
+
+def _size_of(url: str) -> int:
+    from coatstate.checkpoint import storage
+
+    fs, path = storage.url_to_fs(url)
+    return int(fs.du(path))
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     from coatstate.checkpoint import api as checkpoint
+    from coatstate.formats.optimizer_state import MOMENTS, is_compressed
 
     direction = _direction(args)
     if _ext(args.dst) not in PT_EXTENSIONS + ST_EXTENSIONS:
         raise UsageError(f"DST {args.dst!r} must end in one of {PT_EXTENSIONS + ST_EXTENSIONS}")
+    if _same_file(args.src, args.dst):
+        raise UsageError(f"SRC and DST are the same file ({args.src}): convert never overwrites its input")
     t0 = time.perf_counter()
     ckpt = checkpoint.read(args.src)
     sd = ckpt.optimizer
@@ -265,10 +343,13 @@ def cmd_convert(args: argparse.Namespace) -> int:
         direction = "compressed" if has_codes else "adamw"
     elif direction == "compressed":
         if has_codes:
-            raise CheckpointError(f"{args.src} already holds compressed states (convert --to adamw first)")
+            raise _checkpoint_error(f"{args.src} already holds compressed states (convert --to adamw first)")
         from coatstate.optim import compress_adamw_state_dict
 
-        sd = compress_adamw_state_dict(
+        sd = _converted(
+            "compress its states (are they torch.optim.AdamW's?)",
+            args.src,
+            compress_adamw_state_dict,
             sd,
             group_size=args.group_size,
             exp_avg_format=args.exp_avg_format,
@@ -280,18 +361,25 @@ def cmd_convert(args: argparse.Namespace) -> int:
     elif has_codes:
         from coatstate.optim import to_adamw_state_dict
 
-        sd = to_adamw_state_dict(sd)
+        sd = _converted("decompress its states", args.src, to_adamw_state_dict, sd)
     if _ext(args.dst) in ST_EXTENSIONS:
-        checkpoint.save(
-            sd, args.dst, model=ckpt.model, compress="zstd" if args.zstd else None, param_names=names
+        _converted(
+            "store its state dict",
+            args.src,
+            checkpoint.save,
+            sd,
+            args.dst,
+            model=ckpt.model,
+            compress="zstd" if args.zstd else None,
+            param_names=names,
         )
     else:
         if ckpt.model is not None:
             print("coatstate: note: the model state dict in SRC is not written to a .pt DST", file=sys.stderr)
         _write_pt(sd, args.dst)
-    src_size, dst_size = (storage.url_to_fs(u)[0].du(storage.url_to_fs(u)[1]) for u in (args.src, args.dst))
+    src_size, dst_size = _size_of(args.src), _size_of(args.dst)
     print(
-        f"{args.src} ({_mb(src_size)}) -> {args.dst} ({_mb(dst_size)}, {dst_size / src_size:.3f}x, "
+        f"{args.src} ({_mb(src_size)}) -> {args.dst} ({_mb(dst_size)}, {dst_size / max(src_size, 1):.3f}x, "
         f"{direction}) in {time.perf_counter() - t0:.1f} s",
         file=sys.stderr,
     )
@@ -299,30 +387,83 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 # -------------------------------------------------------------------------------------- main
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line on stderr and exit code 2 (subparsers inherit it)."""
+
+    def error(self, message: str):
+        print(f"{self.prog}: usage error: {message} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}; got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {low}"
+    return parse
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="coatstate", description="Inspect and convert coatstate checkpoints.")
-    sub = p.add_subparsers(dest="command", required=True)
-    i = sub.add_parser("inspect", help="what a checkpoint holds (reads the header only unless --verify)")
+    p = _Parser(
+        prog="coatstate",
+        description="coatstate checkpoints and memory: `inspect` what a checkpoint holds, `convert` between "
+        "torch AdamW and compressed (FP8) optimizer states, `plan` a training job's memory per GPU.",
+        epilog="Exit codes: 0 ok, 1 a checkpoint problem (one line on stderr), 2 a usage error.",
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="{inspect,convert,plan}")
+    i = sub.add_parser(
+        "inspect",
+        help="what a checkpoint holds (reads the header only unless --verify)",
+        description="Describe a coatstate .safetensors checkpoint (or a torch .pt optimizer state dict): "
+        "optimizer, step, param groups, per-parameter formats and sizes.",
+    )
     i.add_argument("file", help="a .safetensors checkpoint (local path or fsspec URL) or a torch .pt")
     i.add_argument("--verify", action="store_true", help="read every tensor and check its checksum")
     i.add_argument("--json", action="store_true", help="print JSON for scripts")
-    i.add_argument("--all", action="store_true", help="list every parameter")
+    i.add_argument("--all", action="store_true", help="list every parameter (default: the first 20)")
     i.set_defaults(run=cmd_inspect)
     c = sub.add_parser(
-        "convert", help="torch AdamW .pt <-> compressed .safetensors (SRC may be a DCP directory)"
+        "convert",
+        help="torch AdamW .pt <-> compressed .safetensors (SRC may be a DCP directory)",
+        description="Convert optimizer states: .pt/.pth/.bin -> .safetensors compresses, .safetensors -> "
+        ".pt decompresses (torch.optim.AdamW loads the result); a torch.distributed.checkpoint directory "
+        "converts as it is to .safetensors. DST must differ from SRC.",
     )
     c.add_argument("src", help="a .pt, a .safetensors, or a torch.distributed.checkpoint directory")
-    c.add_argument("dst")
+    c.add_argument("dst", help="the file to write: .safetensors (coatstate) or .pt/.pth/.bin (torch.save)")
     c.add_argument(
         "--to",
         choices=("compressed", "adamw"),
-        help="default: from the extensions (.pt -> .safetensors: compressed)",
+        help="direction (default: from the extensions; .pt -> .safetensors: compressed)",
     )
-    c.add_argument("--group-size", type=int, default=128)
-    c.add_argument("--exp-avg-format", choices=("e4m3", "e5m2"), default="e4m3")
-    c.add_argument("--exp-avg-sq-format", choices=("e4m3", "e5m2"), default="e4m3")
+    c.add_argument(
+        "--group-size", type=_int_at_least(1), default=128, help="elements per FP8 scale group (default 128)"
+    )
+    c.add_argument(
+        "--exp-avg-format",
+        choices=("e4m3", "e5m2"),
+        default="e4m3",
+        help="FP8 format of exp_avg (default e4m3)",
+    )
+    c.add_argument(
+        "--exp-avg-sq-format",
+        choices=("e4m3", "e5m2"),
+        default="e4m3",
+        help="FP8 format of exp_avg_sq (default e4m3)",
+    )
     c.add_argument("--no-expand", action="store_true", help="no dynamic range expansion")
-    c.add_argument("--min-numel", type=int, default=4096, help="smaller params keep fp32 states")
+    c.add_argument(
+        "--min-numel",
+        type=_int_at_least(0),
+        default=4096,
+        help="parameters with fewer elements keep fp32 states (default 4096)",
+    )
     c.add_argument("--zstd", action="store_true", help="zstandard-compress the tensors")
     c.set_defaults(run=cmd_convert)
     from coatstate.cli.plan import add_plan_parser
@@ -331,17 +472,51 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _one_line(e: BaseException, files: list[str]) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    if files and not any(f and f in text for f in files):
+        text = f"{files[0]}: {text}"
+    return text
+
+
+def _quiet_stdout() -> None:
+    """After a closed pipe (`| head`): later writes and the exit flush go nowhere, silently."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     try:
         args = parser.parse_args(argv)
-    except SystemExit as e:  # argparse already printed the usage message
+    except SystemExit as e:  # argparse already printed the usage message (or the help)
         return int(e.code or 0)
+    files = [
+        f for f in (getattr(args, n, None) for n in ("file", "src", "dst", "model")) if isinstance(f, str)
+    ]
     try:
-        return args.run(args)
+        code = args.run(args)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:  # the reader stopped reading: not an error of ours
+        _quiet_stdout()
+        return 0
     except UsageError as e:
-        print(f"coatstate: usage error: {e}", file=sys.stderr)
+        print(f"coatstate: usage error: {_one_line(e, [])}", file=sys.stderr)
         return 2
-    except (CheckpointError, FileNotFoundError, ImportError, ValueError, TypeError, OSError) as e:
-        print(f"coatstate: error: {e}", file=sys.stderr)
+    except (ValueError, FileNotFoundError, ImportError, TypeError, OSError, RecursionError, MemoryError) as e:
+        # CheckpointError is a ValueError
+        print(f"coatstate: error: {_one_line(e, files)}", file=sys.stderr)
+        return 1
+    except Exception as e:  # noqa: BLE001 - never a traceback; the summary names the error
+        if os.environ.get(DEBUG_ENV) == "1":
+            raise
+        print(
+            f"coatstate: error: {_one_line(e, files)} ({type(e).__name__}; an unexpected error, please "
+            f"report it; {DEBUG_ENV}=1 shows the traceback)",
+            file=sys.stderr,
+        )
         return 1

@@ -7,8 +7,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import stat
 
 from coatstate.planner.units import parse_bytes, parse_count
+
+MAX_CONFIG_BYTES = 64 * 2**20
+"""A model config is a few kB; anything this large is not one."""
+MAX_CONFIG_DEPTH = 64
+"""Nesting a config may have (transformers' are a few levels deep)."""
+
 
 def add_plan_parser(sub) -> None:
     """Register `plan` on the `coatstate` subcommand parser."""
@@ -29,8 +37,8 @@ def add_plan_parser(sub) -> None:
     m = p.add_argument_group("model from numbers")
     m.add_argument("--arch", choices=("llama", "gpt"), default="llama", help="block layout (default llama)")
     m.add_argument("--params", type=parse_count, help="total parameters, e.g. 6.7B (sets the vocabulary)")
-    m.add_argument("--layers", type=int)
-    m.add_argument("--hidden", type=int)
+    m.add_argument("--layers", type=int, help="transformer blocks (with --hidden: the model from numbers)")
+    m.add_argument("--hidden", type=int, help="model width (hidden size)")
     m.add_argument("--heads", type=int, help="attention heads (default hidden / 128, at least 1)")
     m.add_argument("--kv-heads", type=int, help="key/value heads for grouped-query attention (llama)")
     m.add_argument("--ffn", type=int, help="MLP width (default: llama 8/3 hidden rounded to 256, gpt 4x)")
@@ -68,6 +76,48 @@ def add_plan_parser(sub) -> None:
     p.set_defaults(run=cmd_plan)
 
 
+def _depth(value) -> int:
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, (dict, list)):
+            deepest = max(deepest, d + 1)
+            if deepest > MAX_CONFIG_DEPTH:
+                break
+            stack.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return deepest
+
+
+def read_config(path: str) -> dict:
+    """A JSON config file as a dict; ValueError naming the file for anything else (a FIFO, a
+    device, a huge or deeply nested file, a JSON list)."""
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        raise ValueError(f"{path}: cannot open the config ({e.strerror or e})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{path}: not a regular file; give a JSON config file")
+        if st.st_size > MAX_CONFIG_BYTES:
+            raise ValueError(f"{path}: {st.st_size:,} bytes is too large for a model config")
+        raw = os.read(fd, st.st_size)
+    finally:
+        os.close(fd)
+    try:
+        cfg = json.loads(raw)
+    except RecursionError:
+        raise ValueError(f"{path}: JSON nested too deeply to be a model config") from None
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+        raise ValueError(f"{path} is not a readable JSON config: {e}") from None
+    if _depth(cfg) > MAX_CONFIG_DEPTH:
+        raise ValueError(f"{path}: JSON nested deeper than {MAX_CONFIG_DEPTH} levels is not a model config")
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path}: a model config is a JSON object; this file holds a {type(cfg).__name__}")
+    return cfg
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from coatstate import planner
 
@@ -76,8 +126,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
             "give a model: a config JSON file, a transformers config name, module:factory, or the "
             "numbers --layers and --hidden (with --params or --vocab)"
         )
+    model = args.model
+    if model is not None and (os.path.lexists(model) and not os.path.isdir(model)):
+        from coatstate.planner.models import shape_from_config
+        from coatstate.planner.planning import spec_from_shape
+
+        cfg = read_config(model)
+        try:
+            shape = shape_from_config(cfg, loss_chunks=args.loss_chunks)
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{model}: not a usable model config ({type(e).__name__}: {e})") from None
+        model = spec_from_shape(shape, os.path.basename(model))
     spec = planner.resolve_model(
-        args.model,
+        model,
         arch=args.arch,
         params=args.params,
         layers=args.layers,
