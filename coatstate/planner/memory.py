@@ -21,10 +21,10 @@ import math
 from typing import Any
 
 import torch
-from coatstate.formats.group import storage_bytes
-from coatstate.planner.trace import ActivationModel
 
+from coatstate.formats.group import storage_bytes
 from coatstate.optim.moments import FORMAT_DEFAULTS, moment_formats
+from coatstate.planner.trace import ActivationModel
 
 GB = 1e9
 PARAM_BYTES = {"bf16": 2, "fp32": 4}

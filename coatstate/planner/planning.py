@@ -24,10 +24,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
+
 from coatstate.planner.memory import Plan, Row, Variant, optimizer_bytes
 from coatstate.planner.models import PlannerLM, Shape, shape_from_config, shape_from_numbers
-from coatstate.planner.trace import ActivationModel, find_layers, trace
-from torch import nn
+from coatstate.planner.trace import ActivationModel, Progress, find_layers, trace
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -218,6 +219,19 @@ def _checked_setup(spec, seq, batch, gpus, sharding, gpu_memory, param_dtype) ->
     return gpu_memory, seq
 
 
+def _parameter_shapes(spec: ModelSpec) -> tuple[list[tuple[int, ...]], int, int]:
+    """(every parameter's shape, numel of the largest repeated layer, numel outside the layers)
+    of the full model, built on the meta device."""
+    full = spec.build(None)
+    _, _, blocks = find_layers(full)
+    block_ids = {id(p) for p in blocks.parameters()}
+    named = list(full.named_parameters())
+    shapes = [tuple(p.shape) for _, p in named]
+    layer_numel = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0)
+    root_numel = sum(p.numel() for _, p in named if id(p) not in block_ids)
+    return shapes, layer_numel, root_numel
+
+
 def plan(
     model: Any,
     *,
@@ -232,12 +246,14 @@ def plan(
     variants: list[Variant] | None = None,
     optimizer_options: dict[str, Any] | None = None,
     trace_layers: int = 2,
+    progress: bool = True,
 ) -> Plan:
     """Memory per GPU for each variant; see the module docstring and docs/planner.md.
 
     param_dtype 'bf16': bf16 params and grads, fp32 master weights unless master_weights=False.
     param_dtype 'fp32': fp32 params and grads, bf16 autocast unless autocast=False.
     sharding 'fsdp2': params, grads, master weights and states are dim-0 sharded over `gpus`.
+    progress: a line on stderr per stage once planning has taken longer than 2 seconds.
     """
     spec = resolve_model(model)
     gpu_memory, seq = _checked_setup(spec, seq, batch, gpus, sharding, gpu_memory, param_dtype)
@@ -248,29 +264,24 @@ def plan(
         variants, note = default_variants()
         notes += [note] if note else []
 
-    full = spec.build(None)
-    _, _, blocks = find_layers(full)
-    block_ids = {id(p) for p in blocks.parameters()}
-    named = list(full.named_parameters())
-    shapes = [tuple(p.shape) for _, p in named]
-    layer_numel = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0)
-    root_numel = sum(p.numel() for _, p in named if id(p) not in block_ids)
-    del full
-
     kinds = {v.activations for v in variants}
-    converter = fp8_linear_converter()[0] if "fp8" in kinds else None
-    acts = trace(
-        spec.build,
-        layers=spec.layers,
-        seq=seq,
-        hidden=spec.hidden,
-        vocab=spec.vocab,
-        autocast=use_autocast,
-        dtype=_DTYPES[param_dtype],
-        trace_layers=trace_layers,
-        kinds=kinds,
-        fp8_convert=converter,
-    )
+    with Progress(enabled=progress) as report:
+        report(f"listing the parameters of {spec.name}")
+        shapes, layer_numel, root_numel = _parameter_shapes(spec)
+        converter = fp8_linear_converter()[0] if "fp8" in kinds else None
+        acts = trace(
+            spec.build,
+            layers=spec.layers,
+            seq=seq,
+            hidden=spec.hidden,
+            vocab=spec.vocab,
+            autocast=use_autocast,
+            dtype=_DTYPES[param_dtype],
+            trace_layers=trace_layers,
+            kinds=kinds,
+            fp8_convert=converter,
+            progress=report,
+        )
     setup = dict(
         seq=seq,
         batch=batch,

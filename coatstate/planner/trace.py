@@ -1,8 +1,12 @@
 """Activation memory of a real model, measured on CPU and scaled to the planned job.
 
 A trace runs forward + backward of the model cut down to a few of its repeated layers (the rest
-of the model kept whole) at a few small token counts, on CPU, in the job's dtype, under
-compress_activations. Two things are measured per run:
+of the model kept whole) at a few small token counts, as CPU tensors in the job's dtype, under
+compress_activations. By default the tensors are fake (torch's FakeTensorMode): every op runs
+through the same Python code, autocast, autograd and saved-tensor hooks and makes outputs with
+real shapes, dtypes, strides and storage sizes, but computes no values and allocates nothing, so
+a 70B model traces in seconds; `real=True` computes on real tensors (the reference the fake
+trace is tested against). Two things are measured per run:
 
 - saved activation bytes, from compress_activations' own ActivationStats (what it would hold
   uncompressed, and what it holds), attributed to each layer by snapshots at layer boundaries;
@@ -12,28 +16,39 @@ compress_activations. Two things are measured per run:
   weight copies, the loss's logits, gradients of activations, unpacked activations in backward).
 
 Each quantity q is fitted as q = a + b*B*S from runs at (B, S) = (b, s) and (2b, s), and
-per-layer quantities are multiplied by the model's layer count. The fit assumes activations
-grow with the token count B*S: true for flash/memory-efficient attention (what
-F.scaled_dot_product_attention uses); a model with eager softmax(QK^T) attention (a seq x seq
-tensor per head) is under-predicted at sequence lengths above the trace's.
+per-layer quantities are multiplied by the model's layer count; the transient is fitted at every
+sampled moment of the step and the largest line taken (PeakFit), since the peak moves. The fit
+assumes activations grow with the token count B*S: true for flash/memory-efficient attention
+(what F.scaled_dot_product_attention uses); a model with eager softmax(QK^T) attention (a
+seq x seq tensor per head) is under-predicted at sequence lengths above the trace's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import math
 import sys
-from collections.abc import Callable, Iterable
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
-from coatstate.activations.policy import KEEP_ALL, ActivationPolicy
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from coatstate.activations.hooks import compress_activations
+from coatstate.activations.policy import KEEP_ALL, ActivationPolicy
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """The identity of t's storage (its StorageImpl), shared by every view of it: fake storages
+    all have data pointer 0."""
+    return t.untyped_storage()._cdata
 
 
 class LiveBytes(TorchDispatchMode):
@@ -41,11 +56,13 @@ class LiveBytes(TorchDispatchMode):
 
     def __init__(self, ignore: set[int]) -> None:
         super().__init__()
-        self.ignore = ignore  # storages that existed before (params, grads, inputs)
+        self.ignore = ignore  # storage_key()s of what existed before (params, grads, inputs)
         self.live: dict[int, tuple[StorageWeakRef, int]] = {}
         self.current = 0
         self.peak = 0
         self.pause_codes: set = set()  # code objects of functions whose temporaries are left out
+        self.samples: list[int] = []  # the live bytes at every sample of the peak, in order
+        self._unsampled = False  # storages were added while paused and the peak has not seen them
 
     def _paused(self) -> bool:
         f = sys._getframe(2)
@@ -66,17 +83,31 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self.sweep()
+        new = []
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 st = t.untyped_storage()
-                key = st.data_ptr()
-                if key in self.ignore or key in self.live or st.nbytes() == 0:
+                key = st._cdata
+                if key in self.ignore or st.nbytes() == 0:
                     continue
+                entry = self.live.get(key)
+                if entry is None or entry[0].expired():  # (a freed storage's address reused)
+                    new.append((key, st))
+        # Between allocations the live bytes only fall, so the peak is sampled after ops that
+        # allocate (and after the first op past a paused stretch that did): one sweep each.
+        if not (new or self._unsampled):
+            return out
+        self.sweep()
+        for key, st in new:
+            if key not in self.live:
                 self.live[key] = (StorageWeakRef(st), st.nbytes())
                 self.current += st.nbytes()
-        if not (self.pause_codes and self._paused()):
+        if self.pause_codes and self._paused():
+            self._unsampled = True
+        else:
             self.peak = max(self.peak, self.current)
+            self.samples.append(self.current)
+            self._unsampled = False
         return out
 
 
@@ -97,9 +128,53 @@ def find_layers(model: nn.Module) -> tuple[nn.Module, str, nn.ModuleList]:
     return best
 
 
+@contextlib.contextmanager
+def fake_tensors() -> Iterator[None]:
+    """Tensors made inside are fake (torch's FakeTensorMode): shapes, dtypes, strides and storage
+    sizes without values or memory; factory calls under torch.device('meta') stay meta.
+
+    Inside, UntypedStorage.data_ptr() gives each meta storage (what a fake tensor's storage is)
+    its own number instead of 0: compress_activations finds the region that already holds a
+    saved tensor's memory by its storage's data pointer, and would take every fake storage for
+    one."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    cls = torch.UntypedStorage
+    own = cls.__dict__.get("data_ptr")  # None: inherited from torch._C.StorageBase
+    real = cls.data_ptr
+    cls.data_ptr = lambda self: self._cdata if self.device.type == "meta" else real(self)
+    try:
+        with FakeTensorMode():
+            yield
+    finally:
+        if own is None:
+            del cls.data_ptr
+        else:
+            cls.data_ptr = own
+
+
+def _replace_tensors(model: nn.Module, make: Callable[[torch.Tensor], torch.Tensor]) -> nn.Module:
+    """Every parameter and buffer p replaced by make(p), in place (shared ones stay shared):
+    Module.to_empty and .to swap tensors, which fake tensors refuse."""
+    done: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for table, wrap in ((module._parameters, True), (module._buffers, False)):
+            for name, t in table.items():
+                if t is None:
+                    continue
+                if id(t) not in done:
+                    new = make(t)
+                    done[id(t)] = nn.Parameter(new, t.requires_grad) if wrap else new
+                table[name] = done[id(t)]
+    return model
+
+
 def materialize(model: nn.Module) -> nn.Module:
-    """A meta-device model on CPU with finite placeholder values (values do not change bytes)."""
-    model = model.to_empty(device="cpu")
+    """A meta-device model on CPU with finite placeholder values (values do not change bytes).
+    Tied parameters stay tied: Module.to_empty would give each module its own copy."""
+    model = _replace_tensors(
+        model, lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+    )
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.normal_(0.0, 0.02) if p.dim() >= 2 else p.fill_(1.0 if name.endswith("weight") else 0.0)
@@ -141,14 +216,17 @@ class RunBytes:
     live_rest: float
     transient: float
     """Bytes alive at the step's peak beyond those alive at the end of forward."""
+    moments: tuple[int, ...] = ()
+    """Bytes alive beyond those at the end of forward at every moment the live bytes were
+    sampled, in order (`transient` is the largest)."""
 
 
 def _run(model, layers: nn.ModuleList, idx, *, compress: bool, autocast: bool, vocab: int) -> RunBytes:
     for p in model.parameters():  # allocated beforehand, as with zero_grad(set_to_none=False)
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    static = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers(), idx)}
-    static |= {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
+    static = {storage_key(t) for t in (*model.parameters(), *model.buffers(), idx)}
+    static |= {storage_key(p.grad) for p in model.parameters()}
     ctx = compress_activations() if compress else compress_activations(**KEEP_ALL)
     tracker = LiveBytes(static)
     # On CPU, pack/unpack run as chains of float32 torch ops whose temporaries are several times
@@ -182,7 +260,12 @@ def _run(model, layers: nn.ModuleList, idx, *, compress: bool, autocast: bool, v
     (s0, l0), (s1, l1) = forward_marks[-2:] if len(forward_marks) >= 2 else ((0, 0), (0, 0))
     n = len(layers)
     return RunBytes(
-        s1 - s0, saved_end - n * (s1 - s0), l1 - l0, live_end - n * (l1 - l0), max(0, tracker.peak - live_end)
+        s1 - s0,
+        saved_end - n * (s1 - s0),
+        l1 - l0,
+        live_end - n * (l1 - l0),
+        max(0, tracker.peak - live_end),
+        tuple(c - live_end for c in tracker.samples),
     )
 
 
@@ -203,6 +286,32 @@ class TokenFit:
 
 
 @dataclasses.dataclass(frozen=True)
+class PeakFit:
+    """q(B, S) = the largest of several lines a + b*B*S, one per moment of the step at which the
+    live bytes were sampled: the peak falls at different moments at different token counts (at
+    few tokens where a fixed-size buffer such as the head's weight gradient is alive, at many
+    where the loss's logits and their gradients are), which one line through the two runs'
+    peaks misses. Only lines that are the largest somewhere at B*S >= 0 are kept."""
+
+    lines: tuple[TokenFit, ...]
+
+    def __call__(self, batch: int, seq: int) -> float:
+        return max(0.0, max(f.a + f.b * batch * seq for f in self.lines))
+
+    @classmethod
+    def fit(cls, q1: Iterable[float], q2: Iterable[float], tokens1: int, tokens2: int) -> PeakFit:
+        lines = {TokenFit.fit(x, y, tokens1, tokens2) for x, y in zip(q1, q2, strict=True)}
+        best = max(lines, key=lambda f: (f.a, f.b))  # the maximum at no tokens
+        kept = [best]
+        while True:  # the line that overtakes the current maximum first, until none does
+            later = [((best.a - f.a) / (f.b - best.b), -f.b, f) for f in lines if f.b > best.b]
+            if not later:
+                return cls(tuple(kept))
+            best = min(later, key=lambda c: c[:2])[2]
+            kept.append(best)
+
+
+@dataclasses.dataclass(frozen=True)
 class ActivationModel:
     """Fitted activation bytes of one variant (compressed or not) for the full model."""
 
@@ -211,7 +320,7 @@ class ActivationModel:
     saved_rest: TokenFit
     live_layer: TokenFit
     live_rest: TokenFit
-    transient: TokenFit
+    transient: TokenFit | PeakFit
     trace_points: tuple[tuple[int, int], ...]
 
     def saved(self, batch: int, seq: int) -> int:
@@ -232,6 +341,53 @@ def trace_shape(seq: int, hidden: int, min_numel: int) -> tuple[int, int]:
     return max(1, math.ceil(min_numel / (s * hidden))), s
 
 
+class Progress:
+    """A line on stderr per stage once the work has taken longer than `after` seconds (a timer
+    prints the stage in progress then), and one when it is done; nothing for faster work.
+
+        with Progress() as report:
+            report("tracing ...")
+    """
+
+    def __init__(self, after: float = 2.0, stream=None, enabled: bool = True) -> None:
+        self.after, self.stream, self.enabled = after, stream, enabled
+        self.stage, self.printed = "", False
+        self._lock = threading.Lock()
+        self._timer: threading.Timer | None = None
+
+    def __enter__(self) -> Progress:
+        self.start = time.perf_counter()
+        if self.enabled:
+            self._timer = threading.Timer(self.after, self._late)
+            self._timer.daemon = True
+            self._timer.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        with self._lock:
+            self.stage = ""
+            if self.printed and exc[0] is None:
+                self._print("done")
+
+    def __call__(self, stage: str) -> None:
+        with self._lock:
+            self.stage = stage
+            if self.enabled and time.perf_counter() - self.start >= self.after:
+                self._print(stage)
+
+    def _late(self) -> None:
+        with self._lock:
+            if self.stage:
+                self._print(f"{self.stage} ...")
+
+    def _print(self, text: str) -> None:
+        elapsed = time.perf_counter() - self.start
+        print(f"coatstate plan: {text} ({elapsed:.1f} s)", file=self.stream or sys.stderr, flush=True)
+        self.printed = True
+
+
 def trace(
     build: Callable[[int], nn.Module],
     *,
@@ -244,23 +400,50 @@ def trace(
     trace_layers: int = 2,
     kinds: Iterable[str] = ("none", "compressed"),
     fp8_convert: Callable[[nn.Module], nn.Module] | None = None,
+    real: bool = False,
+    progress: Callable[[str], None] | None = None,
 ) -> dict[str, ActivationModel]:
     """Fitted activation models per kind for the full `layers`.
 
     Kinds: 'none' (nothing compressed), 'compressed' (compress_activations' default policy),
     'fp8' (the same, with nn.Linear layers swapped by `fp8_convert`). build(k) returns the model
     with k repeated layers on CPU, or on the meta device (then materialized with placeholders).
+    real=False traces fake tensors (no values, no memory), and falls back to real ones with a
+    warning for a model whose forward needs values (`.item()`, data-dependent shapes);
+    real=True computes every op. `progress(text)` is told each stage.
     """
+    from torch._subclasses import fake_tensor
+
     k = min(max(2, trace_layers), layers)
     b, s = trace_shape(seq, hidden, ActivationPolicy().min_numel)
-    points = ((b, s), (2 * b, s))
+    kinds = sorted(set(kinds), key=("none", "compressed", "fp8").index)
+    if "fp8" in kinds and fp8_convert is None:
+        raise ValueError("the 'fp8' trace needs fp8_convert (coatstate.nn.FP8Linear)")
+    args = (build, k, layers, ((b, s), (2 * b, s)), vocab, autocast, dtype, kinds, fp8_convert, progress)
+    if real:
+        return _trace(*args, fake=False)
+    try:
+        with fake_tensors():
+            return _trace(*args, fake=True)
+    except (fake_tensor.DataDependentOutputException, fake_tensor.DynamicOutputShapeException) as e:
+        warnings.warn(
+            f"the model's forward needs tensor values ({type(e).__name__}: {e}), which the planner's "
+            "fake-tensor trace does not compute: tracing it with real tensors instead (slower, and "
+            "it allocates the traced layers)",
+            stacklevel=3,
+        )
+        return _trace(*args, fake=False)
+
+
+def _trace(build, k, layers, points, vocab, autocast, dtype, kinds, fp8_convert, progress, *, fake):
     out, model = {}, None
-    for kind in sorted(set(kinds), key=("none", "compressed", "fp8").index):
+    (b, s), _ = points
+    for kind in kinds:
+        if progress:
+            progress(f"tracing {k} of {layers} layers ({kind}) at batch {b} and {2 * b} x seq {s}")
         if model is None or kind == "fp8":
-            model = _prepare(build, k, dtype)
+            model = _prepare(build, k, dtype, fake)
         if kind == "fp8":
-            if fp8_convert is None:
-                raise ValueError("the 'fp8' trace needs fp8_convert (coatstate.nn.FP8Linear)")
             model = fp8_convert(model)
         _, _, blocks = find_layers(model)
         runs = []
@@ -268,20 +451,32 @@ def trace(
             torch.manual_seed(0)
             idx = torch.randint(0, vocab, (batch, n))
             runs.append(_run(model, blocks, idx, compress=kind != "none", autocast=autocast, vocab=vocab))
+        tokens = (b * s, 2 * b * s)
         fits = {
-            f.name: TokenFit.fit(*(getattr(r, f.name) for r in runs), b * s, 2 * b * s)
+            f.name: TokenFit.fit(*(getattr(r, f.name) for r in runs), *tokens)
             for f in dataclasses.fields(RunBytes)
+            if f.name != "moments"
         }
+        if len(runs[0].moments) == len(runs[1].moments) > 0:  # the same ops at both token counts
+            fits["transient"] = PeakFit.fit(runs[0].moments, runs[1].moments, *tokens)
         out[kind] = ActivationModel(layers, trace_points=points, **fits)
         model.zero_grad(set_to_none=True)
     return out
 
 
-def _prepare(build: Callable[[int], nn.Module], k: int, dtype: torch.dtype) -> nn.Module:
+def _prepare(build: Callable[[int], nn.Module], k: int, dtype: torch.dtype, fake: bool) -> nn.Module:
     model = build(k)
-    if any(p.is_meta for p in model.parameters()):
-        model = materialize(model)
-    model = model.to(dtype)
+    if fake:  # one pass: CPU placement and the dtype cast of Module.to(dtype)
+        model = _replace_tensors(
+            model,
+            lambda t: torch.empty_strided(
+                t.shape, t.stride(), dtype=dtype if t.is_floating_point() else t.dtype, device="cpu"
+            ),
+        )
+    else:
+        if any(p.is_meta for p in model.parameters()):
+            model = materialize(model)
+        model = model.to(dtype)
     _, _, blocks = find_layers(model)
     if len(blocks) != k:
         raise ValueError(f"build({k}) returned a model with {len(blocks)} repeated layers; expected {k}")
