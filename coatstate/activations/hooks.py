@@ -214,6 +214,26 @@ class compress_activations:  # noqa: N801  (a context manager used like a functi
         self._sources.clear()
         self._slots.clear()
         self._graph_args, self._graph_inputs = None, (set(), set())
+        if exc[0] is None:
+            self._warn_if_only_small()
+
+    def _warn_if_only_small(self) -> None:
+        """A model whose saves are all below min_numel (a small one) would otherwise compress
+        nothing without a word; a policy that keeps everything on purpose is not warned about."""
+        stats, reason = self.stats, KeepReason.small(self.policy.min_numel)
+        if stats.packed or stats.recomputed or not stats.kept_reasons[reason]:
+            return
+        if all(self.policy.granularity(kind) is _KEEP for kind in OpKind):
+            return
+        warnings.warn(
+            f"compress_activations compressed nothing: {stats.kept_reasons[reason]} floating-point "
+            f"saved tensors ({stats.bytes_kept[reason] / 2**20:.2f} MiB) were smaller than "
+            f"min_numel={self.policy.min_numel} and were kept as they are. For a small model pass a "
+            "lower min_numel, e.g. compress_activations(min_numel=0); ctx.stats.summary() lists "
+            "what was kept.",
+            UserWarning,
+            stacklevel=3,
+        )
 
     # -- pack ------------------------------------------------------------------------------
     def _keep(self, x: torch.Tensor, reason: str, count_bytes: int | None = None) -> _Kept:
