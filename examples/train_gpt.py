@@ -3,8 +3,14 @@
 Trains a byte-level GPT on the Python standard library's own source (found on this machine, no
 download) with CompressedAdamW (or torch AdamW) and, optionally, FP8 saved activations. Shows a
 progress bar and ends with a table: loss, optimizer-state bytes, activation bytes autograd saved
-(and what compress_activations held of them), step time. --save/--resume take any fsspec URL
-(a path, file://, memory://, s3://) through coatstate.save / coatstate.load.
+(and what compress_activations held of them), step time and tokens/s. --save/--resume take any
+fsspec URL (a path, file://, memory://, s3://) through coatstate.save / coatstate.load.
+
+On CUDA the loop runs as a GPU training loop usually does: forward and loss under bf16 autocast
+(fp32 params, grads and optimizer states; --no-autocast for fp32 throughout) and TF32 for the
+float32 matmuls that remain. On CPU autocast is off unless --autocast asks for it.
+
+    python examples/train_gpt.py --device cuda --layers 12 --dim 768 --seq 1024 --batch 32 --compile
 
 The functions here (stdlib_corpus, batches, train) are reused by benchmarks/training_parity.py,
 benchmarks/checkpoint_io.py and examples/hf_trainer.py, so every script trains on the same bytes.
@@ -17,13 +23,18 @@ import os
 import sys
 import sysconfig
 import time
+import warnings
 from pathlib import Path
 
-import torch
-from tqdm import tqdm
+# torch's wheels do not install numpy, and `import torch` then warns that it could not load it;
+# nothing here needs numpy, so that one warning is dropped (set before torch is first imported)
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
 
-import coatstate
-from coatstate.activations import KEEP_ALL
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+import coatstate  # noqa: E402
+from coatstate.activations import KEEP_ALL  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from models import GPT, ModelConfig  # noqa: E402 - the shared model definitions
@@ -69,6 +80,12 @@ def parser() -> argparse.ArgumentParser:
         help="compile each block with coatstate.CompiledActivations: FP8 saves inside the graphs",
     )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument(
+        "--autocast",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="bf16 autocast for forward and loss (default: on with CUDA, off on CPU)",
+    )
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--dim", type=int, default=128)
@@ -96,6 +113,9 @@ def build(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.optim.Optimi
 def train(args: argparse.Namespace, progress: bool = True) -> dict:
     """Train as `args` says. Returns losses, timings and byte counts, plus "model" and "opt"."""
     device = torch.device(args.device)
+    use_autocast = autocast_enabled(args)
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")  # TF32 for the fp32 matmuls autocast leaves
     model, opt = build(args)
     if args.resume:
         coatstate.load(opt, args.resume, model=model)
@@ -112,24 +132,28 @@ def train(args: argparse.Namespace, progress: bool = True) -> dict:
     act_original = act_held = 0
     quiet = not progress or (not sys.stderr.isatty() and "CI" in os.environ)
     label = args.optimizer + (" + FP8 activations" if args.compress_activations or fp8_graphs else "")
+    label += ", bf16 autocast" if use_autocast else ""
     bar = tqdm(range(args.steps), desc=label, disable=quiet)
     for step in bar:
         x, y = (t.to(device) for t in next(stream))
         t0 = time.perf_counter()
         # without compression, the first step counts what autograd saves (it is not timed below)
         policy = {} if args.compress_activations else KEEP_ALL if step == 0 else None
+        # forward and loss under autocast; backward and the optimizer step outside it, as usual
+        amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_autocast)
         if policy is not None:
-            with coatstate.compress_activations(**policy) as ctx:
+            with coatstate.compress_activations(**policy) as ctx, amp:
                 loss = model(x, y)
             act_original = ctx.stats.activation_bytes_original
             act_held = ctx.stats.activation_bytes_held
         else:
-            loss = model(x, y)
+            with amp:
+                loss = model(x, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         if device.type == "cuda":
-            torch.cuda.synchronize()
+            torch.cuda.synchronize()  # for the step time only (loss.item() below waits anyway)
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
         if fp8_graphs is not None and step == 0:  # counted per compiled graph (one serves all blocks)
@@ -141,34 +165,43 @@ def train(args: argparse.Namespace, progress: bool = True) -> dict:
         coatstate.save(opt, args.save, model=model)
     timed = times[1:] or times  # the first step allocates state (and may count activations)
     tail = losses[-10:]
+    step_s = sorted(timed)[len(timed) // 2] if timed else float("nan")
     return dict(
         optimizer=args.optimizer,
         compress_activations=args.compress_activations or fp8_graphs is not None,
+        autocast=use_autocast,
         params=sum(p.numel() for p in model.parameters()),
         final_loss=sum(tail) / max(1, len(tail)),
         state_bytes=coatstate.optim.optimizer_state_bytes(opt),
         activation_bytes_saved=act_original,
         activation_bytes_held=act_held,
-        step_ms=1e3 * sorted(timed)[len(timed) // 2] if timed else float("nan"),
+        step_ms=1e3 * step_s,
+        tokens_per_s=args.batch * args.seq / step_s,
         losses=losses,
         model=model,
         opt=opt,
     )
 
 
+def autocast_enabled(args: argparse.Namespace) -> bool:
+    """--autocast / --no-autocast, else on for CUDA only (CPU bf16 matmuls are slow on most CPUs)."""
+    choice = getattr(args, "autocast", None)
+    return torch.device(args.device).type == "cuda" if choice is None else choice
+
+
 def print_table(rows: list[dict]) -> None:
-    """One line per run: the numbers train() returns."""
+    """One line per run: the numbers train() returns (step time: the median step)."""
     mb = 1e6
     print(
-        f"\n{'optimizer':<11}{'act. FP8':<9}{'params':>9}{'loss (last 10)':>15}{'state MB':>10}"
-        f"{'B/param':>8}{'act. saved MB':>14}{'act. held MB':>13}{'step ms':>9}"
+        f"\n{'optimizer':<11}{'act. FP8':<9}{'params':>11}{'loss (last 10)':>15}{'state MB':>10}"
+        f"{'B/param':>8}{'act. saved MB':>14}{'act. held MB':>13}{'step ms':>9}{'tokens/s':>10}"
     )
     for r in rows:
         print(
-            f"{r['optimizer']:<11}{str(r['compress_activations']):<9}{r['params']:>9}{r['final_loss']:>15.4f}"
+            f"{r['optimizer']:<11}{str(r['compress_activations']):<9}{r['params']:>11,}{r['final_loss']:>15.4f}"
             f"{r['state_bytes'] / mb:>10.3f}{r['state_bytes'] / r['params']:>8.3f}"
             f"{r['activation_bytes_saved'] / mb:>14.2f}{r['activation_bytes_held'] / mb:>13.2f}"
-            f"{r['step_ms']:>9.1f}"
+            f"{r['step_ms']:>9.1f}{r['tokens_per_s']:>10,.0f}"
         )
 
 
@@ -178,6 +211,8 @@ def main(argv=None) -> dict:
         raise SystemExit(f"--steps must be at least 1; got {args.steps}")
     result = train(args)
     print_table([result])
+    precision = "bf16 autocast" if result["autocast"] else "fp32"
+    print(f"({args.device}, {precision}; {args.batch} x {args.seq} tokens per step)")
     if args.save:
         print(f"saved to {args.save}")
     return result
