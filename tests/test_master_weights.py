@@ -150,14 +150,14 @@ def test_master24_step_is_within_its_bound_of_the_float32_step():
     the master it started from (the bound of formats.master_weights)."""
     half, opt = _one_step(24, fused=False)
     for p in half:
-        start = mw.join24(p.detach().clone(), opt.state[p][MASTER_CORRECTION].clone())
+        start = mw.join24(p.detach().clone(), opt.state[p][MASTER_CORRECTION].clone()).to(DEVICE)
         ref = torch.nn.Parameter(start.clone())
         opt_ref = coatstate.CompressedAdamW([ref], lr=1e-2, min_numel=1, compress_1d=True, fused=False)
         opt_ref.load_state_dict(
             {"state": {0: {k: v.clone() for k, v in opt.state[p].items() if k != MASTER_CORRECTION}},
              "param_groups": [{**opt.param_groups[0], "params": [0], "master_bits": None}]}
         )
-        g = (torch.randn(p.shape) * 1e-2).to(torch.bfloat16)
+        g = (torch.randn(p.shape) * 1e-2).to(torch.bfloat16).to(DEVICE)
         p.grad, ref.grad = g, g.float()
         group = next(gr for gr in opt.param_groups if any(q is p for q in gr["params"]))
         opt_ref.param_groups[0].update({k: group[k] for k in ("lr", "weight_decay", "amsgrad")})
@@ -213,7 +213,7 @@ def test_master_state_is_saved_and_resumes_bit_for_bit(tmp_path):
     for grads in _grads(_shapes(), 2, seed=9):
         for params, o in ((half, opt), (copy, opt2)):
             for p, g in zip(params, grads, strict=True):
-                p.grad = g
+                p.grad = g.to(DEVICE)
             o.step()
     for p, q in zip(half, copy, strict=True):
         assert torch.equal(p, q) and torch.equal(opt.state[p][MASTER_CORRECTION], opt2.state[q][MASTER_CORRECTION])

@@ -195,13 +195,13 @@ class CompressedAdamW(torch.optim.Optimizer):
         self._prepared: dict[int, _Prepared] = {}
         """per param group (by id): its parameters sorted into paths, with the fused launches"""
         self._twin_nonfinite: dict = {}
-        self._param_index: dict[int, int] | None = None
+        self._index_params()
         self._released_launches: dict = {}
         self._release = GradientRelease(self, max_grad_norm) if gradient_release else None
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
-        self._param_index = None
+        self._index_params()
         if getattr(self, "_release", None) is not None:
             self._release.hook_new_groups()
         group = self.param_groups[-1]
@@ -291,11 +291,13 @@ class CompressedAdamW(torch.optim.Optimizer):
             wrap_state(state, p)
         return state
 
+    def _index_params(self) -> None:
+        # built here, never inside step(): torch.compile refuses attribute writes in a traced step
+        self._param_index = {id(q): k for k, q in enumerate(q for g in self.param_groups for q in g["params"])}
+
     def _rounding_seed(self, group: dict, p: torch.Tensor) -> int:
         """master_bits=16's seed for p: the group's master_seed and p's place in the optimizer, so
         that every parameter rounds independently and a resumed run rounds as the original."""
-        if self._param_index is None:
-            self._param_index = {id(q): k for k, q in enumerate(q for g in self.param_groups for q in g["params"])}
         return (int(group.get("master_seed", 0)) * 1_000_003 + self._param_index.get(id(p), 0)) & 0xFFFFFFFF
 
     def _param_name(self, p: torch.Tensor) -> str:
@@ -516,5 +518,6 @@ class CompressedAdamW(torch.optim.Optimizer):
         self._prepared.clear()
         self._released_launches.clear()
         self._twin_nonfinite.clear()
+        self._index_params()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
