@@ -1,0 +1,154 @@
+"""A byte-level corpus found on any machine without network: the .py sources of this Python's
+standard library and installed packages (benchmarks/parity_gpu.py's data).
+
+load_corpus() lists every .py file under the chosen roots (sysconfig's "stdlib", "purelib", and
+"torch": the site directory holding torch, when it is elsewhere), skipping __pycache__, symlinks,
+files over 2 MiB (generated tables, not code) and unreadable ones, and reads them in name order
+into one uint8 stream, cached under cache_dir keyed by the listing (names, sizes, mtimes), so a
+rerun on the same machine only lists. A file validates when sha1(its root-relative name) % 100 <
+val_pct: a split by file, the same on every machine. token_stream() gives a run's tokens: the
+training files in an order drawn from the seed (a byte 0 after each file), or the validation files
+in name order. Torch only (numpy may be absent where this runs).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sysconfig
+from pathlib import Path
+
+import torch
+
+SEP = 0
+"""Byte after each file: a document boundary the model can see (.py sources hold no NUL)."""
+MAX_FILE = 2 * 2**20
+
+
+def corpus_roots(names: str) -> list[tuple[str, Path]]:
+    """(name, directory) of each comma-separated root that exists, duplicates dropped."""
+    paths, roots = sysconfig.get_paths(), []
+    for name in names.split(","):
+        path = Path(torch.__file__).parent.parent if name == "torch" else Path(paths[name])
+        if path.is_dir() and all(path.resolve() != p.resolve() for _, p in roots):
+            roots.append((name, path))
+    return roots
+
+
+def list_files(roots: list[tuple[str, Path]], max_mb: float = 0) -> tuple[list, int]:
+    """([(name, path, size, mtime)] sorted by name, files skipped as too large). Nothing is listed
+    twice: a root inside another is left to itself, and the stdlib's site-packages to purelib."""
+    found, seen, large = [], set(), 0
+    for name, root in roots:
+        inner = {p.resolve() for n, p in roots if n != name}
+        skip = {"__pycache__"} | ({"site-packages", "dist-packages"} if name == "stdlib" else set())
+        for d, dirs, files in os.walk(root):
+            dirs[:] = sorted(x for x in dirs if x not in skip and Path(d, x).resolve() not in inner)
+            for f in files:
+                path = Path(d, f)
+                if not f.endswith(".py") or path.is_symlink():
+                    continue
+                try:
+                    st, real = path.stat(), path.resolve()
+                except OSError:
+                    continue
+                if st.st_size > MAX_FILE or real in seen:
+                    large += st.st_size > MAX_FILE
+                    continue
+                seen.add(real)
+                found.append((f"{name}/{path.relative_to(root)}", path, st.st_size, st.st_mtime_ns))
+    found.sort()
+    if max_mb:  # the first files in name order up to the cap (a small corpus for smoke runs)
+        total, cap = 0, max_mb * 2**20
+        for i, item in enumerate(found):
+            if total >= cap:
+                found = found[:i]
+                break
+            total += item[2]
+    return found, large
+
+
+def _build(files: list, bin_path: Path, meta_path: Path) -> None:
+    used, unreadable = [], 0
+    with open(f"{bin_path}.tmp", "wb") as out:
+        for rel, path, _, _ in files:
+            try:
+                data = path.read_bytes()
+            except OSError:
+                unreadable += 1
+                continue
+            out.write(data)
+            used.append((rel, len(data)))
+    os.replace(f"{bin_path}.tmp", bin_path)  # the .bin first: the .json says the cache is whole
+    Path(f"{meta_path}.tmp").write_text(json.dumps({"files": used, "unreadable": unreadable}))
+    os.replace(f"{meta_path}.tmp", meta_path)
+
+
+def load_corpus(roots: str, cache_dir: str, val_pct: int = 1, max_mb: float = 0) -> dict:
+    """{"stream": uint8 tensor of all files in name order, "offsets": file i is
+    stream[offsets[i]:offsets[i+1]], "is_val": per file, "stats": sizes, counts, sha256}."""
+    where = corpus_roots(roots)
+    files, large = list_files(where, max_mb)
+    key = hashlib.sha256(repr([(r, s, m) for r, _, s, m in files]).encode()).hexdigest()[:20]
+    cache = Path(cache_dir)
+    meta_path, bin_path = cache / f"{key}.json", cache / f"{key}.bin"
+    if not meta_path.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        _build(files, bin_path, meta_path)
+    meta = json.loads(meta_path.read_text())
+    names, sizes = [r for r, _ in meta["files"]], [s for _, s in meta["files"]]
+    total = sum(sizes)
+    stream = torch.from_file(str(bin_path), shared=False, size=total, dtype=torch.uint8)
+    is_val = [int.from_bytes(hashlib.sha1(r.encode()).digest()[:8], "big") % 100 < val_pct for r in names]
+    val_bytes = sum(s for s, v in zip(sizes, is_val, strict=True) if v)
+    listing = "".join(f"{r}\t{s}\n" for r, s in sorted(meta["files"]))
+    stats = {
+        "roots": {n: str(p) for n, p in where},
+        "total_bytes": total,
+        "files": len(names),
+        "train_files": len(names) - sum(is_val),
+        "train_bytes": total - val_bytes,
+        "val_files": sum(is_val),
+        "val_bytes": val_bytes,
+        "skipped_large_files": large,
+        "unreadable_files": meta["unreadable"],
+        "sha256": hashlib.sha256(listing.encode()).hexdigest(),
+        "sha256_of": "sorted 'root/relative/path<TAB>bytes<LF>' lines of the files used",
+    }
+    offsets = torch.tensor([0] + sizes).cumsum(0).tolist()
+    return {"stream": stream, "offsets": offsets, "is_val": is_val, "stats": stats}
+
+
+def token_stream(corpus: dict, n: int, seed: int | None) -> torch.Tensor:
+    """The first n tokens of the training files in seed's order (pass e over the files shuffled
+    by torch.randperm seeded 1000003 * seed + e), or, seed None, of the validation files in name
+    order (at most one pass: fewer tokens when they hold fewer)."""
+    off, is_val, pieces, total, epoch = corpus["offsets"], corpus["is_val"], [], 0, 0
+    sep = torch.tensor([SEP], dtype=torch.uint8)
+    idx = [i for i, v in enumerate(is_val) if v == (seed is None)]
+    if not idx:
+        raise ValueError("the corpus has no " + ("validation" if seed is None else "training") + " files")
+    while total < n and not (seed is None and epoch):
+        order = idx
+        if seed is not None:
+            g = torch.Generator().manual_seed(1000003 * seed + epoch)
+            order = [idx[j] for j in torch.randperm(len(idx), generator=g).tolist()]
+        for i in order:
+            pieces += [corpus["stream"][off[i] : off[i + 1]], sep]
+            total += off[i + 1] - off[i] + 1
+            if total >= n:
+                break
+        epoch += 1
+    return torch.cat(pieces)[:n]
+
+
+def validation_tokens(corpus: dict, n: int, batch_tokens: int) -> torch.Tensor:
+    """The first n validation tokens (fewer if the files hold fewer), cut to whole batches plus
+    the one token the last target needs."""
+    val = token_stream(corpus, n + 1, None)
+    if len(val) <= batch_tokens:
+        raise SystemExit(
+            f"the validation files hold {len(val)} tokens, less than one batch of {batch_tokens}"
+        )
+    return val[: (len(val) - 1) // batch_tokens * batch_tokens + 1]

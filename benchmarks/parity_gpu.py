@@ -1,0 +1,618 @@
+"""python benchmarks/parity_gpu.py --budget-s 530       (one H200; --gpus N to spread the runs)
+
+Training parity on a GPU, for a skeptic: a 100M-parameter byte-level GPT trained on --tokens
+(50M) tokens of real Python source per run, under
+  adamw          torch.optim.AdamW(fused=True), fp32 parameters: the reference, at seeds 0 and 1
+  compressed     coatstate.CompressedAdamW (FP8 moments)
+  compressed_ca  + coatstate.CompiledActivations (FP8 saved activations inside the compiled blocks)
+  full           + FP8Linear GEMMs (coatstate.convert_to_fp8, lm_head excluded)
+Model: 14 pre-norm GPT-2 blocks of width 768 (12 heads of 64, 4x GELU-tanh MLP, causal SDPA),
+learned positions, untied head, seq 1024: 100.4M parameters (99.2M in blocks: 14 layers, not
+12, to pass 100M with 256 tokens). bf16 autocast; every block torch.compile'd in every variant,
+so compiling is not what differs. AdamW betas (0.9, 0.95), weight decay 0.1 on 2-D weights, grad
+clip 1.0 (global norm), linear warmup then cosine to 10% of --lr.
+Data (corpus_python.py): every .py file of this Python's stdlib and packages, bytes as tokens;
+files with sha1(path) % 100 < 1 are held out and never trained on. The seed draws the initial
+weights AND the file order: the adamw seeds' spread is the noise floor to read the other
+variants against, and each variant at seed 0 sees adamw:0's exact batches. Recorded per run:
+train loss and grad norm every step, validation loss (the same held-out batches for every run)
+every --val-every steps, tokens/s (median of 20-step windows after warm-up: no compile, no
+validation), peak memory, optimizer-state bytes. A run cut by --budget-s is checkpointed under
+--ckpt-dir and continued exactly by the next invocation (its resume steps recorded); each
+invocation merges into --out (default benchmarks/results/parity_gpu.json), skips finished runs,
+then prints the table and draws --png.
+
+    python benchmarks/parity_gpu.py --smoke    # CPU, ~1 min: 2 x 64, all variants, resume checked
+(the smoke compiles only the CompiledActivations variants: compiling on a CPU is slow)
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime
+import fcntl
+import hashlib
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+T0 = time.monotonic()  # --budget-s counts from here (torch's import included)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+import coatstate  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+CUDA = torch.cuda.is_available()
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from corpus_python import load_corpus, token_stream, validation_tokens  # noqa: E402
+
+VARIANTS = {  # name: (optimizer, CompiledActivations, FP8Linear)
+    "adamw": ("adamw", False, False),
+    "compressed": ("compressed", False, False),
+    "compressed_ca": ("compressed", True, False),
+    "full": ("compressed", True, True),
+    # diagnostics: which part of CompressedAdamW costs what
+    "compressed_off": ("compressed_off", False, False),  # compress=False: torch AdamW's math, our step
+    "compressed_plain": ("compressed_plain", False, False),  # FP8 moments without range expansion
+    "compressed_m_expand": ("compressed_m_expand", False, False),  # expansion on the first moment only
+    "compressed_v_expand": ("compressed_v_expand", False, False),  # expansion on the second moment only
+}
+OPTIMIZER_OPTIONS = {
+    "compressed": {},
+    "compressed_off": {"compress": False},
+    "compressed_plain": {"exp_avg_expand": False, "exp_avg_sq_expand": False},
+    "compressed_m_expand": {"exp_avg_expand": True, "exp_avg_sq_expand": False},
+    "compressed_v_expand": {"exp_avg_expand": False, "exp_avg_sq_expand": True},
+}
+TRAINING_KEYS = (  # the config keys that change what a run computes: runs in one --out must agree
+    "layers dim heads seq batch tokens lr warmup min_lr_frac weight_decay clip val_every val_tokens val_pct "
+    "max_corpus_mb roots"
+).split()
+SMOKE = dict(device="cpu", layers=2, dim=64, heads=2, seq=64, batch=4, tokens=30 * 256, warmup=5, lr=2e-3)
+SMOKE |= dict(val_every=10, val_tokens=4096, log_every=5, roots="stdlib", max_corpus_mb=4, compile="needed")
+SMOKE |= dict(min_start_s=0, png="")
+"""--smoke: 2 x 64, 30 steps of 4 x 64 tokens on 4 MiB of the stdlib, about a minute on 2 cores."""
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variants", default="adamw:0,adamw:1,compressed:0,compressed_ca:0,full:0")
+    ap.add_argument("--tokens", type=int, default=50_000_000, help="training tokens per run")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=14)
+    ap.add_argument("--dim", type=int, default=768)
+    ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--lr", type=float, default=6e-4, help="peak learning rate")
+    ap.add_argument("--warmup", type=int, default=150, help="linear warmup steps")
+    ap.add_argument("--min-lr-frac", type=float, default=0.1, help="cosine ends at lr * this")
+    ap.add_argument("--weight-decay", type=float, default=0.1)
+    ap.add_argument("--clip", type=float, default=1.0)
+    ap.add_argument("--val-every", type=int, default=100)
+    ap.add_argument("--val-tokens", type=int, default=2**20)
+    ap.add_argument("--val-pct", type=int, default=1, help="files with sha1(path) %% 100 < this validate")
+    ap.add_argument("--roots", default="stdlib,purelib,torch", help="corpus roots (sysconfig names, torch)")
+    ap.add_argument("--max-corpus-mb", type=float, default=0, help="cap the corpus (0: all of it)")
+    ap.add_argument("--log-every", type=int, default=20, help="steps per loss fetch / timing window")
+    ap.add_argument("--budget-s", type=float, default=1e9, help="wall budget of this process")
+    ap.add_argument("--reserve-s", type=float, default=25, help="kept free for checkpoint + report")
+    ap.add_argument("--min-start-s", type=float, default=100, help="start a run only with this much left")
+    ap.add_argument("--compile", choices=["all", "needed"], default="all", help="needed: CA variants only")
+    ap.add_argument("--gpus", type=int, default=1)
+    ap.add_argument("--device", default="cuda" if CUDA else "cpu")
+    ap.add_argument("--cache-dir", default="/tmp/coatstate_corpus")
+    ap.add_argument("--ckpt-dir", default=None, help="default /tmp/coatstate_parity_ckpt")
+    ap.add_argument("--out", default=None, help="default benchmarks/results/parity_gpu.json")
+    ap.add_argument("--png", default=None, help="default docs/img/parity_gpu.png ('' for none)")
+    ap.add_argument("--smoke", action="store_true", help="tiny CPU run of everything, with checks")
+    ap.add_argument(
+        "--report-only", action="store_true", help="only the table and PNG of --out (no training)"
+    )
+    ap.add_argument("--stop-at", type=int, default=None, help=argparse.SUPPRESS)  # cut each run here
+    ap.add_argument("--no-report", action="store_true", help=argparse.SUPPRESS)  # --gpus children
+    ap.add_argument("--smoke-part", action="store_true", help=argparse.SUPPRESS)  # the smoke's resumes
+    args = ap.parse_args(argv)
+    if args.smoke:  # the flags given still win over these
+        ap.set_defaults(**SMOKE)
+        args = ap.parse_args(argv)
+        if not (args.out and args.ckpt_dir):  # a fresh directory for each smoke
+            tmp = Path(tempfile.mkdtemp(prefix="coatstate_parity_smoke_"))
+            args.out, args.ckpt_dir = args.out or str(tmp / "parity.json"), args.ckpt_dir or str(tmp / "ckpt")
+    args.out = args.out or str(ROOT / "benchmarks" / "results" / "parity_gpu.json")
+    args.png = str(ROOT / "docs" / "img" / "parity_gpu.png") if args.png is None else args.png
+    args.ckpt_dir = args.ckpt_dir or "/tmp/coatstate_parity_ckpt"
+    args.runs = [(v, int(s or 0)) for v, _, s in (item.partition(":") for item in args.variants.split(","))]
+    if bad := [v for v, _ in args.runs if v not in VARIANTS]:
+        ap.error(f"unknown variants {bad}; choose from {', '.join(VARIANTS)}")
+    return args
+
+
+def config(args) -> dict:
+    return {k: getattr(args, k) for k in TRAINING_KEYS} | {"betas": [0.9, 0.95], "eps": 1e-8}
+
+
+def left_s(args) -> float:
+    return args.budget_s - (time.monotonic() - T0)
+
+
+# -- model ---------------------------------------------------------------------------------------
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.fc, self.fc_proj = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2) for t in self.qkv(self.ln1(x)).split(d, 2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, s, d))
+        return x + self.fc_proj(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+
+class GPT(nn.Module):
+    def __init__(self, layers: int, dim: int, heads: int, seq: int) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(256, dim), nn.Embedding(seq, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(dim)
+        self.lm_head = nn.Linear(dim, 256, bias=False)
+        for name, p in self.named_parameters():  # GPT-2's init: residual outputs scaled by depth
+            if p.dim() == 2:
+                std = 0.02 / math.sqrt(2 * layers) if name.endswith("proj.weight") else 0.02
+                nn.init.normal_(p, std=std)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor, eager: bool = False) -> torch.Tensor:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:  # eager: around compile (validation: no inference graphs to build)
+            x = block.forward(x) if eager else block(x)
+        logits = self.lm_head(self.ln_f(x))
+        return F.cross_entropy(logits.float().view(-1, 256), targets.reshape(-1))
+
+
+def build(variant: str, seed: int, args, device: torch.device):
+    """(model, optimizer, CompiledActivations or None, compiled?) for a variant, seeded."""
+    opt_kind, with_ca, with_fp8 = VARIANTS[variant]
+    torch.manual_seed(seed)
+    model = GPT(args.layers, args.dim, args.heads, args.seq).to(device)
+    if with_fp8:
+        coatstate.convert_to_fp8(model, filter_fn=lambda m, name: name != "lm_head")
+    ps = list(model.parameters())  # weight decay on matrices (and embeddings), not on norms and biases
+    groups = [dict(params=[p for p in ps if p.dim() >= 2], weight_decay=args.weight_decay)]
+    groups.append(dict(params=[p for p in ps if p.dim() < 2], weight_decay=0.0))
+    kw = dict(lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    if opt_kind == "adamw":
+        opt = torch.optim.AdamW(groups, fused=device.type == "cuda", **kw)
+    else:
+        opt = coatstate.CompressedAdamW(groups, **kw, **OPTIMIZER_OPTIONS[opt_kind])
+    ca = coatstate.CompiledActivations() if with_ca else None
+    compiled = with_ca or args.compile == "all"
+    if compiled:
+        for block in model.blocks:
+            block.compile(options=ca.options if ca else None)
+    return model, opt, ca, compiled
+
+
+def lr_at(step: int, total: int, args) -> float:
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    progress = (step - args.warmup) / max(1, total - args.warmup)
+    return args.lr * (args.min_lr_frac + (1 - args.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+# -- checkpoints ---------------------------------------------------------------------------------
+def save_ckpt(run_dir: Path, model, opt, record: dict) -> None:
+    """Model + optimizer into a new step directory, then latest.json names it (the commit): a cut
+    during the save leaves the previous checkpoint whole."""
+    step_dir = run_dir / f"step_{record['step']:07d}"
+    shutil.rmtree(step_dir, ignore_errors=True)
+    step_dir.mkdir(parents=True)
+    rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if CUDA else None}
+    if isinstance(opt, coatstate.CompressedAdamW):
+        coatstate.save(opt, str(step_dir / "state.safetensors"), model=model)
+        torch.save({"rng": rng}, step_dir / "state.pt")
+    else:
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "rng": rng}, step_dir / "state.pt")
+    (step_dir / "record.json").write_text(json.dumps(record))
+    (run_dir / "latest.json.tmp").write_text(json.dumps({"dir": step_dir.name, "step": record["step"]}))
+    os.replace(run_dir / "latest.json.tmp", run_dir / "latest.json")
+    for old in set(run_dir.glob("step_*")) - {step_dir}:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def load_ckpt(run_dir: Path, model, opt, cfg: dict) -> dict | None:
+    """The run record of the checkpoint in run_dir (model and optimizer restored), or None."""
+    if not (run_dir / "latest.json").exists():
+        return None
+    step_dir = run_dir / json.loads((run_dir / "latest.json").read_text())["dir"]
+    record = json.loads((step_dir / "record.json").read_text())
+    if record["config"] != cfg:
+        raise SystemExit(f"{run_dir} was written with another config; remove it or pass another --ckpt-dir")
+    state = torch.load(step_dir / "state.pt", map_location=next(model.parameters()).device)
+    if isinstance(opt, coatstate.CompressedAdamW):
+        coatstate.load(opt, str(step_dir / "state.safetensors"), model=model)
+    else:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+    torch.set_rng_state(state["rng"]["cpu"].cpu())  # (no dropout: kept for a model that draws)
+    if CUDA and state["rng"]["cuda"] is not None:
+        torch.cuda.set_rng_state(state["rng"]["cuda"].cpu())
+    return record
+
+
+# -- one run ---------------------------------------------------------------------------------------
+LISTS = ("train_loss", "grad_norm", "val", "resumed_at", "window_tokens_per_s", "first_window_s")
+
+
+@torch.no_grad()
+def evaluate(model, val: torch.Tensor, args, autocast) -> float:
+    n, batches = args.batch * args.seq, (len(val) - 1) // (args.batch * args.seq)
+    model.eval()
+    total = torch.zeros((), device=val.device)
+    for k in range(batches):
+        chunk = val[k * n : (k + 1) * n + 1].long()
+        with autocast():
+            total += model(chunk[:-1].view(args.batch, -1), chunk[1:].view(args.batch, -1), eager=True)
+    model.train()
+    return total.item() / batches
+
+
+def param_sha256(params) -> str:
+    """sha256 of the parameters' bytes (the smoke's bit-exactness check; ctypes: numpy may be absent)."""
+    h = hashlib.sha256()
+    for p in params:
+        t = p.detach().cpu().contiguous()
+        h.update(ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()))
+    return h.hexdigest()
+
+
+def train_run(variant: str, seed: int, args, corpus: dict, val: torch.Tensor) -> dict:
+    """Train (or continue) one run until done, --stop-at or the budget; returns its record."""
+    device, started = torch.device(args.device), time.monotonic()
+    torch._dynamo.reset()  # each run compiles its own graphs (and frees the last run's model)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    model, opt, ca, compiled = build(variant, seed, args, device)
+    n, params = args.batch * args.seq, list(model.parameters())
+    run_dir, total = Path(args.ckpt_dir) / f"{variant}_{seed}", args.tokens // n
+    record = load_ckpt(run_dir, model, opt, config(args))
+    if record is None:
+        record = dict(variant=variant, seed=seed, status="running", step=0, steps_total=total, tokens=0)
+        record |= dict(params=sum(p.numel() for p in params), peak_gib=0.0, wall_s=0.0, config=config(args))
+        record |= {k: [] for k in LISTS} | {"device": str(device), "compiled": compiled}
+    else:
+        record["resumed_at"].append(record["step"])
+        print(f"{variant}:{seed}: resuming at step {record['step']} of {total}")
+    stream = token_stream(corpus, total * n + 1, seed).to(device)  # on the device: no per-step copies
+    record["data_passes"] = round(total * n / corpus["stats"]["train_bytes"], 3)
+    autocast = lambda: torch.autocast(device.type, torch.bfloat16)
+    stopped = step_loop(model, opt, record, stream, val, args, autocast, params)
+    states = [t for s in opt.state.values() for k, t in s.items() if k != "step" and torch.is_tensor(t)]
+    record["opt_state_bytes"] = sum(t.numel() * t.element_size() for t in states)
+    if ca is not None:  # what CompiledActivations did to the one graph the blocks share
+        st = ca.stats  # (bytes saved for backward by one block, and held of them)
+        record["activations"] = dict(graphs=ca.graphs, packed=st.packed, kept=st.kept)
+        record["activations"] |= dict(saved=st.activation_bytes_original, held=st.activation_bytes_held)
+    if device.type == "cuda":
+        record["peak_gib"] = max(record["peak_gib"], torch.cuda.max_memory_allocated() / 2**30)
+    rates = record["window_tokens_per_s"]
+    record["tokens_per_s"] = statistics.median(rates) if rates else None
+    record["wall_s"] += time.monotonic() - started
+    record["status"] = "partial" if stopped else "done"
+    if stopped:
+        save_ckpt(run_dir, model, opt, record)
+    else:
+        record["param_sha256"] = param_sha256(params)
+    return record
+
+
+def step_loop(model, opt, record, stream, val, args, autocast, params) -> bool:
+    """Steps from record["step"] in windows of --log-every (one loss fetch, one timing each);
+    validation between windows. Returns True when stopped early (budget or --stop-at)."""
+    n, total, window_s, eval_s, windows = args.batch * args.seq, record["steps_total"], None, 0.0, 0
+    stop_at = total if args.stop_at is None else args.stop_at
+    while record["step"] < total:
+        step = record["step"]
+        if step >= stop_at:
+            return True
+        if window_s is not None and left_s(args) < window_s + eval_s + args.reserve_s:
+            print(f"budget: stopping at step {step} ({left_s(args):.0f} s left)")
+            return True
+        boundaries = [(step // every + 1) * every for every in (args.log_every, args.val_every)]
+        end = min(stop_at, total, *boundaries)
+        t0, pending = time.perf_counter(), []
+        for s in range(step, end):
+            for g in opt.param_groups:
+                g["lr"] = lr_at(s, total, args)
+            chunk = stream[s * n : (s + 1) * n + 1].long()
+            with autocast():
+                loss = model(chunk[:-1].view(args.batch, -1), chunk[1:].view(args.batch, -1))
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(params, args.clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            pending += [loss.detach().float(), norm.detach().float()]
+        fetched = torch.stack(pending).view(-1, 2).tolist()  # the one sync of the window
+        window_s, windows = time.perf_counter() - t0, windows + 1
+        record["train_loss"] += [float(f"{lo:.9g}") for lo, _ in fetched]  # 9 digits: float32 exact
+        record["grad_norm"] += [float(f"{g:.4g}") for _, g in fetched]
+        record["step"], record["tokens"] = end, end * n
+        if windows == 1:  # compilation (and the first steps' allocations) happen in this window
+            record["first_window_s"].append(round(window_s, 2))
+        elif windows > 2 and end - step == args.log_every:
+            record["window_tokens_per_s"].append(round((end - step) * n / window_s))
+        if end % args.val_every == 0 or end == total:
+            t0 = time.perf_counter()
+            record["val"].append([end, float(f"{evaluate(model, val, args, autocast):.9g}")])
+            eval_s, record["final_val_loss"] = time.perf_counter() - t0, record["val"][-1][1]
+            key, loss = f"{record['variant']}:{record['seed']}", record["train_loss"][-1]
+            print(f"{key} step {end}/{total}: train {loss:.4f}, val {record['final_val_loss']:.4f}")
+    return False
+
+
+# -- results ---------------------------------------------------------------------------------------
+def dumps(obj, pad: str = "") -> str:
+    """JSON with one line per list of numbers (a 1500-step loss curve is one line, not 1500)."""
+    inner = pad + " "
+    if isinstance(obj, dict) and obj:
+        items = [f"{inner}{json.dumps(k)}: {dumps(v, inner)}" for k, v in obj.items()]
+        return "{\n" + ",\n".join(items) + "\n" + pad + "}"
+    if isinstance(obj, list) and any(isinstance(v, dict | list) for v in obj):
+        return "[\n" + ",\n".join(inner + dumps(v, inner) for v in obj) + "\n" + pad + "]"
+    return json.dumps(obj, separators=(",", ":"))
+
+
+def read_results(out: str | Path) -> dict | None:
+    return json.loads(Path(out).read_text()) if Path(out).exists() else None
+
+
+def merge(args, header: dict, key: str | None = None, record: dict | None = None) -> dict:
+    """Read --out, add this invocation (key None) or one run's record, write it back atomically,
+    under a lock (--gpus children write the same file). A finished run is never replaced by a
+    partial one; runs of another config, corpus or validation set are refused, never mixed."""
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{out}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        data = read_results(out) or {**header, "invocations": [], "runs": {}}
+        for part in ("config", "corpus", "validation"):
+            if data.get(part) != header[part]:
+                raise SystemExit(f"{out} holds runs of another {part} ({data.get(part)}); pass another --out")
+        data["meta"], data["model"] = header["meta"], header["model"]  # the latest invocation's
+        if key is None:
+            data["invocations"].append({k: header["meta"][k] for k in ("date", "machine", "command")})
+        elif not (data["runs"].get(key, {}).get("status") == "done" and record["status"] != "done"):
+            data["runs"][key] = record
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(dumps(data) + "\n")
+        os.replace(tmp, out)
+    return data
+
+
+def make_header(args, corpus: dict, val: torch.Tensor) -> dict:
+    with torch.device("meta"):
+        model = GPT(args.layers, args.dim, args.heads, args.seq)
+    cpu = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores"
+    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+    meta["machine"] = torch.cuda.get_device_name() if args.device.startswith("cuda") else cpu
+    meta |= dict(torch=torch.__version__, cuda=torch.version.cuda, python=platform.python_version())
+    meta["command"] = " ".join([Path(sys.executable).name, *sys.argv])
+    meta["args"] = {k: v for k, v in vars(args).items() if k != "runs"}
+    shape = dict(layers=args.layers, dim=args.dim, heads=args.heads, seq=args.seq, vocab=256, mlp=4)
+    shape |= dict(params=sum(p.numel() for p in model.parameters()), positions="learned", head="untied")
+    shape["block_params"] = sum(p.numel() for p in model.blocks.parameters())
+    held_out = {"tokens": len(val) - 1, "batches": (len(val) - 1) // (args.batch * args.seq)}
+    return dict(meta=meta, config=config(args), corpus=corpus["stats"], validation=held_out, model=shape)
+
+
+def run_all(args, corpus: dict, val: torch.Tensor, header: dict, data: dict) -> int:
+    """Each requested run not finished yet, in order, until the budget says stop."""
+    val = val.to(args.device)
+    total = args.tokens // (args.batch * args.seq)
+    for variant, seed in args.runs:
+        key, run_dir = f"{variant}:{seed}", Path(args.ckpt_dir) / f"{variant}_{seed}"
+        old = data["runs"].get(key, {})
+        if old.get("status") == "done":
+            print(f"{key}: finished before, skipped")
+            continue
+        if left_s(args) < args.min_start_s:
+            print(f"budget: {left_s(args):.0f} s left, not starting {key}")
+            break
+        if old.get("status") == "partial" and not (run_dir / "latest.json").exists():
+            print(f"{key}: its checkpoint is gone from {run_dir}; starting it again")
+        record = train_run(variant, seed, args, corpus, val)
+        data = merge(args, header, key, record)
+        print(f"{key}: {record['status']} at step {record['step']}/{total}, {record['wall_s']:.0f} s")
+        if record["status"] == "done":
+            shutil.rmtree(run_dir, ignore_errors=True)
+        elif args.stop_at is None:
+            break  # out of budget
+    return 0
+
+
+def launch(args, argv) -> int:
+    """--gpus N: the variant list round-robin over N child processes, one GPU each."""
+    argv = list(sys.argv[1:] if argv is None else argv)  # the flags appended below win (argparse: last)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(args.gpus)))).split(",")
+    procs = []
+    for i in range(args.gpus):
+        if runs := ",".join(f"{v}:{s}" for v, s in args.runs[i :: args.gpus]):
+            flags = ["--gpus", "1", "--no-report", "--budget-s", str(left_s(args)), "--variants", runs]
+            flags += ["--out", args.out, "--ckpt-dir", args.ckpt_dir]
+            env = os.environ | {"CUDA_VISIBLE_DEVICES": visible[i]}
+            procs.append(subprocess.Popen([sys.executable, __file__, *argv, *flags], env=env))
+    return max(p.wait() for p in procs)
+
+
+# -- report ----------------------------------------------------------------------------------------
+COLUMNS = "run|status|Mtokens|val loss|vs ref %|vs adamw same seed %|ref spread %|tokens/s|peak GiB|opt MB"
+
+
+def report(args) -> None:
+    """The table (final validation loss against the adamw seeds' mean and spread) and the PNG."""
+    data = read_results(args.out)
+    runs = data["runs"]
+    ref = [r["final_val_loss"] for r in runs.values() if r["variant"] == "adamw" and r["status"] == "done"]
+    mean = statistics.fmean(ref) if ref else None
+    spread = f"{100 * (max(ref) - min(ref)) / mean:.2f}" if len(ref) > 1 else "-"
+    m, c = data["model"], data["corpus"]
+    print(
+        f"\n{m['params'] / 1e6:.1f}M params, {c['total_bytes'] / 2**20:.0f} MiB corpus, losses in nats/byte"
+    )
+    print(f"reference = the mean final val loss of {len(ref)} adamw seeds; spread = their (max - min) / mean")
+    cols = COLUMNS.split("|")
+    width = [max(8, len(h)) for h in cols]
+    width[0] = max([len(k) for k in runs] + [3])
+    print("  ".join(f"{h:>{w}}" for h, w in zip(cols, width, strict=True)))
+    order = list(VARIANTS)
+    for key, r in sorted(runs.items(), key=lambda kv: (order.index(kv[1]["variant"]), kv[1]["seed"])):
+        v = r.get("final_val_loss")
+        paired = runs.get(f"adamw:{r['seed']}", {}).get("final_val_loss")
+        pct = lambda base, v=v: f"{100 * (v / base - 1):+.2f}" if v and base else "-"
+        rate = f"{r['tokens_per_s']:.0f}" if r.get("tokens_per_s") else "-"
+        row = [key, r["status"], f"{r['tokens'] / 1e6:.1f}", f"{v:.4f}" if v else "-", pct(mean), pct(paired)]
+        row += [spread, rate, f"{r['peak_gib']:.1f}", f"{r.get('opt_state_bytes', 0) / 1e6:.1f}"]
+        print("  ".join(f"{x:>{w}}" for x, w in zip(row, width, strict=True)))
+    if args.png:
+        try:
+            plot(data, Path(args.png))
+            print(f"wrote {args.png}")
+        except ImportError:
+            print("matplotlib is not importable: no PNG written", file=sys.stderr)
+
+
+def smooth(xs: list[float]) -> list[float]:
+    """Trailing mean over 2% of the run."""
+    w, out, acc = max(1, len(xs) // 50), [], 0.0
+    for i, x in enumerate(xs):
+        acc += x - (xs[i - w] if i >= w else 0.0)
+        out.append(acc / min(i + 1, w))
+    return out
+
+
+def plot(data: dict, path: Path) -> None:
+    """Smoothed train curves and validation points per run, the adamw seeds' band shaded grey."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mtok, band = data["config"]["batch"] * data["config"]["seq"] / 1e6, dict(color="0.6", alpha=0.4)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    refs = [r for r in data["runs"].values() if r["variant"] == "adamw"]
+    if len(refs) > 1:
+        curves = list(zip(*(smooth(r["train_loss"]) for r in refs), strict=False))  # to the shortest
+        xs = [(i + 1) * mtok for i in range(len(curves))]
+        axes[0].fill_between(xs, list(map(min, curves)), list(map(max, curves)), **band, label="adamw seeds")
+        common = sorted(set.intersection(*({s for s, _ in r["val"]} for r in refs)))
+        vals = [[dict(map(tuple, r["val"]))[s] for r in refs] for s in common]
+        xs = [s * mtok for s in common]
+        axes[1].fill_between(xs, list(map(min, vals)), list(map(max, vals)), **band, label="adamw seeds")
+    for key, r in data["runs"].items():
+        ys = smooth(r["train_loss"])
+        line = axes[0].plot([(i + 1) * mtok for i in range(len(ys))], ys, lw=1, label=key)[0]
+        resumes = [s * mtok for s in r["resumed_at"]], [ys[s - 1] for s in r["resumed_at"]]
+        axes[0].plot(*resumes, "x", color=line.get_color())
+        axes[1].plot([s * mtok for s, _ in r["val"]], [v for _, v in r["val"]], "o-", ms=3, lw=1, label=key)
+    for ax, what in zip(axes, ("train loss (smoothed; x: resumed there)", "validation loss"), strict=True):
+        ax.set(xlabel="training tokens (M)", ylabel=f"{what}, nats/byte")
+        ax.legend(fontsize=8)
+        lows = [min(line.get_ydata()) for line in ax.get_lines() if len(line.get_ydata())]
+        if lows:  # the late part of the runs, where they differ
+            ax.set_ylim(min(lows) - 0.05, min(lows) + 1.0)
+    m, mib = data["model"], data["corpus"]["total_bytes"] / 2**20
+    shape = f"{m['params'] / 1e6:.1f}M-param byte GPT ({m['layers']}x{m['dim']}, seq {m['seq']})"
+    fig.suptitle(f"{shape} on {mib:.0f} MiB of Python source, {data['meta']['machine']}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+# -- smoke -----------------------------------------------------------------------------------------
+RESUME_CHECKED = "adamw:0,compressed:0,compressed_ca:0"
+"""The smoke runs these again, cut at step 15 and resumed by a second process: each must match
+its uninterrupted run; compressed:0 bit for bit (losses, validation points, final parameters)."""
+
+
+def smoke_checks(args, corpus: dict, val: torch.Tensor, header: dict) -> list[str]:
+    runs, problems = read_results(args.out)["runs"], []
+    for key in (f"{v}:{s}" for v, s in args.runs):
+        r = runs.get(key, {})
+        if r.get("status") != "done":
+            problems.append(f"{key} did not finish")
+        elif (
+            not all(map(math.isfinite, r["train_loss"])) or not r["final_val_loss"] < 0.9 * r["train_loss"][0]
+        ):
+            problems.append(f"{key} did not learn: {r['train_loss'][0]:.3f} -> {r['final_val_loss']}")
+    t0 = time.monotonic()
+    run_all(args, corpus, val, header, read_results(args.out))  # all finished: nothing may run
+    if time.monotonic() - t0 > 5 or read_results(args.out)["runs"] != runs:
+        problems.append("a second invocation re-ran or changed finished runs")
+    tmp = Path(tempfile.mkdtemp(prefix="parity_resume_"))
+    cmd = [sys.executable, __file__, "--smoke", "--smoke-part", "--no-report", "--variants", RESUME_CHECKED]
+    cmd += ["--out", str(tmp / "resume.json"), "--ckpt-dir", str(tmp / "ckpt"), "--cache-dir", args.cache_dir]
+    for extra in (["--stop-at", "15"], []):
+        if subprocess.run(cmd + extra).returncode:
+            return problems + [f"the resume invocation {extra} failed"]
+    resumed = read_results(tmp / "resume.json")["runs"]
+    print("\ncut at step 15, resumed by a new process, against the uninterrupted run:")
+    for key in RESUME_CHECKED.split(","):
+        a, b = runs[key], resumed[key]
+        exact = all(a[k] == b[k] for k in ("train_loss", "val", "param_sha256"))
+        worst = max(abs(x - y) / abs(x) for x, y in zip(a["train_loss"], b["train_loss"], strict=True))
+        print(f"  {key:<16} resumed_at {b['resumed_at']}  bit-exact {exact}  max rel. loss diff {worst:.1e}")
+        if b["resumed_at"] != [15] or (key == "compressed:0" and not exact) or worst > 1e-3:
+            problems.append(f"{key}: the resumed run does not match the uninterrupted one")
+    shutil.rmtree(tmp, ignore_errors=True)
+    return problems
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    sys.stdout.reconfigure(line_buffering=True)  # progress lines show up in a piped log as they come
+    if args.report_only:  # e.g. the PNG where matplotlib is, from a JSON the GPU machine wrote
+        return report(args) or 0
+    torch.set_float32_matmul_precision("high")
+    torch._dynamo.config.recompile_limit = 64  # 14 block instances: never fall back to eager for some
+    if args.smoke:  # a tiny model on a small CPU: more threads only add waits (and spin against others)
+        torch.set_num_threads(1)
+        torch._inductor.config.compile_threads = 1
+    corpus = load_corpus(args.roots, args.cache_dir, args.val_pct, args.max_corpus_mb)
+    val = validation_tokens(corpus, args.val_tokens, args.batch * args.seq)
+    header = make_header(args, corpus, val)
+    c, m, steps = corpus["stats"], header["model"], args.tokens // (args.batch * args.seq)
+    print(f"corpus: {c['total_bytes'] / 2**20:.1f} MiB, {c['files']} files ({c['val_files']} validate)")
+    print(
+        f"model: {m['layers']} x {m['dim']}, {m['params']:,} params; {steps} steps of {args.batch}x{args.seq}"
+    )
+    data = merge(args, header)
+    rc = launch(args, argv) if args.gpus > 1 else run_all(args, corpus, val, header, data)
+    if not args.no_report:
+        report(args)
+    if args.smoke and not (args.smoke_part or args.no_report):  # the top process checks, once
+        problems = smoke_checks(args, corpus, val, header)
+        print("\nsmoke: " + ("all checks passed" if not problems else "FAILED\n  " + "\n  ".join(problems)))
+        print(f"smoke: {time.monotonic() - T0:.0f} s, results in {args.out}")
+        rc = rc or (1 if problems else 0)
+    return rc
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
