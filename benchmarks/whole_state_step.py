@@ -1,0 +1,240 @@
+"""python benchmarks/whole_state_step.py          (CUDA; `--scale 0.02` for a quick run)
+
+The whole training state per parameter (weights + master correction + gradients + optimizer
+moments) and the optimizer step time, on the 1.31B GPT-shaped parameter set of
+benchmarks/optimizer_step.py, for bfloat16 models with compact master weights against the peers:
+  torch AdamW fused, float32 params          the reference (16 B/param)
+  torch AdamW fused, bfloat16 params         no master: updates round to bfloat16
+  FlashOptim FlashAdamW, master 24 / 32      bfloat16 weights + int8 / int16 error correction
+  optimi AdamW, kahan_sum=True               bfloat16 weights + a bfloat16 Kahan compensation
+  coatstate CompressedAdamW, float32 params  FP8 moments
+  coatstate CompressedAdamW, bfloat16, master_bits 32 / 24 / 16
+Each variant builds its parameters and gradients (random, never zero), runs warm-up steps, then
+the variants are timed in interleaved rounds (--rounds): per round and variant, --steps steps
+back to back between two CUDA events (the GPU's time per step, as in a training loop). Reported:
+the median over rounds with the min-max spread, the bytes a step must move and that floor at the
+copy bandwidth measured in the same run, the first step's time (compilation), and bytes per
+parameter split into weights, correction, gradients and moments. With gradient release the
+gradients column would be one parameter's at a time: the "release" total drops it. Writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from optimizer_step import copy_bandwidth, gpt_shapes  # noqa: E402
+
+import coatstate  # noqa: E402
+from coatstate.formats.optimizer_state import MASTER_CORRECTION  # noqa: E402
+
+
+def variants(which: set[str]) -> dict:
+    """name -> (parameter dtype, optimizer factory)."""
+    out = {}
+    if "torch" in which:
+        out["torch AdamW fused, fp32 params"] = (torch.float32, lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True))
+        out["torch AdamW fused, bf16 params (no master)"] = (
+            torch.bfloat16,
+            lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
+        )
+    if "flashoptim" in which:
+        try:
+            from flashoptim import FlashAdamW
+
+            for bits in (24, 32):
+                out[f"FlashOptim FlashAdamW, bf16, master {bits}"] = (
+                    torch.bfloat16,
+                    lambda ps, b=bits: FlashAdamW(ps, lr=1e-3, master_weight_bits=b),
+                )
+        except Exception as e:  # noqa: BLE001 - a missing peer is reported, not fatal
+            print(f"flashoptim unavailable: {type(e).__name__}: {e}")
+    if "optimi" in which:
+        try:
+            from optimi import AdamW as OptimiAdamW
+
+            out["optimi AdamW, bf16, kahan_sum"] = (
+                torch.bfloat16,
+                lambda ps: OptimiAdamW(ps, lr=1e-3, kahan_sum=True),
+            )
+        except Exception as e:  # noqa: BLE001
+            print(f"optimi unavailable: {type(e).__name__}: {e}")
+    if "coat" in which:
+        out["coatstate CompressedAdamW, fp32 params"] = (
+            torch.float32,
+            lambda ps: coatstate.CompressedAdamW(ps, lr=1e-3),
+        )
+        for bits in (32, 24, 16):
+            out[f"coatstate CompressedAdamW, bf16, master_bits={bits}"] = (
+                torch.bfloat16,
+                lambda ps, b=bits: coatstate.CompressedAdamW(ps, lr=1e-3, master_bits=b),
+            )
+    return out
+
+
+def _tensors(obj, seen: set) -> int:
+    """Bytes of the tensors reachable from an optimizer state value (a peer's wrapper objects
+    included), each storage counted once."""
+    if isinstance(obj, torch.Tensor):
+        if type(obj) is not torch.Tensor and hasattr(obj, "__tensor_flatten__"):
+            names, _ = obj.__tensor_flatten__()
+            return sum(_tensors(getattr(obj, n), seen) for n in names)
+        key = (obj.untyped_storage().data_ptr(), obj.dtype, obj.numel())
+        if key in seen or obj.numel() <= 1:
+            return 0  # (step counters and other scalars are not per-parameter state)
+        seen.add(key)
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensors(v, seen) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensors(v, seen) for v in obj)
+    if hasattr(obj, "__dict__"):
+        return sum(_tensors(v, seen) for v in vars(obj).values())
+    return 0
+
+
+def state_split(opt) -> tuple[int, int]:
+    """(master-correction bytes, all other optimizer-state bytes)."""
+    seen: set = set()
+    corr = moments = 0
+    for state in opt.state.values():
+        for key, value in state.items():
+            n = _tensors(value, seen)
+            if key == MASTER_CORRECTION or "error" in str(key).lower() or "ecc" in str(key).lower():
+                corr += n
+            elif "kahan" in str(key).lower() or "compensation" in str(key).lower():
+                corr += n
+            else:
+                moments += n
+    return corr, moments
+
+
+def build(name, dtype, factory, shapes, device, warmup):
+    gen = torch.Generator(device=device).manual_seed(0)
+    params = [
+        torch.nn.Parameter((torch.randn(s, device=device, generator=gen) * 0.02).to(dtype)) for s in shapes
+    ]
+    for p in params:
+        p.grad = (torch.randn(p.shape, device=device, generator=gen) * 1e-3).to(dtype)
+    opt = factory(params)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    opt.step()
+    torch.cuda.synchronize()
+    first = time.perf_counter() - t0
+    for _ in range(warmup):
+        opt.step()
+    torch.cuda.synchronize()
+    return params, opt, first
+
+
+def time_steps(opt, steps) -> float:
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(steps):
+        opt.step()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / steps
+
+
+def bytes_moved(name: str, n: int, p_bytes: int, g_bytes: int) -> float:
+    """Fewest bytes a step must move per the state each variant keeps (read + write of weights,
+    correction and moments; read of gradients)."""
+    if "torch" in name:
+        return n * (2 * p_bytes + g_bytes + 2 * 8)
+    if "coatstate" in name:
+        corr = 2 if "=32" in name else 1 if "=24" in name else 0
+        moments = 2 * (1 + 5 / 128)  # codes + per-group scale and exponent, two moments
+        return n * (2 * p_bytes + g_bytes + 2 * corr + 2 * moments)
+    return float("nan")  # peers: their layouts are theirs; the measured time is what counts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--scale", type=float, default=1.0)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--which", default="torch,flashoptim,optimi,coat")
+    ap.add_argument("--out", default="benchmarks/results/whole_state_step.json")
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    bw = copy_bandwidth(device)
+    shapes = gpt_shapes(scale=args.scale)
+    table = variants(set(args.which.split(",")))
+    rows = {name: {"name": name, "times_ms": []} for name in table}
+    for rnd in range(args.rounds):
+        for name, (dtype, factory) in table.items():
+            row = rows[name]
+            try:
+                params, opt, first = build(name, dtype, factory, shapes, device, args.warmup if rnd == 0 else 1)
+            except Exception as e:  # noqa: BLE001
+                print(f"{name}: {type(e).__name__}: {e}")
+                row["error"] = f"{type(e).__name__}: {e}"
+                continue
+            row["times_ms"].append(time_steps(opt, args.steps))
+            if rnd == 0:
+                n = sum(p.numel() for p in params)
+                corr, moments = state_split(opt)
+                row.update(
+                    params=n,
+                    first_step_s=first,
+                    weights_B=params[0].element_size(),
+                    grads_B=params[0].grad.element_size(),
+                    correction_B=corr / n,
+                    moments_B=moments / n,
+                    bytes_moved=bytes_moved(name, n, params[0].element_size(), params[0].grad.element_size()),
+                )
+            del params, opt
+            gc.collect()
+            torch.cuda.empty_cache()
+        print(f"round {rnd + 1}/{args.rounds} done", flush=True)
+    report(rows, bw, args)
+
+
+def report(rows: dict, bw: float, args) -> None:
+    print(f"\ncopy bandwidth {bw / 1e12:.2f} TB/s, {torch.cuda.get_device_name()}, rounds {args.rounds}")
+    head = f"{'variant':48s} {'weights':>7s} {'corr':>5s} {'grads':>5s} {'moments':>7s} {'total':>6s} "
+    print(head + f"{'release':>7s} {'floor ms':>8s} {'step ms':>8s} {'spread':>13s} {'first s':>7s}")
+    for r in rows.values():
+        if not r["times_ms"] or "params" not in r:
+            print(f"{r['name']:48s} failed: {r.get('error')}")
+            continue
+        r["step_ms"] = statistics.median(r["times_ms"])
+        r["spread_ms"] = [min(r["times_ms"]), max(r["times_ms"])]
+        r["floor_ms"] = r["bytes_moved"] / bw * 1e3
+        r["total_B"] = r["weights_B"] + r["correction_B"] + r["grads_B"] + r["moments_B"]
+        r["total_with_release_B"] = r["total_B"] - r["grads_B"]
+        print(
+            f"{r['name']:48s} {r['weights_B']:7.2f} {r['correction_B']:5.2f} {r['grads_B']:5.2f} "
+            f"{r['moments_B']:7.2f} {r['total_B']:6.2f} {r['total_with_release_B']:7.2f} "
+            f"{r['floor_ms']:8.2f} {r['step_ms']:8.2f} {r['spread_ms'][0]:6.2f}-{r['spread_ms'][1]:6.2f} "
+            f"{r['first_step_s']:7.2f}"
+        )
+    meta = dict(
+        date=datetime.date.today().isoformat(),
+        device=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        copy_bandwidth_Bps=bw,
+        scale=args.scale,
+        steps=args.steps,
+        rounds=args.rounds,
+    )
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(dict(meta=meta, rows=list(rows.values())), f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
