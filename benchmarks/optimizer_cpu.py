@@ -35,11 +35,13 @@ WHOLE = "coatstate CompressedAdamW (expansion on), whole-tensor twin"
 OPTIMIZERS = {
     "torch AdamW foreach=True": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True),
     "torch AdamW foreach=False": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=False),
-    "coatstate CompressedAdamW (expansion on)": lambda ps: coatstate.CompressedAdamW(ps, lr=1e-3),
+    "coatstate CompressedAdamW (expansion on)": lambda ps: coatstate.CompressedAdamW(
+        ps, lr=1e-3, exp_avg_expand=True, exp_avg_sq_expand=True
+    ),
     "coatstate CompressedAdamW (expansion off)": lambda ps: coatstate.CompressedAdamW(
         ps, lr=1e-3, exp_avg_expand=False, exp_avg_sq_expand=False
     ),
-    WHOLE: lambda ps: coatstate.CompressedAdamW(ps, lr=1e-3),
+    WHOLE: lambda ps: coatstate.CompressedAdamW(ps, lr=1e-3, exp_avg_expand=True, exp_avg_sq_expand=True),
 }
 REFERENCE = "torch AdamW foreach=True"
 

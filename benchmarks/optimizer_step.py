@@ -88,7 +88,9 @@ def make_optimizers(which):
         except Exception as e:  # noqa: BLE001
             print(f"torchao unavailable: {e}")
     if "coat" in which:
-        out["coatstate CompressedAdamW (expansion on)"] = lambda ps: coatstate.CompressedAdamW(ps, lr=1e-3)
+        out["coatstate CompressedAdamW (expansion on)"] = lambda ps: coatstate.CompressedAdamW(
+            ps, lr=1e-3, exp_avg_expand=True, exp_avg_sq_expand=True
+        )
         out["coatstate CompressedAdamW (expansion off)"] = lambda ps: coatstate.CompressedAdamW(
             ps, lr=1e-3, exp_avg_expand=False, exp_avg_sq_expand=False
         )

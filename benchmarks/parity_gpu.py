@@ -3,9 +3,11 @@
 Training parity on a GPU, for a skeptic: a 100M-parameter byte-level GPT trained on --tokens
 (50M) tokens of real Python source per run, under
   adamw          torch.optim.AdamW(fused=True), fp32 parameters: the reference, at seeds 0 and 1
-  compressed     coatstate.CompressedAdamW (FP8 moments)
+  compressed     coatstate.CompressedAdamW (FP8 moments, COAT's range expansion on both)
   compressed_ca  + coatstate.CompiledActivations (FP8 saved activations inside the compiled blocks)
   full           + FP8Linear GEMMs (coatstate.convert_to_fp8, lm_head excluded)
+  diagnostics    compressed_off (compress=False), compressed_plain (no expansion: the default
+                 since these runs), compressed_m_expand / compressed_v_expand (one moment only)
 Model: 14 pre-norm GPT-2 blocks of width 768 (12 heads of 64, 4x GELU-tanh MLP, causal SDPA),
 learned positions, untied head, seq 1024: 100.4M parameters (99.2M in blocks: 14 layers, not
 12, to pass 100M with 256 tokens). bf16 autocast; every block torch.compile'd in every variant,
@@ -69,8 +71,8 @@ VARIANTS = {  # name: (optimizer, CompiledActivations, FP8Linear)
     "compressed_m_expand": ("compressed_m_expand", False, False),  # expansion on the first moment only
     "compressed_v_expand": ("compressed_v_expand", False, False),  # expansion on the second moment only
 }
-OPTIMIZER_OPTIONS = {
-    "compressed": {},
+OPTIMIZER_OPTIONS = {  # (compressed, compressed_ca and full keep COAT's expansion, as they were measured)
+    "compressed": {"exp_avg_expand": True, "exp_avg_sq_expand": True},
     "compressed_off": {"compress": False},
     "compressed_plain": {"exp_avg_expand": False, "exp_avg_sq_expand": False},
     "compressed_m_expand": {"exp_avg_expand": True, "exp_avg_sq_expand": False},

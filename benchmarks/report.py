@@ -314,6 +314,72 @@ def section_fp8_linear_parity(data: dict, path: Path) -> str:
     return "\n".join(out)
 
 
+def section_whole_state_step(data: dict, path: Path) -> str:
+    m = data["meta"]
+    out = [
+        "## The whole training state per parameter (GPU)",
+        f"{m['device']}, {m['date']}, copy bandwidth {m['copy_bandwidth_Bps'] / 1e12:.2f} TB/s, "
+        f"median of {m['rounds']} interleaved rounds of {m['steps']} back-to-back steps (spread min-max). "
+        "Source: `python benchmarks/whole_state_step.py` -> `benchmarks/results/whole_state_step.json`.",
+        "",
+        "| optimizer | weights | correction | grads | moments | total B | with release | floor ms | step ms | spread | first s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in data["rows"]:
+        if "step_ms" not in r:
+            out.append(f"| {r['name']} | failed: {r.get('error', '')} |")
+            continue
+        floor = "" if r["floor_ms"] != r["floor_ms"] else f"{r['floor_ms']:.2f}"  # (NaN: a peer's layout)
+        out.append(
+            f"| {r['name']} | {r['weights_B']:.2f} | {r['correction_B']:.2f} | {r['grads_B']:.2f} | "
+            f"{r['moments_B']:.2f} | {r['total_B']:.2f} | {r['total_with_release_B']:.2f} | {floor} | "
+            f"{r['step_ms']:.2f} | {r['spread_ms'][0]:.2f}-{r['spread_ms'][1]:.2f} | {r['first_step_s']:.2f} |"
+        )
+    return "\n".join(out + [""])
+
+
+def section_parity_gpu(data: dict, path: Path) -> str:
+    runs = data["runs"]
+    ref = [r["final_val_loss"] for k, r in runs.items() if k.startswith("adamw:") and "final_val_loss" in r]
+    mean = sum(ref) / len(ref)
+    meta = data.get("meta", {})
+    out = [
+        "## Training parity on a GPU",
+        f"{meta.get('machine', '')}, {meta.get('date', '')}: a "
+        f"{next(iter(runs.values()))['params'] / 1e6:.1f}M-param byte-level GPT, "
+        f"{next(iter(runs.values()))['tokens'] / 1e6:.0f}M tokens per run; reference = mean of "
+        f"{len(ref)} AdamW seeds, spread {100 * (max(ref) - min(ref)) / mean:.2f}%. Source: "
+        "`python benchmarks/parity_gpu.py` -> `benchmarks/results/parity_gpu.json`; curves: "
+        "`docs/img/parity_gpu.png`.",
+        "",
+        "| run | final val loss | vs reference | tokens/s | peak GiB |",
+        "|---|---|---|---|---|",
+    ]
+    for key, r in runs.items():
+        if "final_val_loss" not in r:
+            continue
+        out.append(
+            f"| {key} | {r['final_val_loss']:.4f} | {100 * (r['final_val_loss'] / mean - 1):+.2f}% | "
+            f"{r.get('tokens_per_s', 0):,.0f} | {r.get('peak_gib', 0):.1f} |"
+        )
+    return "\n".join(out + [""])
+
+
+def section_compare_trees(data: dict, path: Path) -> str:
+    out = [
+        "## Step time before and after the subpackage split (GPU)",
+        f"`benchmarks/optimizer_step.py {data['args']}` of the old and the new tree in alternating "
+        f"processes, {data['rounds']} rounds. Source: `python benchmarks/compare_trees.py` -> "
+        "`benchmarks/results/compare_trees.json`.",
+        "",
+        "| variant | old ms | new ms | new / old |",
+        "|---|---|---|---|",
+    ]
+    for r in data["rows"]:
+        out.append(f"| {r['name']} | {r['old_median']:.3f} | {r['new_median']:.3f} | {r['ratio']:.3f} |")
+    return "\n".join(out + [""])
+
+
 SECTIONS = {
     "optimizer_step": section_optimizer_step,
     "optimizer_cpu": section_optimizer_cpu,
@@ -337,6 +403,9 @@ SECTIONS = {
     "fp8_linear_parity": section_fp8_linear_parity,
     "table7": section_table7,
     "table7_x2_4layers": section_table7,
+    "whole_state_step": section_whole_state_step,
+    "parity_gpu": section_parity_gpu,
+    "compare_trees": section_compare_trees,
 }
 COVERED = {"activation_host_cuda"}  # shown in another file's section
 

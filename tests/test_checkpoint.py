@@ -70,8 +70,8 @@ def _url(kind: str, tmp_path) -> str:
 
 @pytest.fixture
 def compressed_file(tmp_path):
-    model = _model()
-    opt = CompressedAdamW(model.parameters(), lr=1e-2)
+    model = _model()  # (expansion on: the layout with every tensor kind)
+    opt = CompressedAdamW(model.parameters(), lr=1e-2, exp_avg_expand=True, exp_avg_sq_expand=True)
     _train(model, opt, 3, seed=1)
     path = str(tmp_path / "c.safetensors")
     ck.save(opt, path, model=model)

@@ -74,7 +74,7 @@ def _models(seed=0, device=DEVICE):
 
 @pytest.mark.parametrize(
     "options",
-    [dict(), dict(exp_avg_expand=False, exp_avg_sq_expand=False),
+    [dict(exp_avg_expand=True, exp_avg_sq_expand=True), dict(exp_avg_expand=False, exp_avg_sq_expand=False),
      dict(amsgrad=True, maximize=True, exp_avg_format="e5m2", weight_decay=0.3)],
     ids=["expand", "plain", "amsgrad-maximize-e5m2"],
 )

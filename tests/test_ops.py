@@ -53,7 +53,7 @@ def _fused_setup(seed=0):
 def test_fused_step_op_passes_opcheck(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     params = _fused_setup()
-    opt = coatstate.CompressedAdamW(params, lr=1e-2, fused=True, min_numel=1)
+    opt = coatstate.CompressedAdamW(params, lr=1e-2, fused=True, min_numel=1, exp_avg_expand=True, exp_avg_sq_expand=True)
     opt.step()  # creates the states
     flat = []
     for p in params:

@@ -70,7 +70,7 @@ def test_compressed_tracks_adamw_closely():
 
 
 @pytest.mark.parametrize("options", [dict(), dict(exp_avg_format="e5m2", exp_avg_sq_format="e5m2"),
-                                     dict(exp_avg_expand=False)], ids=["default", "e5m2", "m-plain"])
+                                     dict(exp_avg_expand=True, exp_avg_sq_expand=True)], ids=["default", "e5m2", "expand"])
 def test_resume_through_torch_save_is_bit_exact(options):
     straight, resumed = _model(), _model()
     opt_a = CompressedAdamW(_groups(straight), min_numel=1, **options)

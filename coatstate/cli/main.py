@@ -354,8 +354,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
             group_size=args.group_size,
             exp_avg_format=args.exp_avg_format,
             exp_avg_sq_format=args.exp_avg_sq_format,
-            exp_avg_expand=not args.no_expand,
-            exp_avg_sq_expand=not args.no_expand,
+            exp_avg_expand=args.expand,
+            exp_avg_sq_expand=args.expand,
             min_numel=args.min_numel,
         )
     elif has_codes:
@@ -457,7 +457,12 @@ def _parser() -> argparse.ArgumentParser:
         default="e4m3",
         help="FP8 format of exp_avg_sq (default e4m3)",
     )
-    c.add_argument("--no-expand", action="store_true", help="no dynamic range expansion")
+    c.add_argument(
+        "--expand",
+        action="store_true",
+        help="COAT's dynamic range expansion on both moments (off by default, as CompressedAdamW's)",
+    )
+    c.add_argument("--no-expand", action="store_false", dest="expand", help="no expansion (the default)")
     c.add_argument(
         "--min-numel",
         type=_int_at_least(0),

@@ -86,7 +86,9 @@ class CompressedAdamW(torch.optim.Optimizer):
       compress: store moments in FP8 (False: exactly torch.optim.AdamW).
       group_size: elements per quantization group along a row (128).
       exp_avg_format / exp_avg_sq_format: "e4m3" or "e5m2".
-      exp_avg_expand / exp_avg_sq_expand: dynamic range expansion per moment.
+      exp_avg_expand / exp_avg_sq_expand: COAT's dynamic range expansion per moment. Off by
+        default: with it on both moments a 100M-parameter GPT trained measurably worse than
+        AdamW, with it off (or on one moment) within the seed noise (docs/benchmarks.md).
       min_numel: parameters with fewer elements keep float32 moments (4096).
       compress_1d: also compress 1-D parameters (off: norm weights and biases stay float32).
       master_bits: for bfloat16 parameters, what stands for their float32 master weights
@@ -122,8 +124,8 @@ class CompressedAdamW(torch.optim.Optimizer):
         group_size: int = DEFAULT_GROUP_SIZE,
         exp_avg_format: str = "e4m3",
         exp_avg_sq_format: str = "e4m3",
-        exp_avg_expand: bool = True,
-        exp_avg_sq_expand: bool = True,
+        exp_avg_expand: bool = False,
+        exp_avg_sq_expand: bool = False,
         min_numel: int = 4096,
         compress_1d: bool = False,
         master_bits: int | None = None,

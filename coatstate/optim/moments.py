@@ -15,8 +15,8 @@ FORMAT_DEFAULTS: dict[str, Any] = {
     "group_size": DEFAULT_GROUP_SIZE,
     "exp_avg_format": "e4m3",
     "exp_avg_sq_format": "e4m3",
-    "exp_avg_expand": True,
-    "exp_avg_sq_expand": True,
+    "exp_avg_expand": False,
+    "exp_avg_sq_expand": False,
     "min_numel": 4096,
     "compress_1d": False,
     "master_bits": None,
@@ -42,10 +42,10 @@ def moment_formats(group: dict, shape: torch.Size) -> dict[str, MomentFormat | N
         return dict.fromkeys(MOMENTS)
     g = group.get("group_size", DEFAULT_GROUP_SIZE)
     first = MomentFormat(
-        FP8Format.parse(group.get("exp_avg_format", "e4m3")), group.get("exp_avg_expand", True), g
+        FP8Format.parse(group.get("exp_avg_format", "e4m3")), group.get("exp_avg_expand", FORMAT_DEFAULTS["exp_avg_expand"]), g
     )
     second = MomentFormat(
-        FP8Format.parse(group.get("exp_avg_sq_format", "e4m3")), group.get("exp_avg_sq_expand", True), g
+        FP8Format.parse(group.get("exp_avg_sq_format", "e4m3")), group.get("exp_avg_sq_expand", FORMAT_DEFAULTS["exp_avg_sq_expand"]), g
     )
     return {"exp_avg": first, "exp_avg_sq": second, "max_exp_avg_sq": second}
 
