@@ -531,12 +531,6 @@ def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (ia - ib).abs()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="not fixed here (coatstate/optim/reference_step.py's owner): with a tensor lr torch computes "
-    "lr / (1 - beta1**t) and 1 - lr * weight_decay as float32 tensor ops, the pure-torch step in Python "
-    "floats from lr.item(); about 1 element in 200 differs per step, most by 1 ulp",
-)
 @pytest.mark.parametrize("weight_decay", [0.1, 0.0])
 def test_tensor_lr_with_weight_decay_is_torch_adamw_bit_for_bit(weight_decay):
     """Each of 20 steps starts from torch's parameters and states, so each step's own difference

@@ -463,7 +463,7 @@ class CompressedAdamW(torch.optim.Optimizer):
         if grad_scale is not None:
             inv_scale = grad_scale.double().reciprocal().float()  # exactly GradScaler.unscale_'s
         beta1, beta2 = group["betas"]
-        lr = group["lr"].item() if isinstance(group["lr"], torch.Tensor) else group["lr"]
+        lr = group["lr"]  # a tensor lr stays one: torch.optim.AdamW computes with it in its dtype
         for p in params:
             state = self._init_state(p, group, on_device=False)
             state["step"] += 1

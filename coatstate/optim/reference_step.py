@@ -28,7 +28,7 @@ def _adamw_step_block(
     state: dict,
     formats: dict[str, MomentFormat | None],
     *,
-    lr: float,
+    lr: float | torch.Tensor,
     beta1: float,
     beta2: float,
     eps: float,
@@ -59,6 +59,8 @@ def _adamw_step_block(
     exp_avg = read_moment(state, "exp_avg", group_size)
     exp_avg_sq = read_moment(state, "exp_avg_sq", group_size)
 
+    if isinstance(lr, torch.Tensor):  # torch does this arithmetic in the tensor's dtype: so here
+        lr = lr.to(p.device).reshape(())
     if weight_decay != 0:
         p.mul_(1 - lr * weight_decay)
     exp_avg.lerp_(g, 1 - beta1)
@@ -106,7 +108,7 @@ def adamw_step_reference(
     state: dict,
     formats: dict[str, MomentFormat | None],
     *,
-    lr: float,
+    lr: float | torch.Tensor,
     beta1: float,
     beta2: float,
     eps: float,
