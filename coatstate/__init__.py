@@ -21,6 +21,7 @@ _EXPORTS = {
     "ActivationPolicy": "coatstate.activations",
     "ActivationStats": "coatstate.activations",
     "convert_to_fp8": "coatstate.nn",
+    "cast_model": "coatstate.nn",
     "FP8Linear": "coatstate.nn",
     "FP8LinearConfig": "coatstate.nn",
     "save": "coatstate.checkpoint",
@@ -58,6 +59,7 @@ __all__ = [
     "FP8Linear",
     "FP8LinearConfig",
     "__version__",
+    "cast_model",
     "compress_activations",
     "convert_to_fp8",
     "load",
@@ -90,5 +92,5 @@ if TYPE_CHECKING:
     from coatstate.activations import ActivationPolicy, ActivationStats, CompiledActivations, compress_activations
     from coatstate.checkpoint import Checkpoint, CheckpointError, load, read, save
     from coatstate.formats import FP8Format
-    from coatstate.nn import FP8Linear, FP8LinearConfig, convert_to_fp8
+    from coatstate.nn import FP8Linear, FP8LinearConfig, cast_model, convert_to_fp8
     from coatstate.optim import CompressedAdamW

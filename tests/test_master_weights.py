@@ -279,3 +279,23 @@ def test_refused_combinations_say_why():
     opt.grad_scale = torch.tensor(2.0)
     with pytest.raises(RuntimeError, match="GradScaler"):
         opt.step()
+
+
+def test_cast_model_keeps_norms_in_float32_and_trains_with_a_master():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.LayerNorm(64), torch.nn.Linear(64, 8))
+    coatstate.cast_model(model)
+    assert model[0].weight.dtype == model[2].weight.dtype == torch.bfloat16
+    assert model[1].weight.dtype == torch.float32
+    opt = coatstate.CompressedAdamW(model.parameters(), lr=1e-2, min_numel=1, master_bits=24, fused=False)
+    before = [p.detach().clone() for p in model.parameters()]
+    for _ in range(3):
+        out = model(torch.randn(4, 32, dtype=torch.bfloat16))
+        assert out.dtype == torch.bfloat16
+        out.float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    assert MASTER_CORRECTION in opt.state[model[0].weight] and MASTER_CORRECTION not in opt.state[model[1].weight]
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    with pytest.raises(ValueError, match="bfloat16 or torch.float16"):
+        coatstate.cast_model(model, torch.float32)
