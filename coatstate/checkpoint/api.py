@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from coatstate import distributed
-from coatstate.checkpoint import container, shards, storage, validate
+from coatstate.checkpoint import background, container, shards, storage, validate
 from coatstate.checkpoint.dcp import load_failure, read_dcp
 from coatstate.formats import schema
 from coatstate.formats.optimizer_state import CODES, EXPONENTS, MOMENTS, is_compressed, moment_of
@@ -217,8 +217,13 @@ def save(
     compress: str | None = None,
     shard_size: int | None = DEFAULT_SHARD_SIZE,
     param_names: Mapping[int, str] | list[str] | None = None,
-) -> None:
+    blocking: bool = True,
+) -> background.SaveHandle | None:
     """Write an optimizer (CompressedAdamW or any torch optimizer) to `url`, atomically.
+
+    blocking=False: snapshot the state (CUDA tensors into pinned host memory) and return a
+    `SaveHandle` at once; a background thread writes and commits the file. The next save,
+    `handle.wait()` or the interpreter's exit waits for it and raises a failure there.
 
     model: an nn.Module or a model state dict stored in the same file, so one file resumes a run;
     with an nn.Module the parameter names are also recorded. compress: None or "zstd" (per
@@ -233,6 +238,8 @@ def save(
     if shard_size is not None and (not isinstance(shard_size, int) or shard_size < 1):
         raise ValueError(f"shard_size must be a positive int (bytes) or None; got {shard_size!r}")
     url = os.fspath(url)
+    if not blocking:
+        background.wait_for_saves()  # (a failure of the previous save is raised before anything else)
     sd, shapes, names, kind = _source(optimizer_or_state_dict, model, param_names)
     model_sd = model.state_dict() if isinstance(model, torch.nn.Module) else model
     params = getattr(optimizer_or_state_dict, "param_groups", [])
@@ -241,9 +248,17 @@ def save(
         or any(distributed.is_dtensor(v) for v in (model_sd or {}).values())
         or any(distributed.is_dtensor(p) for g in params if isinstance(g, dict) for p in g.get("params", ()))
     )
+    if not blocking:
+        if sharded:
+            raise NotImplementedError(
+                "coatstate.save(blocking=False) does not gather sharded (DTensor/FSDP2) states yet: "
+                "use blocking=True, or torch.distributed.checkpoint.async_save"
+            )
+        (sd, model_sd), ready = background.snapshot((sd, model_sd))
+        return background.start(url, lambda: _write(url, sd, shapes, names, kind, model_sd, compress, shard_size), ready)
     if not sharded:
         _write(url, sd, shapes, names, kind, model_sd, compress, shard_size)
-        return
+        return None
     # FSDP2/DTensor: gather every tensor (a collective), rank 0 writes, every rank learns how it went
     sd = distributed.gather_state_dict(sd)
     if model_sd:
@@ -259,6 +274,7 @@ def save(
         raise error
     if failed is not None:
         raise CheckpointError(f"{url}: rank 0 could not write the checkpoint ({failed})")
+    return None
 
 
 def _write(url, sd, shapes, names, kind, model_sd, compress, shard_size) -> None:
