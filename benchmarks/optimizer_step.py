@@ -134,7 +134,9 @@ def bytes_moved(name, n_params, n_compressed, p_bytes, g_bytes):
     return n_params * (2 * p_bytes + g_bytes) + state
 
 
-def run_one(name, factory, shapes, dtype, steps, warmup, device):
+def build_optimizer(factory, shapes, dtype, device, warmup):
+    """(params with random, never zero, gradients; the optimizer; its first step's seconds),
+    after `warmup` more steps."""
     gen = torch.Generator(device=device).manual_seed(0)
     params = [
         torch.nn.Parameter(
@@ -153,6 +155,11 @@ def run_one(name, factory, shapes, dtype, steps, warmup, device):
     for _ in range(warmup):
         opt.step()
     torch.cuda.synchronize()
+    return params, opt, first
+
+
+def run_one(name, factory, shapes, dtype, steps, warmup, device):
+    params, opt, first = build_optimizer(factory, shapes, dtype, device, warmup)
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     times, host = [], []
@@ -239,18 +246,23 @@ def main():
             f"{r['pipelined_ms']:8.2f} {r['achieved_TBps']:6.2f} {r['step_ms']:9.2f} {r['host_ms']:7.2f} "
             f"{r['first_step_s']:7.2f} {r['peak_extra_bytes'] / 2**20:13.1f}"
         )
+    write_results(args.out, bw, rows, scale=args.scale)
+
+
+def write_results(out: str, bw: float, rows: list, **meta) -> None:
+    """JSON with the machine, date and copy bandwidth beside the rows."""
     meta = dict(
         date=datetime.date.today().isoformat(),
         device=torch.cuda.get_device_name(),
         torch=torch.__version__,
         copy_bandwidth_Bps=bw,
         host=platform.node(),
-        scale=args.scale,
+        **meta,
     )
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    print(f"wrote {args.out}")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

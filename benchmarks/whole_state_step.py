@@ -21,18 +21,15 @@ gradients column would be one parameter's at a time: the "release" total drops i
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
-import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from optimizer_step import copy_bandwidth, gpt_shapes  # noqa: E402
+from optimizer_step import build_optimizer, copy_bandwidth, gpt_shapes, write_results  # noqa: E402
 
 import coatstate  # noqa: E402
 from coatstate.formats.optimizer_state import MASTER_CORRECTION  # noqa: E402
@@ -119,25 +116,6 @@ def state_split(opt) -> tuple[int, int]:
     return corr, moments
 
 
-def build(name, dtype, factory, shapes, device, warmup):
-    gen = torch.Generator(device=device).manual_seed(0)
-    params = [
-        torch.nn.Parameter((torch.randn(s, device=device, generator=gen) * 0.02).to(dtype)) for s in shapes
-    ]
-    for p in params:
-        p.grad = (torch.randn(p.shape, device=device, generator=gen) * 1e-3).to(dtype)
-    opt = factory(params)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    opt.step()
-    torch.cuda.synchronize()
-    first = time.perf_counter() - t0
-    for _ in range(warmup):
-        opt.step()
-    torch.cuda.synchronize()
-    return params, opt, first
-
-
 def time_steps(opt, steps) -> float:
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
@@ -178,7 +156,7 @@ def main() -> None:
         for name, (dtype, factory) in table.items():
             row = rows[name]
             try:
-                params, opt, first = build(name, dtype, factory, shapes, device, args.warmup if rnd == 0 else 1)
+                params, opt, first = build_optimizer(factory, shapes, dtype, device, args.warmup if rnd == 0 else 1)
             except Exception as e:  # noqa: BLE001
                 print(f"{name}: {type(e).__name__}: {e}")
                 row["error"] = f"{type(e).__name__}: {e}"
@@ -222,19 +200,7 @@ def report(rows: dict, bw: float, args) -> None:
             f"{r['floor_ms']:8.2f} {r['step_ms']:8.2f} {r['spread_ms'][0]:6.2f}-{r['spread_ms'][1]:6.2f} "
             f"{r['first_step_s']:7.2f}"
         )
-    meta = dict(
-        date=datetime.date.today().isoformat(),
-        device=torch.cuda.get_device_name(),
-        torch=torch.__version__,
-        copy_bandwidth_Bps=bw,
-        scale=args.scale,
-        steps=args.steps,
-        rounds=args.rounds,
-    )
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(dict(meta=meta, rows=list(rows.values())), f, indent=1)
-    print(f"wrote {args.out}")
+    write_results(args.out, bw, list(rows.values()), scale=args.scale, steps=args.steps, rounds=args.rounds)
 
 
 if __name__ == "__main__":

@@ -55,18 +55,8 @@ def _group_pointers(row_ptr, COL: tl.constexpr, gid, EXPAND: tl.constexpr):
 
 
 @triton.jit
-def _load_moment(
-    base_ptr,
-    row_ptr,
-    COL: tl.constexpr,
-    offs,
-    mask,
-    gid,
-    gmask,
-    COMPRESSED: tl.constexpr,
-    EXPAND: tl.constexpr,
-    IS_E4M3: tl.constexpr,
-):
+def _load_moment(base_ptr, row_ptr, COL: tl.constexpr, offs, mask, gid, gmask,
+                 COMPRESSED: tl.constexpr, EXPAND: tl.constexpr, IS_E4M3: tl.constexpr):  # fmt: skip
     if COMPRESSED:
         scales, exps = _group_pointers(row_ptr, COL, gid, EXPAND)
         return load_decode(_data(base_ptr, row_ptr, COL, offs), scales, exps, mask, gmask, EXPAND, IS_E4M3)
@@ -270,61 +260,13 @@ def _adamw_kernel(
         _store_master(p, p_ptrs, c_ptrs, mask, offs, seed, step, MASTER)
     else:
         tl.store(p_ptrs, p.to(p_base.dtype.element_ty), mask=mask)
-    _store_moment(
-        m,
-        m_base,
-        row_ptr,
-        2,
-        offs,
-        mask,
-        gid,
-        gmask,
-        COMPRESSED,
-        M_EXPAND,
-        M_MAX,
-        M_MBITS,
-        M_EMIN,
-        M_LOG2_MAX,
-        M_KNUM,
-        M_E4M3,
-    )
-    _store_moment(
-        v,
-        v_base,
-        row_ptr,
-        5,
-        offs,
-        mask,
-        gid,
-        gmask,
-        COMPRESSED,
-        V_EXPAND,
-        V_MAX,
-        V_MBITS,
-        V_EMIN,
-        V_LOG2_MAX,
-        V_KNUM,
-        V_E4M3,
-    )
+    _store_moment(m, m_base, row_ptr, 2, offs, mask, gid, gmask, COMPRESSED,
+                  M_EXPAND, M_MAX, M_MBITS, M_EMIN, M_LOG2_MAX, M_KNUM, M_E4M3)  # fmt: skip
+    _store_moment(v, v_base, row_ptr, 5, offs, mask, gid, gmask, COMPRESSED,
+                  V_EXPAND, V_MAX, V_MBITS, V_EMIN, V_LOG2_MAX, V_KNUM, V_E4M3)  # fmt: skip
     if AMSGRAD:
-        _store_moment(
-            vmax,
-            x_base,
-            row_ptr,
-            8,
-            offs,
-            mask,
-            gid,
-            gmask,
-            COMPRESSED,
-            V_EXPAND,
-            V_MAX,
-            V_MBITS,
-            V_EMIN,
-            V_LOG2_MAX,
-            V_KNUM,
-            V_E4M3,
-        )
+        _store_moment(vmax, x_base, row_ptr, 8, offs, mask, gid, gmask, COMPRESSED,
+                      V_EXPAND, V_MAX, V_MBITS, V_EMIN, V_LOG2_MAX, V_KNUM, V_E4M3)  # fmt: skip
     # count non-finite moments (a NaN/Inf gradient): reported by CompressedAdamW, never hidden
     s = m + v
     bad = tl.sum(tl.sum(((s - s) != 0).to(tl.int32), axis=1), axis=0)

@@ -18,17 +18,8 @@ import triton
 
 from ..formats.fp8 import FP8Format
 from ..formats.group import group_layout
-from ..formats.optimizer_state import (
-    CODES,
-    DEFAULT_GROUP_SIZE,
-    EXPONENTS,
-    MASTER_CORRECTION,
-    MOMENTS,
-    SCALES,
-    MomentFormat,
-    is_compressed,
-    state_keys,
-)
+from ..formats.optimizer_state import CODES, DEFAULT_GROUP_SIZE, EXPONENTS, MASTER_CORRECTION
+from ..formats.optimizer_state import MOMENTS, SCALES, MomentFormat, is_compressed, state_keys
 from . import adamw_fused as kernel
 from .adamw_fused import META, M_CODES, NPTR, STEP, V_CODES, X_CODES, C, G, P, _adamw_kernel, _constants
 

@@ -50,6 +50,13 @@ def _fused_setup(seed=0):
     return params
 
 
+def _step_eagerly_and_compiled(eager, compiled, steps=3):
+    step = torch.compile(compiled.step, backend="aot_eager")
+    for _ in range(steps):
+        eager.step()
+        step()
+
+
 def test_fused_step_op_passes_opcheck(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     params = _fused_setup()
@@ -96,10 +103,7 @@ def test_compiled_fused_step_equals_eager(monkeypatch):
     eager_params, compiled_params = _fused_setup(), _fused_setup()
     eager = coatstate.CompressedAdamW(eager_params, lr=1e-2, weight_decay=0.1, fused=True, min_numel=1)
     compiled = coatstate.CompressedAdamW(compiled_params, lr=1e-2, weight_decay=0.1, fused=True, min_numel=1)
-    step = torch.compile(compiled.step, backend="aot_eager")
-    for _ in range(3):
-        eager.step()
-        step()
+    _step_eagerly_and_compiled(eager, compiled)
     for a, b in zip(eager_params, compiled_params, strict=True):
         assert torch.equal(a, b)
         for key, value in eager.state[a].items():
@@ -121,9 +125,6 @@ def test_compiled_fused_step_equals_eager_on_cuda():
         c.grad = e.grad.clone()
     eager = coatstate.CompressedAdamW(eager_params, lr=torch.tensor(1e-2, device="cuda"), min_numel=1)
     compiled = coatstate.CompressedAdamW(compiled_params, lr=torch.tensor(1e-2, device="cuda"), min_numel=1)
-    step = torch.compile(compiled.step, backend="aot_eager")
-    for _ in range(3):
-        eager.step()
-        step()
+    _step_eagerly_and_compiled(eager, compiled)
     for a, b in zip(eager_params, compiled_params, strict=True):
         assert torch.equal(a, b)

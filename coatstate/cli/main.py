@@ -346,18 +346,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
             raise _checkpoint_error(f"{args.src} already holds compressed states (convert --to adamw first)")
         from coatstate.optim import compress_adamw_state_dict
 
-        sd = _converted(
-            "compress its states (are they torch.optim.AdamW's?)",
-            args.src,
-            compress_adamw_state_dict,
-            sd,
-            group_size=args.group_size,
-            exp_avg_format=args.exp_avg_format,
-            exp_avg_sq_format=args.exp_avg_sq_format,
-            exp_avg_expand=args.expand,
-            exp_avg_sq_expand=args.expand,
-            min_numel=args.min_numel,
-        )
+        options = {k: getattr(args, k) for k in ("group_size", "exp_avg_format", "exp_avg_sq_format", "min_numel")}
+        options.update(exp_avg_expand=args.expand, exp_avg_sq_expand=args.expand)
+        what = "compress its states (are they torch.optim.AdamW's?)"
+        sd = _converted(what, args.src, compress_adamw_state_dict, sd, **options)
     elif has_codes:
         from coatstate.optim import to_adamw_state_dict
 

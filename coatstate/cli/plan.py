@@ -137,29 +137,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         except (KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"{model}: not a usable model config ({type(e).__name__}: {e})") from None
         model = spec_from_shape(shape, os.path.basename(model))
-    spec = planner.resolve_model(
-        model,
-        arch=args.arch,
-        params=args.params,
-        layers=args.layers,
-        hidden=args.hidden,
-        heads=args.heads,
-        kv_heads=args.kv_heads,
-        ffn=args.ffn,
-        vocab=args.vocab,
-        max_seq=args.seq or 2048,  # a model built from numbers takes any length
-        loss_chunks=args.loss_chunks,
-    )
-    result = planner.plan(
-        spec,
-        seq=args.seq,
-        batch=args.batch,
-        gpus=args.gpus,
-        sharding=args.sharding,
-        gpu_memory=args.gpu_memory,
-        param_dtype=args.param_dtype,
-        master_weights=None if not args.no_master_weights else False,
-        autocast=not args.no_autocast,
-    )
+    shape = {k: getattr(args, k) for k in ("arch", "params", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab")}
+    # (a model built from numbers takes any length)
+    spec = planner.resolve_model(model, max_seq=args.seq or 2048, loss_chunks=args.loss_chunks, **shape)
+    setup = {k: getattr(args, k) for k in ("seq", "batch", "gpus", "sharding", "gpu_memory", "param_dtype")}
+    master = None if not args.no_master_weights else False
+    result = planner.plan(spec, master_weights=master, autocast=not args.no_autocast, **setup)
     print(json.dumps(result.to_dict(), indent=1) if args.json else result.table())
     return 0

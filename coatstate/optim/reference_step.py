@@ -11,7 +11,10 @@ updated in place, so with nothing compressed the result equals torch.optim.AdamW
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+
 from coatstate.formats import master_weights
 from coatstate.formats.optimizer_state import (
     DEFAULT_GROUP_SIZE,
@@ -107,37 +110,14 @@ def adamw_step_reference(
     grad: torch.Tensor,
     state: dict,
     formats: dict[str, MomentFormat | None],
-    *,
-    lr: float | torch.Tensor,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    maximize: bool,
-    amsgrad: bool,
-    step: float,
-    inv_grad_scale: torch.Tensor | None = None,
-    master_bits: int | None = None,
-    seed: int = 0,
+    **hyper: Any,
 ) -> int:
-    """One AdamW step for one parameter (its local tensor). `step` is already incremented.
-    With `master_bits` (a bfloat16 parameter) the update runs on the float32 master that the
-    parameter and its state's correction stand for (coatstate.formats.master_weights); `seed`
-    keys master_bits=16's stochastic rounding.
+    """One AdamW step for one parameter (its local tensor), the hyperparameters as keywords of
+    `_adamw_step_block` (lr, beta1, beta2, eps, weight_decay, maximize, amsgrad, step: already
+    incremented; inv_grad_scale, master_bits, seed). With `master_bits` (a bfloat16 parameter)
+    the update runs on the float32 master that the parameter and its state's correction stand for
+    (coatstate.formats.master_weights); `seed` keys master_bits=16's stochastic rounding.
     Returns how many moment values came out NaN/Inf (the fused kernel counts the same)."""
-    hyper = dict(
-        lr=lr,
-        beta1=beta1,
-        beta2=beta2,
-        eps=eps,
-        weight_decay=weight_decay,
-        maximize=maximize,
-        amsgrad=amsgrad,
-        step=step,
-        inv_grad_scale=inv_grad_scale,
-        master_bits=master_bits,
-        seed=seed,
-    )
     rows = param.shape[0] if param.dim() >= 2 else 1
     # whole rows, a multiple of 64 of them: a block's tensors start where the whole tensor's
     # vectorised loops would cut them (the codec's bits no longer depend on it; the alignment

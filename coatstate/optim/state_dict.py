@@ -13,18 +13,8 @@ import torch
 from coatstate.distributed import check_compressible, is_dtensor, local_chunk, local_tensor, wrap_state
 from coatstate.formats import FP8Format
 from coatstate.formats.master_weights import CORRECTION_DTYPES, MASTER_BITS
-from coatstate.formats.optimizer_state import (
-    CODES,
-    DEFAULT_GROUP_SIZE,
-    EXPONENTS,
-    MASTER_CORRECTION,
-    MOMENTS,
-    SCALES,
-    init_moment,
-    is_compressed,
-    read_moment,
-    write_moment,
-)
+from coatstate.formats.optimizer_state import CODES, DEFAULT_GROUP_SIZE, EXPONENTS, MASTER_CORRECTION, MOMENTS
+from coatstate.formats.optimizer_state import SCALES, init_moment, is_compressed, read_moment, write_moment
 from coatstate.optim.moments import FORMAT_DEFAULTS, global_shape, master_mode, moment_formats
 
 logger = logging.getLogger("coatstate")
