@@ -126,8 +126,9 @@ def test_cli_json_config_without_transformers(tmp_path, capsys):
     names = [r["variant"] for r in out["rows"]]
     assert names[:3] == ["torch AdamW + BF16", "CompressedAdamW", "CompressedAdamW + compress_activations"]
     for r in out["rows"]:
+        assert r["bytes"]["peak"] == sum(v for k, v in r["bytes"].items() if k != "peak")
+    for r in out["rows"][:3]:  # (the master_bits + release variant: test_master_bits_and_gradient_release_variants)
         b = r["bytes"]
-        assert b["peak"] == sum(v for k, v in b.items() if k != "peak")
         assert b["params"] == b["grads"] == 2 * out["params"] and b["master"] == 4 * out["params"]
     bf16, comp, both = out["rows"][:3]
     assert bf16["bytes"]["optimizer"] == 8 * out["params"]
@@ -198,3 +199,18 @@ def test_bad_input_names_the_problem(argv, message, capsys, tmp_path, monkeypatc
 def test_bad_memory_size_is_a_usage_error(capsys):
     assert main(["plan", "--layers", "2", "--hidden", "64", "--gpu-memory", "lots"]) == 2
     assert "not a memory size" in capsys.readouterr().err
+
+
+def test_master_bits_and_gradient_release_variants():
+    from coatstate.planner import Variant
+
+    spec = resolve_model(None, arch="llama", layers=2, hidden=256, heads=4, ffn=512, vocab=1000)
+    base = Variant("c", "compressed", "none")
+    lean = Variant("c24r", "compressed", "none", master_bits=24, gradient_release=True)
+    p = plan(spec, seq=128, param_dtype="bf16", variants=[base, lean])
+    a, b = (r.bytes for r in p.rows)
+    n = p.params
+    assert a["master"] == 4 * n and b["master"] == n  # float32 master vs an int8 correction
+    largest = max(math.prod(s) for s in p.shapes)
+    assert a["grads"] == 2 * n and b["grads"] == 2 * largest
+    assert b["optimizer"] == a["optimizer"] and b["peak"] < a["peak"]

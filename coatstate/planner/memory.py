@@ -3,7 +3,9 @@
 Per GPU, for one variant, micro-batch B and N GPUs:
   params, grads   numel of rank 0's shard x bytes of the param dtype (FSDP2 splits dim 0 in
                   chunks of ceil(rows / N); rank 0 holds the largest)
-  master          4 bytes per shard element with bf16 params (off with master_weights=False)
+  master          4 bytes per shard element with bf16 params (off with master_weights=False), or
+                  the master_bits correction (2, 1 or 0 bytes) for a variant that sets it
+  (grads)         with gradient release, only the largest parameter's gradient
   optimizer       torch AdamW: fp32 m and v; CompressedAdamW: its moment_formats on the GLOBAL
                   shape and formats.group.storage_bytes of the shard
   activations     saved for backward (ActivationStats' accounting), from the trace
@@ -29,6 +31,8 @@ from coatstate.planner.trace import ActivationModel
 GB = 1e9
 PARAM_BYTES = {"bf16": 2, "fp32": 4}
 COLUMNS = ("params", "grads", "master", "optimizer", "activations", "transient")
+MASTER_CORRECTION_BYTES = {32: 2, 24: 1, 16: 0}
+"""Bytes per parameter of CompressedAdamW's master correction (formats.master_weights)."""
 
 
 def local_shape(shape: tuple[int, ...], shards: int) -> tuple[int, ...]:
@@ -74,6 +78,12 @@ class Variant:
     """'adamw' (torch, fp32 moments) or 'compressed' (CompressedAdamW)."""
     activations: str
     """Trace kind: 'none', 'compressed' (compress_activations) or 'fp8' (+ FP8 linear layers)."""
+    master_bits: int | None = None
+    """CompressedAdamW's master_bits for 16-bit parameters: the master column holds its correction
+    (2, 1 or 0 bytes per parameter) instead of a float32 master (4)."""
+    gradient_release: bool = False
+    """Each parameter steps during backward and frees its gradient: the grads column holds the
+    largest parameter's gradient, not all of them."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,10 +135,12 @@ class Plan:
         fsdp = 0
         if n > 1:  # unsharded root params stay for the step; a layer is gathered, prefetched, reduced
             fsdp = self.root_numel * pb - math.ceil(self.root_numel / n) * pb + 3 * self.layer_numel * pb
+        largest = max((math.prod(local_shape(x, n)) for x in self.shapes), default=0)
+        master_bytes = 4 if v.master_bits is None else MASTER_CORRECTION_BYTES[v.master_bits]
         out = {
             "params": local * pb,
-            "grads": local * pb,
-            "master": local * 4 if s["master_weights"] and s["param_dtype"] != "fp32" else 0,
+            "grads": (largest if v.gradient_release else local) * pb,
+            "master": local * master_bytes if s["master_weights"] and s["param_dtype"] != "fp32" else 0,
             "optimizer": optimizer_bytes(self.shapes, v.optimizer, n, self.optimizer_options),
             "activations": saved,
             "transient": max(peak_act - saved, 0) + fsdp,  # the fitted peak can dip below the saved bytes

@@ -188,6 +188,13 @@ def default_variants() -> tuple[list[Variant], str]:
         Variant("torch AdamW + BF16", "adamw", "none"),
         Variant("CompressedAdamW", "compressed", "none"),
         Variant("CompressedAdamW + compress_activations", "compressed", "compressed"),
+        Variant(
+            "CompressedAdamW master_bits=24 + gradient release + compress_activations",
+            "compressed",
+            "compressed",
+            master_bits=24,
+            gradient_release=True,
+        ),
     ]
     convert, why = fp8_linear_converter()
     if convert is not None:
