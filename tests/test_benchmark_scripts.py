@@ -71,3 +71,19 @@ def test_activation_memory_script_runs_on_cpu(tmp_path):
     )
     rows = json.loads(out.read_text())["rows"]
     assert {r["variant"] for r in rows} >= {"none", "compress_activations"}
+
+
+def test_gpu_parity_smoke_runs_on_cpu_and_resumes_exactly(tmp_path):
+    """benchmarks/parity_gpu.py --smoke: every variant at a tiny size, one run cut and resumed by a
+    second process (it exits nonzero when a resumed curve differs from the uninterrupted one)."""
+    out = _run(
+        "benchmarks/parity_gpu.py",
+        "--smoke",
+        "--out",
+        str(tmp_path / "parity.json"),
+        "--png",
+        "",
+        "--ckpt-dir",
+        str(tmp_path / "ckpt"),
+    )
+    assert "smoke: all checks passed" in out

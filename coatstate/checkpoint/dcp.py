@@ -161,10 +161,8 @@ def _validated(metadata: Any, files: _Files, fail) -> tuple[list, dict]:
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
         BytesStorageMetadata,
-        ChunkStorageMetadata,
         Metadata,
         MetadataIndex,
-        TensorProperties,
         TensorStorageMetadata,
     )
 
@@ -207,44 +205,56 @@ def _validated(metadata: Any, files: _Files, fail) -> tuple[list, dict]:
         if not isinstance(fqn, str):
             fail(f"key {fqn!r:.60} is not a string")
         if type(md) is TensorStorageMetadata:
-            props, size = md.properties, _size(md.size)
-            if type(props) is not TensorProperties or not isinstance(props.dtype, torch.dtype):
-                fail(f"tensor {fqn!r}: properties must give a torch dtype")
-            if props.layout != torch.strided or size is None:
-                fail(f"tensor {fqn!r}: must be a strided tensor with a shape of non-negative ints")
-            chunks = md.chunks
-            if not isinstance(chunks, list) or len(chunks) > MAX_CHUNKS:
-                fail(f"tensor {fqn!r}: chunks must be a list of at most {MAX_CHUNKS}")
-            if not all(type(c) is ChunkStorageMetadata for c in chunks):
-                fail(f"tensor {fqn!r}: chunks must be ChunkStorageMetadata")
-            _check_tiling(fqn, size, chunks, fail)
-            itemsize = props.dtype.itemsize
-            infos = [
-                info_for(MetadataIndex(fqn, c.offsets), f"tensor {fqn!r} chunk at {list(c.offsets)}",
-                         math.prod(c.sizes) * itemsize)
-                for c in chunks
-            ]  # fmt: skip
-            items.append((fqn, (props.dtype, size, chunks), infos))
+            items.append(_tensor_item(fqn, md, info_for, fail))
         elif type(md) is BytesStorageMetadata:
             items.append((fqn, None, [info_for(MetadataIndex(fqn), f"value {fqn!r}", 0)]))
         else:
             fail(f"key {fqn!r}: {type(md).__name__} is not a DCP storage type")
-        path = paths.get(fqn, (fqn,))
-        if not (
-            isinstance(path, (tuple, list))
-            and 0 < len(path) <= MAX_PATH_DEPTH
-            and all(
-                isinstance(k, str) or (isinstance(k, int) and not isinstance(k, bool) and k >= 0)
-                for k in path
-            )
-        ):
-            fail(f"planner_data path of {fqn!r} must be a short list of str keys and list indices")
-    for rel, spans in regions.items():  # two items sharing bytes could claim the same bytes twice
+        _check_path(fqn, paths.get(fqn, (fqn,)), fail)
+    _check_overlaps(regions, fail)
+    return items, paths
+
+
+def _tensor_item(fqn: str, md: Any, info_for, fail) -> tuple:
+    """(fqn, (dtype, size, chunks), storage infos) of a checked tensor entry."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+
+    props, size = md.properties, _size(md.size)
+    if type(props) is not TensorProperties or not isinstance(props.dtype, torch.dtype):
+        fail(f"tensor {fqn!r}: properties must give a torch dtype")
+    if props.layout != torch.strided or size is None:
+        fail(f"tensor {fqn!r}: must be a strided tensor with a shape of non-negative ints")
+    chunks = md.chunks
+    if not isinstance(chunks, list) or len(chunks) > MAX_CHUNKS:
+        fail(f"tensor {fqn!r}: chunks must be a list of at most {MAX_CHUNKS}")
+    if not all(type(c) is ChunkStorageMetadata for c in chunks):
+        fail(f"tensor {fqn!r}: chunks must be ChunkStorageMetadata")
+    _check_tiling(fqn, size, chunks, fail)
+    itemsize = props.dtype.itemsize
+    infos = [
+        info_for(MetadataIndex(fqn, c.offsets), f"tensor {fqn!r} chunk at {list(c.offsets)}",
+                 math.prod(c.sizes) * itemsize)
+        for c in chunks
+    ]  # fmt: skip
+    return fqn, (props.dtype, size, chunks), infos
+
+
+def _check_path(fqn: str, path: Any, fail) -> None:
+    if not (
+        isinstance(path, (tuple, list))
+        and 0 < len(path) <= MAX_PATH_DEPTH
+        and all(isinstance(k, str) or (isinstance(k, int) and not isinstance(k, bool) and k >= 0) for k in path)
+    ):
+        fail(f"planner_data path of {fqn!r} must be a short list of str keys and list indices")
+
+
+def _check_overlaps(regions: dict, fail) -> None:
+    """Two items sharing bytes could claim the same bytes twice."""
+    for rel, spans in regions.items():
         spans.sort()
         for (a, la, wa), (b, _, wb) in zip(spans, spans[1:], strict=False):
             if a + la > b:
                 fail(f"{wa} and {wb} share bytes of {os.path.basename(rel)!r:.80}")
-    return items, paths
 
 
 def load_failure(e: BaseException) -> str:

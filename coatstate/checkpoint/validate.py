@@ -115,6 +115,28 @@ def validate_header(header: Any, where: str) -> dict[str, Any]:
         extra = sorted(set(params) - {str(p) for p in group_of})[:5]
         missing = sorted({str(p) for p in group_of} - set(params))[:5]
         fail(f"params must list exactly the param ids of param_groups (extra {extra}, missing {missing})")
+    _check_params(params, group_of, group_sizes, fail)
+    _check_state(header["state"], params, group_sizes, ref, fail)
+    model = header.get("model")
+    if model is not None:
+        if (
+            not isinstance(model, list)
+            or not all(isinstance(n, str) for n in model)
+            or len(set(model)) != len(model)
+        ):
+            fail("model must be null or a list of distinct names")
+        for name in model:
+            ref(schema.model_key(name), schema.model_key(name), f"model entry {name!r:.80}")
+    unreferenced = sorted(set(tensors) - set(referenced))
+    if unreferenced:
+        fail(f"tensors {unreferenced[:3]} are listed but no state, param group or model entry names them")
+    if header.get("shards") is not None:
+        _shards(header["shards"], tensors, fail)
+    return header
+
+
+def _check_params(params: dict, group_of: dict, group_sizes: list, fail) -> None:
+    """Each params entry: its group, name, shape and compressed moments' formats."""
     for key, info in params.items():
         if not isinstance(info, dict):
             fail(f"params[{key}] must be an object")
@@ -144,7 +166,10 @@ def validate_header(header: Any, where: str) -> dict[str, Any]:
                     f"params[{key}].compressed.{m}.group_size is {f['group_size']}, its param group's "
                     f"group_size is {group_sizes[info['group']]}"
                 )
-    state = header["state"]
+
+
+def _check_state(state: dict, params: dict, group_sizes: list, ref, fail) -> None:
+    """Each state entry: tensors by reference to their own key, plain values otherwise."""
     for key, entry in state.items():
         if key not in params:
             fail(f"state[{key!r:.40}] belongs to no parameter of params")
@@ -161,22 +186,6 @@ def validate_header(header: Any, where: str) -> dict[str, Any]:
                 if _contains_ref(values[name]):
                     fail(f"state[{key}].{name}: a tensor may only be a state's own value")
         _param_state(key, values, params[key], group_sizes[params[key]["group"]], fail)
-    model = header.get("model")
-    if model is not None:
-        if (
-            not isinstance(model, list)
-            or not all(isinstance(n, str) for n in model)
-            or len(set(model)) != len(model)
-        ):
-            fail("model must be null or a list of distinct names")
-        for name in model:
-            ref(schema.model_key(name), schema.model_key(name), f"model entry {name!r:.80}")
-    unreferenced = sorted(set(tensors) - set(referenced))
-    if unreferenced:
-        fail(f"tensors {unreferenced[:3]} are listed but no state, param group or model entry names them")
-    if header.get("shards") is not None:
-        _shards(header["shards"], tensors, fail)
-    return header
 
 
 def _contains_ref(v: Any) -> bool:

@@ -133,41 +133,10 @@ class CompressedAdamW(torch.optim.Optimizer):
         gradient_release: bool = False,
         max_grad_norm: float | None = None,
     ) -> None:
-        if isinstance(lr, torch.Tensor):
-            if lr.numel() != 1:
-                raise ValueError(f"Tensor lr must be 1-element; got shape {tuple(lr.shape)}")
-        elif not 0.0 <= lr:
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if not 0.0 <= eps:
-            raise ValueError(f"Invalid epsilon value: {eps}")
-        for i, b in enumerate(betas):
-            if isinstance(b, torch.Tensor):
-                raise ValueError("tensor betas are not supported by CompressedAdamW; pass floats")
-            if not 0.0 <= b < 1.0:
-                raise ValueError(f"Invalid beta parameter at index {i}: {b}")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        if capturable or differentiable:
-            raise ValueError(
-                "CompressedAdamW does not support capturable=True or differentiable=True: its "
-                "states are requantized in place each step; use torch.optim.AdamW for those modes"
-            )
-        if not isinstance(group_size, int) or group_size < 1:
-            raise ValueError(f"group_size must be a positive int; got {group_size!r}")
-        if master_bits not in (None, *MASTER_BITS):
-            raise ValueError(f"master_bits must be None, 16, 24 or 32; got {master_bits!r}")
-        if not isinstance(master_seed, int):
-            raise TypeError(f"master_seed must be an int; got {type(master_seed).__name__}")
-        if max_grad_norm is not None and not gradient_release:
-            raise ValueError(
-                "max_grad_norm is for gradient_release=True; without release, clip as usual with "
-                "torch.nn.utils.clip_grad_norm_ before opt.step()"
-            )
-        for name, value in (("exp_avg_format", exp_avg_format), ("exp_avg_sq_format", exp_avg_sq_format)):
-            try:
-                FP8Format.parse(value)
-            except ValueError as e:
-                raise ValueError(f"{name}: {e}") from None
+        _check_arguments(
+            lr, betas, eps, weight_decay, capturable or differentiable, group_size, (exp_avg_format, exp_avg_sq_format)
+        )
+        _check_master_arguments(master_bits, master_seed, gradient_release, max_grad_norm)
         defaults = dict(
             lr=lr,
             betas=tuple(betas),
@@ -523,3 +492,45 @@ class CompressedAdamW(torch.optim.Optimizer):
         self._index_params()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+
+def _check_arguments(lr, betas, eps, weight_decay, unsupported_mode, group_size, formats) -> None:
+    """torch.optim.AdamW's validation (same messages), plus coatstate's format options."""
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1:
+            raise ValueError(f"Tensor lr must be 1-element; got shape {tuple(lr.shape)}")
+    elif not 0.0 <= lr:
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if not 0.0 <= eps:
+        raise ValueError(f"Invalid epsilon value: {eps}")
+    for i, b in enumerate(betas):
+        if isinstance(b, torch.Tensor):
+            raise ValueError("tensor betas are not supported by CompressedAdamW; pass floats")
+        if not 0.0 <= b < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {i}: {b}")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+    if unsupported_mode:
+        raise ValueError(
+            "CompressedAdamW does not support capturable=True or differentiable=True: its "
+            "states are requantized in place each step; use torch.optim.AdamW for those modes"
+        )
+    if not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size must be a positive int; got {group_size!r}")
+    for name, value in zip(("exp_avg_format", "exp_avg_sq_format"), formats, strict=True):
+        try:
+            FP8Format.parse(value)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+
+
+def _check_master_arguments(master_bits, master_seed, gradient_release, max_grad_norm) -> None:
+    if master_bits not in (None, *MASTER_BITS):
+        raise ValueError(f"master_bits must be None, 16, 24 or 32; got {master_bits!r}")
+    if not isinstance(master_seed, int):
+        raise TypeError(f"master_seed must be an int; got {type(master_seed).__name__}")
+    if max_grad_norm is not None and not gradient_release:
+        raise ValueError(
+            "max_grad_norm is for gradient_release=True; without release, clip as usual with "
+            "torch.nn.utils.clip_grad_norm_ before opt.step()"
+        )
