@@ -15,6 +15,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from typing import Any
 
 PT_EXTENSIONS = (".pt", ".pth", ".bin")
@@ -494,6 +495,8 @@ def main(argv: list[str] | None = None) -> int:
     files = [
         f for f in (getattr(args, n, None) for n in ("file", "src", "dst", "model")) if isinstance(f, str)
     ]
+    # torch's CPU wheel warns on import that numpy is missing; no command here needs numpy
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
     try:
         code = args.run(args)
         sys.stdout.flush()

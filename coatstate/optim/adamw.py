@@ -285,16 +285,18 @@ class CompressedAdamW(torch.optim.Optimizer):
         interpreter when TRITON_INTERPRET=1, for tests). fused=False: the pure-torch step."""
         if group.get("fused") is False:
             return False
-        from coatstate.kernels import adamw_launch
-
         local = local_tensor(p)
         device = local.device
+        if group.get("fused") is None and device.type != "cuda":
+            return False  # (decided before importing Triton, which a CPU-only run never needs)
+        from coatstate.kernels import adamw_launch
+
         if not local.is_contiguous() or local.data_ptr() % 16:
             if group.get("fused"):
                 raise ValueError("fused=True needs contiguous, 16-byte aligned parameters; pass fused=None")
             return False  # a strided or oddly offset view: the pure-torch step handles it
         if group.get("fused") is None:
-            return device.type == "cuda" and adamw_launch.available()
+            return adamw_launch.available()
         if not adamw_launch.usable(device):
             raise ValueError(
                 f"fused=True needs CUDA tensors with Triton (got a parameter on {device}); "
