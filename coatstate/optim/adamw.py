@@ -136,7 +136,7 @@ class CompressedAdamW(torch.optim.Optimizer):
         _check_arguments(
             lr, betas, eps, weight_decay, capturable or differentiable, group_size, (exp_avg_format, exp_avg_sq_format)
         )
-        _check_master_arguments(master_bits, master_seed, gradient_release, max_grad_norm)
+        _check_master_arguments(master_seed, gradient_release, max_grad_norm)
         defaults = dict(
             lr=lr,
             betas=tuple(betas),
@@ -526,9 +526,8 @@ def _check_arguments(lr, betas, eps, weight_decay, unsupported_mode, group_size,
             raise ValueError(f"{name}: {e}") from None
 
 
-def _check_master_arguments(master_bits, master_seed, gradient_release, max_grad_norm) -> None:
-    if master_bits not in (None, *MASTER_BITS):
-        raise ValueError(f"master_bits must be None, 16, 24 or 32; got {master_bits!r}")
+def _check_master_arguments(master_seed, gradient_release, max_grad_norm) -> None:
+    # (master_bits is checked per param group, in add_param_group, which also sees overrides)
     if not isinstance(master_seed, int):
         raise TypeError(f"master_seed must be an int; got {type(master_seed).__name__}")
     if max_grad_norm is not None and not gradient_release:
