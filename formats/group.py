@@ -169,7 +169,10 @@ def quantize_groups(
     """
     rows, cols = x2d.shape
     x = _as_groups(x2d.float(), group_size)
-    mag = x.abs()
+    # a NaN or Inf element is stored as the FP8 NaN code and left out of its group's scale, so
+    # the group's finite values keep their precision (docs/FORMAT.md, "Non-finite values")
+    finite = torch.isfinite(x)
+    mag = torch.where(finite, x.abs(), 0.0)
     mx = mag.amax(dim=-1)
     fp8_max = fmt.max
     if expand:
@@ -190,6 +193,7 @@ def quantize_groups(
         y = portable_math.exp2(k.unsqueeze(-1) * (portable_math.log2(mag) - log_scale))
         y = torch.where(mag > 0, y, 0.0).copysign(x)
         exponents = k16.to(torch.uint8)
+        y = torch.where(finite, y, torch.nan)
     else:
         # the upper clamp keeps FP8_MAX * scale finite for groups whose max is near float32's max
         # a tensor divisor: CUDA torch turns `tensor / python_float` into a multiply by the
@@ -197,7 +201,7 @@ def quantize_groups(
         scales = (mx / torch.full_like(mx, fp8_max)).clamp(min=MIN_SCALE, max=FLOAT32_MAX / fp8_max * (1 - 2.0**-20))
         scales = torch.where(mx > 0, scales, 0.0)
         inv = torch.where(scales > 0, 1.0 / scales, 0.0)
-        y = x * inv.unsqueeze(-1)
+        y = torch.where(finite, x * inv.unsqueeze(-1), torch.nan)
         exponents = None
     codes = round_to_fp8_grid(y, fmt).to(fmt.dtype)
     codes = codes.reshape(rows, x.shape[1] * group_size)[:, :cols]

@@ -23,6 +23,12 @@ MASTER_CORRECTION = "master_correction"
 """State key of a 16-bit parameter's master-weight correction (formats.master_weights)."""
 DEFAULT_GROUP_SIZE = 128
 """Elements per group of an optimizer moment along a row (COAT's choice)."""
+SECOND_MOMENTS = ("exp_avg_sq", "max_exp_avg_sq")
+"""Moments that read a stored NaN code back as +Inf. The codec stores NaN and Inf alike as the
+FP8 NaN code (e4m3 has no Inf). A second moment is a sum of squares: it is NaN only where a NaN
+gradient already made exp_avg NaN, and +Inf where g*g overflowed, where torch's update is
+m / Inf = 0. Reading +Inf keeps that parameter finite and unchanged, as torch does; where
+exp_avg is NaN the parameter goes NaN either way, as in torch."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +77,8 @@ def read_moment(state: dict, name: str, group_size: int) -> torch.Tensor:
     x = dequantize_groups(
         codes.reshape(rows, cols), state[name + SCALES], state.get(name + EXPONENTS), group_size
     )
+    if name in SECOND_MOMENTS:
+        x = torch.where(torch.isnan(x), torch.inf, x)
     return x.reshape(codes.shape)
 
 

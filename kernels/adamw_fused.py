@@ -239,6 +239,8 @@ def _adamw_kernel(
         g = -g
     m = _load_moment(m_base, row_ptr, 2, offs, mask, gid, gmask, COMPRESSED, M_EXPAND, M_E4M3)
     v = _load_moment(v_base, row_ptr, 5, offs, mask, gid, gmask, COMPRESSED, V_EXPAND, V_E4M3)
+    if COMPRESSED:  # a second moment's NaN code reads as +Inf (formats.optimizer_state.SECOND_MOMENTS)
+        v = tl.where(v != v, float("inf"), v)
 
     p = p * decay
     if w1 < 0.5:  # torch.lerp's two formulas
@@ -248,6 +250,8 @@ def _adamw_kernel(
     v = v * b2 + w2 * g * g
     if AMSGRAD:
         vmax = _load_moment(x_base, row_ptr, 8, offs, mask, gid, gmask, COMPRESSED, V_EXPAND, V_E4M3)
+        if COMPRESSED:
+            vmax = tl.where(vmax != vmax, float("inf"), vmax)
         vmax = tl.maximum(vmax, v)
         denom = tl.sqrt(vmax) * inv_bc2_sqrt + eps
     else:
@@ -267,11 +271,16 @@ def _adamw_kernel(
     if AMSGRAD:
         _store_moment(vmax, x_base, row_ptr, 8, offs, mask, gid, gmask, COMPRESSED,
                       V_EXPAND, V_MAX, V_MBITS, V_EMIN, V_LOG2_MAX, V_KNUM, V_E4M3)  # fmt: skip
-    # count non-finite moments (a NaN/Inf gradient): reported by CompressedAdamW, never hidden
+    # count non-finite moments (a NaN/Inf gradient): reported by CompressedAdamW, never hidden.
+    # Per parameter: values, steps with any, the last such step (the first program of a step
+    # to raise the last step counts the step)
     s = m + v
     bad = tl.sum(tl.sum(((s - s) != 0).to(tl.int32), axis=1), axis=0)
     if bad > 0:
-        tl.atomic_add(nonfinite_ptr + t, bad)
+        step_now = tl.load(tl.load(row_ptr + 11).to(tl.pointer_type(tl.float32))).to(tl.int32)
+        tl.atomic_add(nonfinite_ptr + 3 * t, bad)
+        if tl.atomic_max(nonfinite_ptr + 3 * t + 2, step_now) < step_now:
+            tl.atomic_add(nonfinite_ptr + 3 * t + 1, 1)
 
 
 def _constants(prefix: str, f: MomentFormat | None) -> dict:

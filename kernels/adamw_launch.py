@@ -147,8 +147,9 @@ class Launch:
             )
         self.grad_dtype = grads[0].dtype
         self.addresses = [p.data_ptr() for p in params]
-        self.nonfinite = torch.zeros(len(params), dtype=torch.int32, device=params[0].device)
-        """per parameter: how many moment values came out NaN/Inf (read by nonfinite_parameters)"""
+        self.nonfinite = torch.zeros((len(params), 3), dtype=torch.int32, device=params[0].device)
+        """per parameter: moment values that came out NaN/Inf, steps with any, the last such
+        step (read and reset by nonfinite_parameters)"""
         self.plan = _Plan(params, states, self.group_size, params[0].device, self.seeds)
         self.plan.nonfinite = self.nonfinite
         self.plan.master_bits = master_bits

@@ -127,18 +127,28 @@ def to_fp8_bits(y, FP8_MAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexp
     else:
         r = round_to_fp8_grid(y, FP8_MAX, MBITS, EMIN)
     if IS_E4M3:
-        return r.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        bits = r.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     else:
-        return r.to(tl.float8e5).to(tl.uint8, bitcast=True)
+        bits = r.to(tl.float8e5).to(tl.uint8, bitcast=True)
+    if not FAST_MATH:  # the interpreter's cast loses NaN; 0x7F is a NaN in both formats
+        bits = tl.where(r != r, 0x7F, bits).to(tl.uint8)
+    return bits
 
 
 @triton.jit
 def from_fp8_bits(b, IS_E4M3: tl.constexpr):
     """FP8 code stored as uint8 -> float32."""
     if IS_E4M3:
-        return b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        q = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     else:
-        return b.to(tl.float8e5, bitcast=True).to(tl.float32)
+        q = b.to(tl.float8e5, bitcast=True).to(tl.float32)
+    if not FAST_MATH:  # the interpreter's cast reads the all-ones exponent as a number
+        low = b & 0x7F
+        if IS_E4M3:
+            q = tl.where(low == 0x7F, float("nan"), q)
+        else:
+            q = tl.where(low > 0x7C, float("nan"), tl.where(low == 0x7C, q * float("inf"), q))
+    return q
 
 
 @triton.jit
@@ -204,7 +214,8 @@ def decode(bits, scale, k16, EXPAND: tl.constexpr, IS_E4M3: tl.constexpr):
     q = from_fp8_bits(bits, IS_E4M3)
     if EXPAND:
         inv_k = tl.math.fdiv(tl.full(k16.shape, EXPONENT_DENOMINATOR, tl.float32), k16)
-        x = tl.minimum(tl.exp2(log2(tl.abs(q)) * inv_k[:, None] + log2(scale)[:, None]), FLOAT32_MAX)
+        x = tl.exp2(log2(tl.abs(q)) * inv_k[:, None] + log2(scale)[:, None])
+        x = tl.minimum(x, FLOAT32_MAX, propagate_nan=tl.PropagateNan.ALL)  # a NaN code stays NaN
         if FAST_MATH:  # a compare and a select (copysign costs 4 instructions here); a zero code
             # is already 0 here (a -0 code decodes to +0: the same value)
             return tl.where(q < 0, -x, x)
@@ -232,9 +243,11 @@ def encode_store(
 ):
     """Quantize a [groups, G] float32 tile into the group format and store its codes (uint8),
     per-group scales and, with expansion, exponent codes (the codec and the fused step)."""
-    mag = tl.abs(x)
+    # NaN/Inf elements: out of the group's scale, stored as the NaN code (as formats.group)
+    finite = tl.abs(x) < float("inf")
+    mag = tl.where(finite, tl.abs(x), 0.0)
     a, k16, p0, p1 = group_params(mag, EXPAND, FP8_MAX, LOG2_MAX, K_NUMERATOR)
-    y = encode(x, mag, p0, p1, EXPAND)
+    y = tl.where(finite, encode(x, mag, p0, p1, EXPAND), float("nan"))
     tl.store(codes_ptrs, to_fp8_bits(y, FP8_MAX, MBITS, EMIN, IS_E4M3), mask=mask)
     tl.store(scale_ptrs, a, mask=gmask)
     if EXPAND:

@@ -307,20 +307,25 @@ class CompressedAdamW(torch.optim.Optimizer):
     def nonfinite_parameters(self) -> list[dict[str, Any]]:
         """Parameters whose moments have held NaN/Inf since the last call (then reset).
 
-        Counted on the device without synchronising; this call synchronises once. A NaN or Inf
-        gradient that GradScaler did not catch shows up here instead of silently in a state.
+        Per parameter: `count` (moment values that were NaN/Inf, summed over the steps), `steps`
+        (how many steps had any) and `last_step`. Counted on the device without synchronising;
+        this call synchronises once. A NaN or Inf gradient that GradScaler did not catch shows up
+        here instead of silently in a state; a NaN that stays in a moment is counted at every
+        step it is there. The policy (docs/FORMAT.md, "Non-finite values"): a non-finite value is
+        kept element by element, as torch.optim.AdamW keeps it, and its group's other values keep
+        their precision.
         """
-        out = []
+        found = []
         for plan in self._fused_cache.values():
             counts = plan.nonfinite.tolist()
             plan.nonfinite.zero_()
-            pairs = zip(plan.params, counts, strict=True)
-            out += [{"shape": tuple(p.shape), "count": c, "param": p} for p, c in pairs if c]
-        for p, count in self._twin_nonfinite.items():
-            if count:
-                out.append({"shape": tuple(p.shape), "count": count, "param": p})
+            found += [(p, c) for p, c in zip(plan.params, counts, strict=True) if c[0]]
+        found += list(self._twin_nonfinite.items())
         self._twin_nonfinite.clear()
-        return out
+        return [
+            {"shape": tuple(p.shape), "count": count, "steps": steps, "last_step": last, "param": p}
+            for p, (count, steps, last) in found
+        ]
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -457,7 +462,8 @@ class CompressedAdamW(torch.optim.Optimizer):
                 seed=self._rounding_seed(group, p),
             )
             if bad:
-                self._twin_nonfinite[p] = self._twin_nonfinite.get(p, 0) + bad
+                count, steps, _ = self._twin_nonfinite.get(p, (0, 0, 0))
+                self._twin_nonfinite[p] = (count + bad, steps + 1, int(state["step"].item()))
 
     # ---- state dicts -----------------------------------------------------------------------
 
