@@ -17,8 +17,17 @@ from typing import Any
 
 import torch
 
-from coatstate import distributed
-from coatstate.checkpoint import background, container, shards, storage, validate
+from coatstate import distributed as dtensors
+from coatstate.checkpoint import (
+    background,
+    container,
+    rank_cleanup,
+    rank_commit,
+    rank_read,
+    shards,
+    storage,
+    validate,
+)
 from coatstate.checkpoint.dcp import load_failure, read_dcp
 from coatstate.formats import schema
 from coatstate.formats.optimizer_state import CODES, EXPONENTS, MOMENTS, is_compressed, moment_of
@@ -119,15 +128,17 @@ def _moment_formats(state: Mapping[str, Any], group: Mapping[str, Any]) -> dict[
 
 
 def _flatten(
-    sd: Mapping[str, Any], shapes, names, model_sd
+    sd: Mapping[str, Any], shapes, names, model_sd, *, prepare=_cpu, checksums: bool = True
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(tensors by key, header). `prepare` maps each tensor (a per-rank save keeps DTensors as
+    they are); checksums=False leaves them out of the header (a per-rank save adds its own)."""
     tensors: dict[str, torch.Tensor] = {}
     groups, params = [], {}
     for g, group in enumerate(sd["param_groups"]):
         enc = {}
         for k, v in group.items():
             if isinstance(v, torch.Tensor):
-                tensors[schema.group_key(g, k)] = _cpu(v)
+                tensors[schema.group_key(g, k)] = prepare(v)
                 enc[k] = {"$tensor": schema.group_key(g, k)}
             else:
                 enc[k] = schema.encode_value(v, f"param_groups[{g}].{k}")
@@ -142,7 +153,7 @@ def _flatten(
         for name, v in pstate.items():
             if isinstance(v, torch.Tensor):
                 key = schema.state_key(pid, name)
-                tensors[key] = _cpu(v)
+                tensors[key] = prepare(v)
                 entry[name] = {"$tensor": key}
             else:
                 entry[name] = schema.encode_value(v, f"state[{pid}].{name}")
@@ -160,7 +171,7 @@ def _flatten(
         for name, v in model_sd.items():
             if not isinstance(v, torch.Tensor):
                 raise TypeError(f"model state dict entry {name!r} is a {type(v).__name__}, not a tensor")
-            tensors[schema.model_key(name)] = _cpu(v)
+            tensors[schema.model_key(name)] = prepare(v)
             model_keys.append(name)
     compressed = any(p.get("compressed") for p in params.values())
     header = {
@@ -180,8 +191,9 @@ def _flatten(
             k: {"dtype": schema.dtype_name(t.dtype), "shape": list(t.shape)} for k, t in tensors.items()
         },
     }
-    for key, digest in schema.tensor_checksums(tensors).items():
-        header["tensors"][key]["checksum"] = digest
+    if checksums:
+        for key, digest in schema.tensor_checksums(tensors).items():
+            header["tensors"][key]["checksum"] = digest
     return tensors, header
 
 
@@ -218,6 +230,7 @@ def save(
     shard_size: int | None = DEFAULT_SHARD_SIZE,
     param_names: Mapping[int, str] | list[str] | None = None,
     blocking: bool = True,
+    distributed: str = "gathered",
 ) -> background.SaveHandle | None:
     """Write an optimizer (CompressedAdamW or any torch optimizer) to `url`, atomically.
 
@@ -230,11 +243,23 @@ def save(
     tensor, frame checksums on; measured ~1.1x on FP8 states, so off by default). Above
     `shard_size` bytes the tensors go to shard files next to `url` and `url` holds the index.
 
-    A sharded optimizer (DTensor states, FSDP2) or model is gathered: every rank must call
-    save(); rank 0 writes one world-size-independent file (docs/CHECKPOINT.md, "Distributed").
+    distributed: how a job with a process group saves (docs/CHECKPOINT.md, "Distributed").
+    "gathered" (the default): DTensor (FSDP2) states and model tensors are all-gathered and rank 0
+    writes one world-size-independent file; every rank must call save(); without DTensors it
+    writes the file of the process that calls it (DDP: call it on rank 0). "per_rank": every
+    rank calls save() and writes its own rows of every DTensor to its own file, in parallel,
+    with no gathering; rank 0 writes the root `url` (the index, the commit point) once all
+    ranks have finished; plain tensors are written once, by rank 0; blocking=False works, and
+    the file loads at any world size. (No `compress` or `shard_size` there: one file per rank.)
     """
     if compress not in (None, "zstd"):
         raise ValueError(f"compress must be None or 'zstd'; got {compress!r}")
+    if distributed not in ("gathered", "per_rank"):
+        raise ValueError(f"distributed must be 'gathered' or 'per_rank'; got {distributed!r}")
+    if distributed == "per_rank" and compress is not None:
+        raise ValueError(
+            "compress='zstd' is not available with distributed='per_rank' (rows are read by range)"
+        )
     if shard_size is not None and (not isinstance(shard_size, int) or shard_size < 1):
         raise ValueError(f"shard_size must be a positive int (bytes) or None; got {shard_size!r}")
     url = os.fspath(url)
@@ -242,34 +267,40 @@ def save(
         background.wait_for_saves()  # (a failure of the previous save is raised before anything else)
     sd, shapes, names, kind = _source(optimizer_or_state_dict, model, param_names)
     model_sd = model.state_dict() if isinstance(model, torch.nn.Module) else model
+    if distributed == "per_rank":
+        tensors, header = _flatten(sd, shapes, names, model_sd, prepare=torch.Tensor.detach, checksums=False)
+        header["optimizer"]["class"] = kind
+        return rank_commit.save(url, tensors, header, _metadata, blocking)
     params = getattr(optimizer_or_state_dict, "param_groups", [])
     sharded = (
-        distributed.has_dtensors(sd)
-        or any(distributed.is_dtensor(v) for v in (model_sd or {}).values())
-        or any(distributed.is_dtensor(p) for g in params if isinstance(g, dict) for p in g.get("params", ()))
+        dtensors.has_dtensors(sd)
+        or any(dtensors.is_dtensor(v) for v in (model_sd or {}).values())
+        or any(dtensors.is_dtensor(p) for g in params if isinstance(g, dict) for p in g.get("params", ()))
     )
     if not blocking:
         if sharded:
             raise NotImplementedError(
-                "coatstate.save(blocking=False) does not gather sharded (DTensor/FSDP2) states yet: "
-                "use blocking=True, or torch.distributed.checkpoint.async_save"
+                "coatstate.save(blocking=False) does not gather sharded (DTensor/FSDP2) states: save "
+                "them with distributed='per_rank' (every rank writes its rows in the background)"
             )
         (sd, model_sd), ready = background.snapshot((sd, model_sd))
-        return background.start(url, lambda: _write(url, sd, shapes, names, kind, model_sd, compress, shard_size), ready)
+        return background.start(
+            url, lambda: _write(url, sd, shapes, names, kind, model_sd, compress, shard_size), ready
+        )
     if not sharded:
         _write(url, sd, shapes, names, kind, model_sd, compress, shard_size)
         return None
     # FSDP2/DTensor: gather every tensor (a collective), rank 0 writes, every rank learns how it went
-    sd = distributed.gather_state_dict(sd)
+    sd = dtensors.gather_state_dict(sd)
     if model_sd:
-        model_sd = {k: distributed.full_tensor(v).detach().cpu() for k, v in model_sd.items()}
+        model_sd = {k: dtensors.full_tensor(v).detach().cpu() for k, v in model_sd.items()}
     error = None
-    if distributed.is_main_process():
+    if dtensors.is_main_process():
         try:
             _write(url, sd, shapes, names, kind, model_sd, compress, shard_size)
         except Exception as e:  # noqa: BLE001 - re-raised below, after the other ranks are told
             error = e
-    failed = distributed.broadcast_from_main(None if error is None else f"{type(error).__name__}: {error}")
+    failed = dtensors.broadcast_from_main(None if error is None else f"{type(error).__name__}: {error}")
     if error is not None:
         raise error
     if failed is not None:
@@ -281,7 +312,10 @@ def _write(url, sd, shapes, names, kind, model_sd, compress, shard_size) -> None
     tensors, header = _flatten(sd, shapes, names, model_sd)
     header["optimizer"]["class"] = kind
     stored = _encode_zstd(tensors, header) if compress == "zstd" else tensors
+    previous = rank_cleanup.current_root(url)
     shards.write(url, stored, header, shard_size, _metadata)
+    if previous is not None and rank_read.is_per_rank(previous):  # its rank files are orphans now
+        rank_cleanup.after_commit(url, None, previous)
 
 
 # ----------------------------------------------------------------------------------- reading
@@ -358,7 +392,16 @@ def _read_dcp(path: str) -> Checkpoint:
 def _read_safetensors(url: str, data: bytes, verify: bool) -> Checkpoint:
     _, st_header = container.parse_header(data, url)
     header = container.coatstate_header(st_header, url)
+    if rank_read.is_per_rank(header):  # checked block by block as it is read
+        return _assemble(url, header, rank_read.read_all(url, header, verify), False)
     stored = shards.read(url, header, verify) if header.get("shards") else container.load_tensors(data, url)
+    return _assemble(url, header, stored, verify)
+
+
+def _assemble(
+    url: str, header: dict[str, Any], stored: Mapping[str, torch.Tensor], verify: bool
+) -> Checkpoint:
+    """The Checkpoint of a header and its stored tensors (whole, or DTensors of this rank's rows)."""
     try:
         tensors = _decode(stored, header, url, verify)
         groups = [schema.decode_value(g, tensors) for g in header["param_groups"]]
@@ -409,6 +452,33 @@ def read_state_dict(url: str | os.PathLike) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------------- loading
+def _read_for(optimizer: torch.optim.Optimizer, url: str, model) -> Checkpoint:
+    """What load() needs from `url`. A per-rank checkpoint loaded into DTensor parameters: only
+    this rank's rows of their states (and of DTensor model entries), as DTensors; else read()."""
+    if (
+        not any(dtensors.is_dtensor(p) for g in optimizer.param_groups for p in g["params"])
+        or os.path.isdir(url)
+        or os.path.splitext(url)[1].lower() in PT_EXTENSIONS
+    ):
+        return read(url)
+    for _ in range(READ_ATTEMPTS):
+        try:
+            header = read_header(url)
+        except CheckpointError:
+            return read(url)  # (a zip without a .pt extension; or raised again, by read)
+        compressed = any(info.get("compressed") for info in header["params"].values())
+        if not rank_read.is_per_rank(header) or (
+            compressed and not validate.is_compressed_optimizer(optimizer)
+        ):
+            return read(url)  # a plain optimizer decompresses whole tensors
+        try:
+            return _assemble(url, header, rank_read.read_local(url, header, optimizer, model), False)
+        except shards.ShardMissing:
+            if read_header(url) == header:
+                raise
+    raise CheckpointError(f"{url}: the checkpoint was replaced {READ_ATTEMPTS} times while being read; retry")
+
+
 def _snapshot(optimizer) -> tuple:
     """What load_state_dict may replace or edit: the state and param-group containers, their
     entries and the entries' items (tensors are not copied: loading replaces them, never edits)."""
@@ -446,12 +516,13 @@ def load(
     param counts, shapes, model keys) before anything is modified, and a load that fails anyway
     (the optimizer refuses the state) leaves optimizer and model as they were. A compressed
     checkpoint loaded into a plain torch optimizer is decompressed first (the values
-    CompressedAdamW used, in fp32). With DTensor (FSDP2) parameters every rank reads the file and
-    keeps its own rows, whatever world size saved it. `url` may also be a local
-    torch.distributed.checkpoint directory.
+    CompressedAdamW used, in fp32). With DTensor (FSDP2) parameters every rank keeps its own rows,
+    whatever world size saved the file: of a per-rank checkpoint it reads only those rows, of a
+    single file the whole file. `url` may also be a local torch.distributed.checkpoint directory.
     """
     url = os.fspath(url)
-    ckpt = read(url)
+    ckpt = _read_for(optimizer, url, model)
+    local_model = ckpt.model is not None and any(dtensors.is_dtensor(t) for t in ckpt.model.values())
     names = {}
     if model is not None:
         by_obj = {id(p): n for n, p in model.named_parameters()}
@@ -462,7 +533,7 @@ def load(
     validate.check_class(optimizer, (ckpt.header.get("optimizer") or {}).get("class"), has_codes, url)
     validate.check_optimizer(optimizer, ckpt, names, url)
     if model is not None:
-        validate.check_model(model, ckpt.model, url)
+        (rank_read.check_model if local_model else validate.check_model)(model, ckpt.model, url)
     compressed_optimizer = validate.is_compressed_optimizer(optimizer)
     try:
         if has_codes and not compressed_optimizer:
@@ -470,7 +541,7 @@ def load(
 
             sd = to_adamw_state_dict(sd)
         if not compressed_optimizer:  # CompressedAdamW cuts full tensors itself
-            sd = distributed.shard_like_params(sd, optimizer)
+            sd = dtensors.shard_like_params(sd, optimizer)
     except Exception as e:  # noqa: BLE001 - nothing is modified yet
         raise CheckpointError(f"{url}: cannot convert the state for {type(optimizer).__name__} ({e})") from e
     before = _snapshot(optimizer)
@@ -481,8 +552,10 @@ def load(
         raise CheckpointError(f"{url}: the optimizer refused the state dict ({e})") from e
     if model is not None:
         try:
-            if any(distributed.is_dtensor(t) for t in model.state_dict().values()):
-                distributed.load_model_state_dict(model, ckpt.model)
+            if local_model:
+                rank_read.load_model(model, ckpt.model)
+            elif any(dtensors.is_dtensor(t) for t in model.state_dict().values()):
+                dtensors.load_model_state_dict(model, ckpt.model)
             else:
                 model.load_state_dict(ckpt.model)
         except Exception as e:  # noqa: BLE001 - after every check: a module's own load hook refused

@@ -74,6 +74,10 @@ def _first_step(url: str, header: dict[str, Any]) -> float | None:
         if not (isinstance(ref, dict) and "$tensor" in ref):
             continue
         key, file_url = ref["$tensor"], url
+        if header.get("per_rank") is not None:  # a per-rank root: the rows of rank 0's file
+            from coatstate.checkpoint import rank_read
+
+            return float(rank_read.read_tensor(url, header, key).reshape(-1)[0])
         for shard in header.get("shards") or []:
             if key in shard["tensors"]:
                 file_url = storage.sibling_url(url, shard["file"])
@@ -133,6 +137,7 @@ def summarize(header: dict[str, Any], *, file_bytes: int, step: float | None) ->
         "file_bytes": file_bytes,
         "compression": header.get("compression"),
         "shards": len(header.get("shards") or []) or None,
+        "rank_files": len((header.get("per_rank") or {}).get("files", [])) or None,
         "state_bytes_per_param": state_raw / elements if elements else None,
         "ratio_vs_fp32_adamw": state_raw / fp32_adamw if fp32_adamw else None,
     }
@@ -199,7 +204,8 @@ def _print_summary(url: str, s: dict[str, Any], verified: bool | None, show_all:
     )
     print(
         f"model: {_mb(s['model_bytes'])}; file: {_mb(s['file_bytes'])} "
-        f"({s['tensors']} tensors, compression {s['compression']}, shards {s['shards'] or 1})"
+        f"({s['tensors']} tensors, compression {s['compression']}, "
+        + (f"per rank: {s['rank_files']} files)" if s["rank_files"] else f"shards {s['shards'] or 1})")
     )
     print(
         "checksums: "
@@ -210,7 +216,8 @@ def _print_summary(url: str, s: dict[str, Any], verified: bool | None, show_all:
 def _file_bytes(url: str, header: dict[str, Any]) -> int:
     from coatstate.checkpoint import storage
 
-    return storage.file_size(url) + sum(s["bytes"] for s in header.get("shards") or [])
+    parts = (header.get("shards") or []) + (header.get("per_rank") or {}).get("files", [])
+    return storage.file_size(url) + sum(s["bytes"] for s in parts)
 
 
 def _is_pt(url: str, head: bytes) -> bool:
@@ -282,6 +289,8 @@ def _direction(args: argparse.Namespace) -> str:
         return "compressed"
     if src in ST_EXTENSIONS and dst in PT_EXTENSIONS:
         return "adamw"
+    if src in ST_EXTENSIONS and dst in ST_EXTENSIONS:  # e.g. a per-rank checkpoint into one file
+        return "keep"
     raise UsageError(
         f"cannot infer the direction from {args.src!r} -> {args.dst!r}: pass --to compressed or --to adamw"
     )
@@ -370,7 +379,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
         if ckpt.model is not None:
             print("coatstate: note: the model state dict in SRC is not written to a .pt DST", file=sys.stderr)
         _write_pt(sd, args.dst)
-    src_size, dst_size = _size_of(args.src), _size_of(args.dst)
+    per_rank = isinstance(ckpt.header.get("per_rank"), dict)  # its rank files count too
+    src_size = _file_bytes(args.src, ckpt.header) if per_rank else _size_of(args.src)
+    dst_size = _size_of(args.dst)
     print(
         f"{args.src} ({_mb(src_size)}) -> {args.dst} ({_mb(dst_size)}, {dst_size / max(src_size, 1):.3f}x, "
         f"{direction}) in {time.perf_counter() - t0:.1f} s",
@@ -426,7 +437,8 @@ def _parser() -> argparse.ArgumentParser:
         help="torch AdamW .pt <-> compressed .safetensors (SRC may be a DCP directory)",
         description="Convert optimizer states: .pt/.pth/.bin -> .safetensors compresses, .safetensors -> "
         ".pt decompresses (torch.optim.AdamW loads the result); a torch.distributed.checkpoint directory "
-        "converts as it is to .safetensors. DST must differ from SRC.",
+        "or a .safetensors (per-rank, sharded) converts as it is to one .safetensors file. DST must "
+        "differ from SRC.",
     )
     c.add_argument("src", help="a .pt, a .safetensors, or a torch.distributed.checkpoint directory")
     c.add_argument("dst", help="the file to write: .safetensors (coatstate) or .pt/.pth/.bin (torch.save)")
