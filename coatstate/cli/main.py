@@ -110,13 +110,17 @@ def summarize(header: dict[str, Any], *, file_bytes: int, step: float | None) ->
         fmt = ", ".join(
             f"{m}={f['format']}{'+exp' if f['expand'] else ''}/g{f['group_size']}" for m, f in formats.items()
         )
+        fmt = fmt or ("fp32" if pstate else "no state")
+        correction = pstate.get("master_correction")
+        if isinstance(correction, dict) and "$tensor" in correction:  # a bfloat16 weight's master
+            fmt += f", master={tensors[correction['$tensor']]['dtype'].lower()}"
         params.append(
             {
                 "id": int(pid),
                 "name": info.get("name"),
                 "shape": info.get("shape"),
                 "state_bytes": pbytes,
-                "format": fmt or ("fp32" if pstate else "no state"),
+                "format": fmt,
             }
         )
     elements = compressed + full
@@ -181,6 +185,7 @@ def _print_summary(url: str, s: dict[str, Any], verified: bool | None, show_all:
             "group_size",
             "exp_avg_format",
             "exp_avg_sq_format",
+            "master_bits",
         )
         print(f"group {i}: " + ", ".join(f"{k}={g[k]}" for k in keys if k in g))
     print(
@@ -283,6 +288,8 @@ def _direction(args: argparse.Namespace) -> str:
     if args.to:
         return args.to
     src, dst = _ext(args.src), _ext(args.dst)
+    if args.master_bits is not None and src in ST_EXTENSIONS and dst in ST_EXTENSIONS:
+        return "keep"
     if os.path.isdir(args.src):  # a DCP directory: to .safetensors as it is, to .pt decompressed
         return "keep" if dst in ST_EXTENSIONS else "adamw"
     if src in PT_EXTENSIONS and dst in ST_EXTENSIONS:
@@ -340,6 +347,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from coatstate.formats.optimizer_state import MOMENTS, is_compressed
 
     direction = _direction(args)
+    if args.master_bits not in (None, "none") and (direction == "adamw" or _ext(args.dst) in PT_EXTENSIONS):
+        raise UsageError("--master-bits 16/24/32 writes a bfloat16 model: DST must be a .safetensors file")
     if _ext(args.dst) not in PT_EXTENSIONS + ST_EXTENSIONS:
         raise UsageError(f"DST {args.dst!r} must end in one of {PT_EXTENSIONS + ST_EXTENSIONS}")
     if _same_file(args.src, args.dst):
@@ -349,6 +358,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
     sd = ckpt.optimizer
     has_codes = any(is_compressed(s, name) for s in sd["state"].values() for name in MOMENTS)
     names = {int(k): v["name"] for k, v in (ckpt.header.get("params") or {}).items() if v.get("name")}
+    model = ckpt.model
+    if args.master_bits is not None or direction == "adamw":
+        model, sd = _master(args, ckpt, names)
     if direction == "keep":
         direction = "compressed" if has_codes else "adamw"
     elif direction == "compressed":
@@ -371,12 +383,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
             checkpoint.save,
             sd,
             args.dst,
-            model=ckpt.model,
+            model=model,
             compress="zstd" if args.zstd else None,
             param_names=names,
         )
     else:
-        if ckpt.model is not None:
+        if model is not None:
             print("coatstate: note: the model state dict in SRC is not written to a .pt DST", file=sys.stderr)
         _write_pt(sd, args.dst)
     per_rank = isinstance(ckpt.header.get("per_rank"), dict)  # its rank files count too
@@ -388,6 +400,46 @@ def cmd_convert(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def _master(args: argparse.Namespace, ckpt, names: dict[int, str]):
+    """(model, optimizer state dict) with the master weights as --master-bits asks: joined back
+    into float32 first (an existing split, so 32 -> 24 works too; always for --to adamw), then
+    split again for 16/24/32."""
+    import re
+
+    from coatstate.formats.optimizer_state import MASTER_CORRECTION
+    from coatstate.optim.master_convert import join_master, split_master
+
+    sd, model = ckpt.optimizer, ckpt.model
+    has_master = any(MASTER_CORRECTION in s for s in sd["state"].values()) or any(
+        g.get("master_bits") for g in sd["param_groups"]
+    )
+    if model is None or not names:
+        if args.master_bits is None and not has_master:
+            return model, sd
+        raise _checkpoint_error(
+            f"{args.src} holds no model state dict with parameter names: master weights convert "
+            "with their optimizer (save with coatstate.save(optimizer, url, model=model))"
+        )
+    if has_master:
+        model, sd = _converted("join its master weights", args.src, join_master, model, sd, param_names=names)
+    if args.master_bits in (None, "none"):
+        return model, sd
+    pattern = re.compile(args.keep)
+    keep = [n for n in names.values() if pattern.search(n)]
+    what, bits = "split its master weights", int(args.master_bits)
+    return _converted(what, args.src, split_master, model, sd, master_bits=bits, keep=keep, param_names=names)
+
+
+def _regex(text: str) -> str:
+    import re
+
+    try:
+        re.compile(text)
+    except re.error as e:
+        raise argparse.ArgumentTypeError(f"not a regular expression ({e})") from None
+    return text
 
 
 # -------------------------------------------------------------------------------------- main
@@ -475,6 +527,18 @@ def _parser() -> argparse.ArgumentParser:
         help="parameters with fewer elements keep fp32 states (default 4096)",
     )
     c.add_argument("--zstd", action="store_true", help="zstandard-compress the tensors")
+    c.add_argument(
+        "--master-bits",
+        choices=("none", "16", "24", "32"),
+        help="bfloat16 weights + master weights of this many bits from SRC's float32 model (32: exact), "
+        "or 'none': float32 weights from SRC's masters (needs a model saved with the optimizer)",
+    )
+    c.add_argument(
+        "--keep",
+        type=_regex,
+        default=r"(^|\.)[^.]*(norm|ln)[^.]*\.",
+        help="with --master-bits: parameters whose names match stay float32 (default: norms, as cast_model)",
+    )
     c.set_defaults(run=cmd_convert)
     from coatstate.cli.plan import add_plan_parser
 
