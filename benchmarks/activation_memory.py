@@ -1,28 +1,31 @@
-"""Activation memory and step time: no compression vs compress_activations vs save_on_cpu.
+"""Activation memory and step time: uncompressed vs compress_activations vs CompiledActivations.
 
-    python benchmarks/activation_memory.py                 # H200: GPT-2-medium shape, bf16 autocast
-    python benchmarks/activation_memory.py --device cpu --layers 2 --seq 128 --batch 2   # smoke test
-    python benchmarks/activation_memory.py --compiled      # also with torch.compile'd blocks
+    python benchmarks/activation_memory.py --compiled --cudagraphs    # H200: GPT-2-medium shape, bf16
+    python benchmarks/activation_memory.py --arch llama --compiled --cudagraphs
+    python benchmarks/activation_memory.py --smoke                    # tiny, CPU, a few seconds
     python benchmarks/activation_memory.py --compiled model --out ..._whole_model_compile.json
 
-Variants: no hooks; compress_activations (default policy); the same without recomputing
-activation-function outputs; compress_activations with every kind kept (its hooks' own cost:
-no kernels run); torch.autograd.graph.save_on_cpu; with --compiled, the model with each block
-torch.compile'd, uncompressed, with the context around the compiled calls, and compiled with
-coatstate.CompiledActivations' partitioner (FP8 saves inside the graphs, no hooks; its `graph_*`
-fields count one compiled graph, i.e. one block, at compile time). --profile DIR also
-writes torch.profiler tables of two compress_activations steps (by CUDA and by CPU time) to DIR.
+Variants (--variants picks a comma-separated subset): eager: none; compress_activations (default
+policy); the same without recomputing activation-function outputs; with every kind kept (the hooks'
+own cost: no kernels run); torch.autograd.graph.save_on_cpu. With --compiled, each block
+torch.compile'd (or, with 'model', the whole model as one graph): uncompressed; inside
+compress_activations (entered outside the compiled calls; float32 saves kept, and as bf16); and
+compiled with coatstate.CompiledActivations' partitioner (FP8 saves inside the graphs, no hooks).
+With --cudagraphs also the uncompressed and the CompiledActivations blocks with CUDA graphs
+(cudagraph trees, as torch.compile(mode="reduce-overhead")): no launch cost left on the host.
+All variants share one model, optimizer and batches; each compiled variant has its own compiled
+blocks, swapped into the model for its steps.
 
-Activation memory = peak allocated during a training step minus what is allocated before it
-(params, grads kept allocated by zero_grad(set_to_none=False), AdamW state), from
-torch.cuda.max_memory_allocated after reset_peak_memory_stats. Step time = median of --steps
-steps after --warmup, timed with CUDA events; host_fwd_ms is the host time to issue the forward
-(if it is close to the step time, the step waits on Python, not on the GPU). On CPU there is no
+Timing: benchmarks/rounds.py (variants interleaved over --rounds rounds in this process, medians
+and min-max over rounds, paired per-round ratios, GPU kernel time from torch.profiler beside the
+wall time, host-bound flag). Ratios are to the uncompressed variant of the same mode (eager,
+compiled, or compiled with CUDA graphs) and, in the last columns, to eager `none`.
+
+Activation memory = peak allocated during a warm-up step minus what was allocated before it
+(params, grads kept allocated by zero_grad(set_to_none=False), AdamW state). On CPU there is no
 allocator peak: the table shows the saved-activation bytes compress_activations reports instead.
-
-The head and loss run over --loss-chunks chunks of tokens under non-reentrant checkpointing in
-every variant (benchmarks/models.py), so the (tokens x 50304) fp32 logits do not dominate the
-activation memory of all three; --loss-chunks 1 measures the plain full-logits loss.
+The head and loss run over --loss-chunks chunks of tokens under non-reentrant checkpointing in every
+variant (benchmarks/models.py), so the (tokens x 50304) fp32 logits do not dominate.
 """
 
 from __future__ import annotations
@@ -30,9 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import statistics
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -40,10 +41,28 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import MODELS, ModelConfig, add_shape_args  # noqa: E402
+from rounds import Variant, fmt_spread, paired, run_rounds  # noqa: E402
 
-from coatstate.activations import CompiledActivations  # noqa: E402
-from coatstate.activations import KEEP_ALL  # noqa: E402
-from coatstate.activations import compress_activations  # noqa: E402
+from coatstate.activations import KEEP_ALL, compress_activations  # noqa: E402
+from coatstate.activations.compiled import CompiledActivations  # noqa: E402
+
+EAGER = {
+    "none": contextlib.nullcontext,
+    "compress_activations": compress_activations,
+    "compress, recompute=False": lambda: compress_activations(recompute=False),
+    "hooks only (all kept)": lambda: compress_activations(**KEEP_ALL),
+    "save_on_cpu": lambda: torch.autograd.graph.save_on_cpu(pin_memory=True),
+}
+COMPILED = {  # name -> (context factory, CompiledActivations policy or None, CUDA graphs)
+    "compiled: none": (contextlib.nullcontext, None, False),
+    "compiled: compress": (compress_activations, None, False),
+    "compiled: compress, fp32 bf16": (lambda: compress_activations(compiled_fp32="bf16"), None, False),
+    "compiled: CompiledActivations": (contextlib.nullcontext, {}, False),
+}
+CUDAGRAPHS = {
+    "cudagraphs: none": (contextlib.nullcontext, None, True),
+    "cudagraphs: CompiledActivations": (contextlib.nullcontext, {}, True),
+}
 
 
 def _parse(argv=None) -> argparse.Namespace:
@@ -51,231 +70,252 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda")
     p.add_argument("--arch", choices=sorted(MODELS), default="gpt")
     add_shape_args(p)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (benchmarks/rounds.py)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per variant per round")
+    p.add_argument("--warmup", type=int, default=3, help="steps per variant before the rounds")
+    p.add_argument("--no-profile", dest="profile", action="store_false", help="no kernel-time step")
     p.add_argument("--no-autocast", action="store_true", help="fp32 instead of bf16 autocast")
+    p.add_argument("--variants", default=None, help="comma-separated variant names (default: all)")
     p.add_argument("--out", default="benchmarks/results/activation_memory.json")
-    p.add_argument("--profile", default=None, help="write torch.profiler tables here")
     p.add_argument(
         "--compiled",
         nargs="?",
         const="blocks",
         choices=["blocks", "model"],
-        help="also measure the model with each block torch.compile'd (or, 'model', the whole model "
-        "as one graph): uncompressed, and with the context entered outside the compiled calls "
-        "(compiled_fp32 kept, the default, and 'bf16')",
+        help="also each block torch.compile'd (or, 'model', the whole model as one graph)",
     )
-    return p.parse_args(argv)
+    p.add_argument("--cudagraphs", action="store_true", help="also compiled variants with CUDA graphs")
+    p.add_argument("--smoke", action="store_true", help="a tiny model on CPU, 2 rounds (test)")
+    args = p.parse_args(argv)
+    if args.smoke:
+        torch.set_num_threads(1)  # (two threads on a shared 2-core host spin against each other)
+        args.device, args.layers, args.dim, args.heads, args.seq, args.batch = "cpu", 2, 64, 2, 64, 2
+        args.vocab, args.loss_chunks, args.rounds, args.steps, args.warmup = 256, 2, 2, 2, 1
+    if args.cudagraphs and not args.compiled:
+        args.compiled = "blocks"
+    return args
 
 
-def _contexts():
-    return {
-        "none": lambda: contextlib.nullcontext(),
-        "compress_activations": lambda: compress_activations(),
-        "compress, recompute=False": lambda: compress_activations(recompute=False),
-        "hooks only (all kept)": lambda: compress_activations(**KEEP_ALL),
-        "save_on_cpu": lambda: torch.autograd.graph.save_on_cpu(pin_memory=True),
-    }
+def _chosen(args) -> dict:
+    table = dict(EAGER)
+    if args.compiled:
+        table |= {n: v for n, v in COMPILED.items()}
+    if args.cudagraphs:
+        table |= CUDAGRAPHS
+    if args.variants:
+        names = [n.strip() for n in args.variants.split(",")]
+        unknown = [n for n in names if n not in table]
+        if unknown:
+            raise SystemExit(f"--variants: unknown {unknown}; choose from {list(table)}")
+        table = {n: table[n] for n in names}
+    return table
 
 
-def _compiled_contexts():
-    """Variants of the torch.compile'd model (ratios are to its own uncompressed step)."""
-    return {
-        "compiled: none": lambda: contextlib.nullcontext(),
-        "compiled: compress": lambda: compress_activations(),
-        "compiled: compress, fp32 bf16": lambda: compress_activations(compiled_fp32="bf16"),
-    }
+def _base_of(name: str, names) -> str:
+    for prefix, base in (("compiled:", "compiled: none"), ("cudagraphs:", "cudagraphs: none")):
+        if name.startswith(prefix):
+            return base if base in names else "none"
+    return "none"
 
 
-def _step(model, opt, batch, make_ctx, autocast: bool, device: str):
-    idx, tgt = batch
-    ctx = make_ctx()
-    t0 = time.perf_counter()
-    with ctx, torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
-        loss = model(idx, tgt)
-    host_fwd = time.perf_counter() - t0
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=False)
-    return loss, ctx, host_fwd
+def _compile(model, mode: str, policy, cudagraphs: bool):
+    """(callable to run the model with, its blocks or None, the CompiledActivations or None)."""
+    fp8 = CompiledActivations(**policy, cudagraphs=cudagraphs) if policy is not None else None
+    options = fp8.options if fp8 is not None else {"triton.cudagraphs": True} if cudagraphs else {}
+    if mode == "model":
+        return torch.compile(model, options=options or None), None, fp8
+    blocks = torch.nn.ModuleList(torch.compile(b, options=options or None) for b in model.blocks)
+    return model, blocks, fp8
 
 
-def _measure(name, make_ctx, model, opt, batches, args, device):
-    cuda = device == "cuda"
-    autocast = not args.no_autocast
-    for i in range(args.warmup):
-        _step(model, opt, batches[i % len(batches)], make_ctx, autocast, device)
-    if cuda:
-        torch.cuda.synchronize()
-        static = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-    times, host, ctx, loss = [], [], None, None
-    for i in range(args.steps):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        t0 = time.perf_counter()
-        loss, ctx, host_fwd = _step(model, opt, batches[i % len(batches)], make_ctx, autocast, device)
-        host.append(host_fwd * 1e3)
-        if cuda:
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
+class _Runner:
+    """One variant's training step on the shared model (its own blocks swapped in)."""
+
+    def __init__(self, model, opt, batches, make_ctx, autocast, device, run=None, blocks=None):
+        self.model, self.opt, self.batches, self.make_ctx = model, opt, batches, make_ctx
+        self.autocast, self.device = autocast, device
+        self.run, self.blocks = run or model, blocks if blocks is not None else model.blocks
+        self.ctx = None
+
+    def __call__(self, i: int) -> None:
+        idx, tgt = self.batches[i % len(self.batches)]
+        self.model._modules["blocks"] = self.blocks  # (no Module.__setattr__ per step)
+        self.ctx = self.make_ctx()
+        with self.ctx, torch.autocast(self.device, dtype=torch.bfloat16, enabled=self.autocast):
+            loss = self.run(idx, tgt)
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=False)
+
+
+def _variants(model, opt, batches, args, table: dict):
+    """(rounds.Variant list, runners by name, CompiledActivations by name)."""
+    autocast, device = not args.no_autocast, args.device
+    eager_blocks = model.blocks
+    variants, runners, fp8s = [], {}, {}
+    for name, spec in table.items():
+        if name in EAGER:
+            runner = _Runner(model, opt, batches, spec, autocast, device, blocks=eager_blocks)
+            before = None
         else:
-            times.append((time.perf_counter() - t0) * 1e3)
-    row = {
-        "variant": name,
-        "step_ms": statistics.median(times),
-        "host_fwd_ms": statistics.median(host),
-        "loss": float(loss.detach()),
-    }
-    if cuda:
-        row["activation_bytes"] = torch.cuda.max_memory_allocated() - static
-        row["static_bytes"] = static
-    stats = getattr(ctx, "stats", None)
-    if stats is not None:
-        row["saved_bytes_original"] = stats.activation_bytes_original
-        row["saved_bytes_held"] = stats.activation_bytes_held
-        row["recomputed"] = stats.recomputed
-        row["kept"] = dict(stats.kept_reasons)
-        row["packed_by_kind"] = dict(stats.packed_by_kind)
-    return row
+            make_ctx, policy, cudagraphs = spec
+            run, blocks, fp8 = _compile(model, args.compiled, policy, cudagraphs)
+            runner = _Runner(model, opt, batches, make_ctx, autocast, device, run, blocks or eager_blocks)
+            before = torch.compiler.cudagraph_mark_step_begin if cudagraphs else None
+            if fp8 is not None:
+                fp8s[name] = fp8
+        runners[name] = runner
+        variants.append(Variant(name, runner, before))
+    return variants, runners, fp8s
 
 
-def _profile(model, opt, batches, args, device) -> None:
-    """torch.profiler tables of two compress_activations steps, by device and by host time, and
-    per variant the GPU's busy time against the wall time of the same two steps (busy << wall:
-    the GPU waits for the host)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    out = Path(args.profile)
-    out.mkdir(parents=True, exist_ok=True)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    autocast = not args.no_autocast
-    busy = {}
-    variants = {
-        "none": contextlib.nullcontext,
-        "compress_activations": compress_activations,
-        "compress, recompute=False": lambda: compress_activations(recompute=False),
-    }
-    for name, make in variants.items():
-        for i in range(2):  # warm
-            _step(model, opt, batches[i], make, autocast, device)
-        _sync(device)
-        with profile(activities=activities) as prof:
-            t0 = time.perf_counter()
-            for i in range(2):
-                _step(model, opt, batches[i], make, autocast, device)
-            _sync(device)
-            wall = time.perf_counter() - t0
-        averages = prof.key_averages()
-        dev = sum(getattr(e, "self_device_time_total", 0) for e in averages) / 1e3
-        busy[name] = {"wall_ms_per_step": wall * 500, "device_ms_per_step": dev / 2}
-        if name == "compress_activations":
-            keys = ["self_cpu_time_total", "cpu_time_total"]
-            for key in (["self_device_time_total"] if device == "cuda" else []) + keys:
-                table = averages.table(sort_by=key, row_limit=60, max_name_column_width=70)
-                (out / f"profile_{key}.txt").write_text(table)
-    (out / "busy.json").write_text(json.dumps(busy, indent=1))
-    print("profiled (ms per step):", json.dumps(busy))
-    import cProfile
-    import io
-    import pstats
-
-    py = cProfile.Profile()  # Python-level host time (inflated by cProfile, but its split is telling)
-    py.enable()
-    for i in range(2):
-        _step(model, opt, batches[i], compress_activations, autocast, device)
-    py.disable()
-    text = io.StringIO()
-    pstats.Stats(py, stream=text).sort_stats("tottime").print_stats(45)
-    (out / "python_tottime.txt").write_text(text.getvalue())
-    print(f"wrote profiler tables to {out}")
+def _rows(result: dict, runners: dict, fp8s: dict) -> list[dict]:
+    rows = []
+    for name, r in result.items():
+        base = _base_of(name, result)
+        row = {
+            "variant": name,
+            "base": base,
+            "step_ms": r["wall_ms"]["median"],  # (the key report.py has always read)
+            "wall_ms": r["wall_ms"],
+            "event_ms": r["event_ms"],
+            "kernel_ms": r["kernel_ms"],
+            "host_ms": r["host_ms"],
+            "busy": r["busy"],
+            "host_bound": r["host_bound"],
+            "activation_bytes": r["peak_bytes"],
+            "static_bytes": r["allocated_before_bytes"],
+            "wall_vs_base": paired(result, name, base),
+            "kernel_vs_base": paired(result, name, base, "round_kernel_ms"),
+            "wall_vs_eager_none": paired(result, name, "none") if "none" in result else None,
+            "round_wall_ms": r["round_wall_ms"],
+            "round_kernel_ms": r["round_kernel_ms"],
+        }
+        if r["peak_bytes"] and result[base]["peak_bytes"]:
+            row["activation_vs_base"] = r["peak_bytes"] / result[base]["peak_bytes"]
+        stats = getattr(runners[name].ctx, "stats", None)
+        if stats is not None:
+            row.update(
+                saved_bytes_original=stats.activation_bytes_original,
+                saved_bytes_held=stats.activation_bytes_held,
+                recomputed=stats.recomputed,
+                kept=dict(stats.kept_reasons),
+                packed_by_kind=dict(stats.packed_by_kind),
+            )
+        fp8 = fp8s.get(name)
+        if fp8 is not None:  # per compiled graph (one block), at compile time
+            row.update(
+                graph_saved_bytes_original=fp8.stats.activation_bytes_original,
+                graph_saved_bytes_held=fp8.stats.activation_bytes_held,
+                graph_kept=dict(fp8.stats.kept_reasons),
+                graph_packed_by_kind=dict(fp8.stats.packed_by_kind),
+            )
+        rows.append(row)
+    return rows
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
+def _print_table(rows: list[dict], args) -> None:
+    print(
+        f"{args.arch}: {args.layers} layers, d={args.dim}, seq {args.seq}, batch {args.batch}, "
+        f"{'fp32' if args.no_autocast else 'bf16 autocast'}, {args.device}; {args.rounds} interleaved "
+        f"rounds x {args.steps} steps: median [min-max over rounds]; ratios paired per round"
+    )
+    print(
+        f"{'variant':<32} {'act. MiB':>9} {'x base':>6} {'wall ms':>22} {'x base (wall)':>20} "
+        f"{'kernel ms':>9} {'x base (GPU)':>20} {'busy':>5}  saved MiB orig->held"
+    )
+    for r in rows:
+        act = r["activation_bytes"]
+        act_s = (
+            f"{act / 2**20:9.1f} {r.get('activation_vs_base', float('nan')):6.3f}"
+            if act
+            else f"{'n/a':>9} {'':>6}"
+        )
+        kernel = r["kernel_ms"]["median"] if r["kernel_ms"] else None
+        busy = r["busy"]["median"] if r["busy"] else None
+        flag = " host-bound" if r["host_bound"] else ""
+        saved = ""
+        if "saved_bytes_held" in r:
+            saved = f"  {r['saved_bytes_original'] / 2**20:.1f} -> {r['saved_bytes_held'] / 2**20:.1f}"
+        print(
+            f"{r['variant']:<32} {act_s} {fmt_spread(r['wall_ms']):>22} "
+            f"{fmt_spread(r['wall_vs_base'], '.3f'):>20} {'-' if kernel is None else f'{kernel:.1f}':>9} "
+            f"{fmt_spread(r['kernel_vs_base'], '.3f'):>20} {'-' if busy is None else f'{busy:.2f}':>5}"
+            f"{saved}{flag}"
+        )
 
 
-def main(argv=None) -> None:
+def _counter(group: str, name: str) -> int:
+    """A torch._dynamo counter (dynamo and inductor count compiles, recompiles and CUDA-graph
+    skips there)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters[group][name]) if group in counters else 0
+
+
+def _unique_graphs() -> int:
+    return _counter("stats", "unique_graphs")
+
+
+def main(argv=None) -> dict:
     args = _parse(argv)
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda but CUDA is not available; use --device cpu for a smoke test")
+        raise SystemExit("--device cuda but CUDA is not available; use --smoke for a CPU run")
     torch.manual_seed(0)
     cfg = ModelConfig.from_args(args)
     model = MODELS[args.arch](cfg).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
     batches = [
-        (
-            torch.randint(0, cfg.vocab, (args.batch, cfg.seq), device=device),
-            torch.randint(0, cfg.vocab, (args.batch, cfg.seq), device=device),
-        )
+        tuple(torch.randint(0, cfg.vocab, (args.batch, cfg.seq), device=device) for _ in range(2))
         for _ in range(4)
     ]
-    rows = [_measure(name, make, model, opt, batches, args, device) for name, make in _contexts().items()]
-    if args.compiled:
-        # per block, as one should: a graph saves all its tensors when it returns and unpacks them
-        # all when its backward starts, so around a whole-model graph the peak cannot drop
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        if args.compiled == "model":
-            compiled = torch.compile(model)
-        else:
-            for block in model.blocks:
-                block.compile()
-            compiled = model
-        with warnings.catch_warnings():  # (the default policy warns that float32 saves are kept)
-            warnings.simplefilter("ignore", UserWarning)
-            for name, make in _compiled_contexts().items():
-                rows.append(_measure(name, make, compiled, opt, batches, args, device))
-        torch._dynamo.reset()  # recompile the same blocks with the FP8-saving partitioner
-        fp8 = CompiledActivations()
-        if args.compiled == "model":
-            compiled = torch.compile(model, options=fp8.options)
-        else:
-            for block in model.blocks:
-                block.compile(options=fp8.options)
-        name = "compiled: CompiledActivations"
-        row = _measure(name, contextlib.nullcontext, compiled, opt, batches, args, device)
-        row["graph_saved_bytes_original"] = fp8.stats.activation_bytes_original
-        row["graph_saved_bytes_held"] = fp8.stats.activation_bytes_held
-        row["graph_kept"] = dict(fp8.stats.kept_reasons)
-        row["graph_packed_by_kind"] = dict(fp8.stats.packed_by_kind)
-        rows.append(row)
-    if args.profile:
-        _profile(model, opt, batches, args, device)
-    print(
-        f"{args.arch}: {args.layers} layers, d={args.dim}, seq {args.seq}, batch {args.batch}, "
-        f"vocab {args.vocab}, {'fp32' if args.no_autocast else 'bf16 autocast'}, loss chunks "
-        f"{args.loss_chunks}, {device}"
-    )
-    header = f"{'variant':<30} {'act. MiB':>10} {'x none':>8} {'step ms':>9} {'x none':>8} {'host fwd':>9}"
-    print(header + "  saved MiB orig->held")
-    for r in rows:
-        base = rows[0] if not r["variant"].startswith("compiled") else rows[len(_contexts())]
-        act = r.get("activation_bytes")
-        if act is not None:
-            act_s = f"{act / 2**20:10.1f} {act / base['activation_bytes']:8.3f}"
-        else:
-            act_s = f"{'n/a':>10} {'':>8}"
-        saved = ""
-        if "saved_bytes_held" in r:
-            saved = f"  {r['saved_bytes_original'] / 2**20:.1f} -> {r['saved_bytes_held'] / 2**20:.1f}"
-        print(
-            f"{r['variant']:<30} {act_s} {r['step_ms']:9.2f} {r['step_ms'] / base['step_ms']:8.3f} "
-            f"{r['host_fwd_ms']:9.2f}{saved}"
-        )
+    for p in model.parameters():  # .grad allocated outside any CUDA graph's pool (kept by zero_grad)
+        p.grad = torch.zeros_like(p)
+    table = _chosen(args)
+    if any(n not in EAGER for n in table):  # 24 block instances, several compiled variants of each
+        for knob in ("cache_size_limit", "recompile_limit"):
+            if hasattr(torch._dynamo.config, knob):
+                setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), 64))
+    variants, runners, fp8s = _variants(model, opt, batches, args, table)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    result = {"args": vars(args), "torch": torch.__version__, "rows": rows}
+    result = {"args": vars(args), "torch": torch.__version__, "method": "rounds", "rows": []}
     if device == "cuda":
         from coatstate.kernels import activation as activation_pack
 
         result["kernel_launch_mode"] = activation_pack._Launcher.mode
         result["gpu"] = torch.cuda.get_device_name()
-    out.write_text(json.dumps(result, indent=2))
+    compiled_before = None
+
+    def write(summary: dict) -> None:  # after every round: a cut-off run keeps what it measured
+        nonlocal compiled_before
+        if compiled_before is None:
+            compiled_before = _unique_graphs()
+        result["rows"] = _rows(summary, runners, fp8s)
+        result["graphs_compiled_during_rounds"] = _unique_graphs() - compiled_before
+        result["cudagraph_skips"] = _counter("inductor", "cudagraph_skips")
+        out.write_text(json.dumps(result, indent=1))
+
+    with warnings.catch_warnings():  # (the default policy warns that compiled float32 saves are kept)
+        warnings.filterwarnings("ignore", message="compress_activations: a torch.compile'd graph")
+        if args.smoke:  # (its tensors are below min_numel: the hooks run, nothing is packed)
+            warnings.filterwarnings("ignore", message="compress_activations compressed nothing")
+        summary = run_rounds(
+            variants,
+            rounds=args.rounds,
+            steps=args.steps,
+            warmup=args.warmup,
+            cuda=device == "cuda",
+            profile=args.profile,
+            on_round=write,
+        )
+    write(summary)
+    _print_table(result["rows"], args)
+    if result["graphs_compiled_during_rounds"]:
+        print(f"WARNING: {result['graphs_compiled_during_rounds']} graph(s) compiled after warm-up")
     print(f"wrote {out}")
+    return result
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from report_common import (  # machine_meta: the CPU benchmarks import it from h
     IMG,
     RESULTS,
     ROOT,
+    _f,
     _figure,
     _md_table,
     _running_mean,
@@ -73,7 +74,51 @@ def section_optimizer_cpu(data: dict, path: Path) -> str:
     )
 
 
+def _section_activation_rounds(data: dict, path: Path) -> str:
+    """activation_memory.py's interleaved-rounds JSON (benchmarks/rounds.py): medians with min-max
+    over rounds, paired ratios, kernel time and GPU busy fraction."""
+    date, machine = provenance(data, path)
+    args = data.get("args", {})
+    shape = ", ".join(f"{k} {args[k]}" for k in ("arch", "layers", "dim", "seq", "batch") if k in args)
+
+    def cell(s, spec=".2f", suffix=""):
+        return "-" if not s else f"{s['median']:{spec}}{suffix} [{s['min']:{spec}}-{s['max']:{spec}}]"
+
+    rows = [
+        [
+            r["variant"],
+            _f(r["activation_bytes"] and r["activation_bytes"] / 1e9),
+            _f(r.get("activation_vs_base"), ".3f") + ("x" if r.get("activation_vs_base") else ""),
+            cell(r["wall_ms"], ".1f"),
+            cell(r["wall_vs_base"], ".3f", "x"),
+            cell(r["kernel_ms"], ".1f"),
+            cell(r["kernel_vs_base"], ".3f", "x"),
+            _f(r["busy"] and r["busy"]["median"]) + (" host-bound" if r["host_bound"] else ""),
+        ]
+        for r in data["rows"]
+    ]
+    header = "variant|activation GB|vs base|wall ms|vs base (wall)|kernel ms|vs base (GPU)|GPU busy"
+    return "\n".join(
+        [
+            f"## Activation memory and step time, {shape} (interleaved rounds)",
+            f"{machine}, {date}. {args.get('rounds')} rounds x {args.get('steps')} steps, the variants "
+            "interleaved in one process, order rotated per round: median [min-max over rounds]; ratios "
+            "are the median [min-max] of per-round ratios to the row's base (eager `none`, `compiled: "
+            "none` or `cudagraphs: none`). Kernel ms = GPU busy time of one profiled step per round; "
+            "GPU busy = kernel / wall (below 0.9: host-bound). Activation memory = peak minus what is "
+            "allocated before a warm-up step. Source: `python benchmarks/activation_memory.py "
+            f"{'--arch llama ' if args.get('arch') == 'llama' else ''}--compiled --cudagraphs` -> "
+            f"`benchmarks/results/{path.name}`.",
+            "",
+            _md_table(header.split("|"), rows),
+            "",
+        ]
+    )
+
+
 def section_activation_memory(data: dict, path: Path) -> str:
+    if data.get("method") == "rounds":
+        return _section_activation_rounds(data, path)
     date, machine = provenance(data, path)
     rows = data["rows"]
     base = next((r for r in rows if r["variant"] == "none"), rows[0])
