@@ -20,6 +20,8 @@ seq 2048) with fp32 master weights under bfloat16 autocast, all in one run:
   coatstate_compiled_ca_hp  the same with E4M3 output gradients and the weight-gradient GEMM in
                          bf16 (weight_grad="high_precision"): the recipe whose gradient cosines
                          clear 0.999 (fp8_linear_parity.py), priced here
+  coatstate_compiled_graphs[_all]_cg  the CompiledActivations methods with CUDA graphs
+                         (CompiledActivations(cudagraphs=True)): one graph launch per block
 The head stays bf16 everywhere (as torchtitan's float8 does). Per method: tokens/s (median of
 the timed steps, CUDA-synchronized) and peak allocated memory at the same batch; then the largest
 batch it fits (doubling, then bisection, each probe two steps) and tokens/s there; for the methods
@@ -27,6 +29,12 @@ under compress_activations, what its last step packed and kept. Writes
 benchmarks/results/fp8_linear_train.json (after every method, so a cut-off run keeps the rest).
 Time on an H200: seven methods with `--budget-s 300` took 326 s (each compiled method 35-74 s
 with its compilation and batch search); no batch search starts after --budget-s.
+
+    python benchmarks/fp8_linear_train.py --rounds 5 --steps 6 --methods bf16,coatstate_compiled_ca
+
+--rounds R instead builds every method at once and times them interleaved in R rounds
+(benchmarks/rounds.py): tokens/s median [min-max] over rounds, speedups vs bf16 as the median of
+per-round ratios, GPU busy fraction from torch.profiler; no batch search.
 """
 
 from __future__ import annotations
@@ -52,6 +60,7 @@ import torch  # noqa: E402
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from llama import Llama, LlamaConfig  # noqa: E402
+from rounds import Variant, run_rounds, spread  # noqa: E402
 
 import coatstate  # noqa: E402
 from coatstate.nn import FP8LinearConfig, convert_to_fp8, fp8_fallbacks  # noqa: E402
@@ -66,6 +75,8 @@ METHODS = (
     "coatstate_compiled_ca",
     "coatstate_compiled_graphs",
     "coatstate_compiled_graphs_all",
+    "coatstate_compiled_graphs_cg",
+    "coatstate_compiled_graphs_all_cg",
     "coatstate_compiled_ca_hp",
     "torchao",
     "torchao_eager",
@@ -144,10 +155,12 @@ def build(method: str, cfg: LlamaConfig, device: torch.device, lr: float = 3e-4)
     if method == "coatstate":
         return model, opt, _Compressing(), notes
     if method.startswith("coatstate_compiled_graphs"):
-        policy = dict(norm="group", attention_v_out="group") if method.endswith("_all") else {}
-        graphs = coatstate.CompiledActivations(**policy)
+        policy = dict(norm="group", attention_v_out="group") if "_all" in method else {}
+        cudagraphs = method.endswith("_cg")  # (inductor leaves CUDA graphs out on CPU, saying so)
+        graphs = coatstate.CompiledActivations(**policy, cudagraphs=cudagraphs)
         _compile_blocks(model, graphs.options)
         notes["compiled"] = True
+        notes["cudagraphs"] = cudagraphs
         notes["compiled_activations"] = graphs  # (its stats are read after the first step)
         return model, opt, no_ctx, notes
     if method in ("coatstate_compiled", "coatstate_compiled_ca", "coatstate_compiled_ca_hp"):
@@ -200,6 +213,106 @@ def run_steps(model, opt, ctx, batch, cfg, device, warmup, steps) -> dict:
     return out
 
 
+def _state_bytes(obj) -> int:
+    """Bytes of the tensors in an optimizer's state (nested dicts and lists)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_state_bytes(v) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return sum(_state_bytes(v) for v in obj)
+    return 0
+
+
+def _graphs_summary(graphs) -> dict:
+    s = graphs.stats
+    return dict(
+        graphs=graphs.graphs,
+        packed=s.packed,
+        recomputed=s.recomputed,
+        mib_saved_per_graph=s.activation_bytes_original / 2**20,
+        mib_held_per_graph=s.activation_bytes_held / 2**20,
+        kept_reasons=dict(s.kept_reasons),
+    )
+
+
+def measure_interleaved(methods: list[str], cfg, device, args, partial=None) -> dict:
+    """--rounds mode: every method built at once and timed in interleaved rounds by
+    benchmarks/rounds.py, tokens/s as median [min-max] over rounds, speedups paired per round.
+    Own peak = the peak a warm-up step adds to what is allocated before it, plus the method's own
+    parameters and optimizer state (the other methods' stay allocated beside it)."""
+    g = torch.Generator(device=device).manual_seed(args.batch)
+    data = [
+        torch.randint(0, cfg.vocab, (args.batch, cfg.seq + 1), device=device, generator=g) for _ in range(2)
+    ]
+    built, variants, errors = {}, [], {}
+    for method in methods:
+        try:
+            model, opt, ctx, notes = build(method, cfg, device)
+        except Exception as e:  # (torchao missing, ...): the others are still measured
+            errors[method] = f"{type(e).__name__}: {e}"
+            continue
+        last = {}
+
+        def step(i, model=model, opt=opt, ctx=ctx, last=last):
+            idx = data[i % len(data)]
+            last["loss"] = train_step(model, opt, ctx, idx[:, :-1], idx[:, 1:], device)
+
+        before = torch.compiler.cudagraph_mark_step_begin if notes.get("cudagraphs") else None
+        variants.append(Variant(method, step, before))
+        built[method] = (model, opt, ctx, notes, last)
+    cuda = device.type == "cuda"
+    summary = run_rounds(
+        variants,
+        rounds=args.rounds,
+        steps=args.steps,
+        warmup=args.warmup,
+        cuda=cuda,
+        errors=errors,
+        on_round=partial,  # (a cut-off run keeps the rounds it finished)
+    )
+    results = {m: {"error": e} for m, e in errors.items()}
+    tokens = args.batch * cfg.seq
+    for method, row in summary.items():
+        model, opt, ctx, notes, last = built[method]
+        graphs = notes.pop("compiled_activations", None)
+        same = dict(
+            batch=args.batch,
+            step_ms=row["wall_ms"]["median"],
+            tokens_per_s=tokens / (row["wall_ms"]["median"] / 1e3),
+            tokens_per_s_spread=spread([tokens / (w / 1e3) for w in row["round_wall_ms"]]),
+            loss=float(last["loss"]),
+            finite=bool(torch.isfinite(last["loss"])),
+        )
+        if cuda:
+            own = sum(p.numel() * p.element_size() for p in model.parameters()) + _state_bytes(opt.state)
+            same["peak_allocated_gib"] = (row["peak_bytes"] + own) / GIB  # own peak, see above
+            same["own_static_gib"] = own / GIB
+        results[method] = dict(notes=notes, same_batch=same, rounds=row)
+        results[method]["params"] = sum(p.numel() for p in model.parameters())
+        if graphs is not None:
+            results[method]["compiled_activations"] = _graphs_summary(graphs)
+        if isinstance(ctx, _Compressing) and ctx.last is not None:
+            results[method]["activations"] = ctx.summary()
+    return results
+
+
+def summarize_rounds(results: dict) -> dict:
+    """summarize(), with speedups as the median [min-max] of per-round tokens/s ratios."""
+    summary = summarize(results)
+    base = results.get("bf16", {}).get("rounds")
+    for method, r in results.items():
+        if base is None or "rounds" not in r or method not in summary:
+            continue
+        ratios = [b / m for b, m in zip(base["round_wall_ms"], r["rounds"]["round_wall_ms"], strict=False)]
+        paired = spread(ratios)
+        summary[method]["speedup_vs_bf16"] = paired["median"]
+        summary[method]["speedup_vs_bf16_spread"] = paired
+        summary[method]["gpu_busy"] = r["rounds"]["busy"]
+        summary[method]["host_bound"] = r["rounds"]["host_bound"]
+    return summary
+
+
 def _free(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
@@ -247,15 +360,7 @@ def measure(method, cfg, device, args, deadline: float) -> dict:
     res["same_batch"] = run_steps(model, opt, ctx, args.batch, cfg, device, args.warmup, args.steps)
     graphs = notes.pop("compiled_activations", None)
     if graphs is not None:  # what CompiledActivations did, per compiled graph (at compile time)
-        s = graphs.stats
-        res["compiled_activations"] = dict(
-            graphs=graphs.graphs,
-            packed=s.packed,
-            recomputed=s.recomputed,
-            mib_saved_per_graph=s.activation_bytes_original / 2**20,
-            mib_held_per_graph=s.activation_bytes_held / 2**20,
-            kept_reasons=dict(s.kept_reasons),
-        )
+        res["compiled_activations"] = _graphs_summary(graphs)
     if isinstance(ctx, _Compressing):  # what the last step's context compressed and kept
         res["activations"] = ctx.summary()
         print(
@@ -333,10 +438,16 @@ def print_table(results: dict, summary: dict) -> None:
             print(f"{method:22s} {r['error']}")
             continue
         s, m = r["same_batch"], summary.get(method, {})
+        spread = ""
+        if "speedup_vs_bf16_spread" in m:  # (--rounds)
+            sp, busy = m["speedup_vs_bf16_spread"], m.get("gpu_busy")
+            spread = f"  speedup [{sp['min']:.2f}-{sp['max']:.2f}] over {sp['n']} rounds"
+            spread += f", GPU busy {busy['median']:.2f}" if busy else ""
+            spread += " (host-bound)" if m.get("host_bound") else ""
         print(
             f"{method:22s} {s['tokens_per_s']:9.0f} {m.get('speedup_vs_bf16', nan):8.2f} "
             f"{m.get('own_peak_gib', nan):9.2f} {m.get('memory_reduction_vs_bf16', nan):9.2f} "
-            f"{m.get('largest_batch', '-'):>9} {m.get('tokens_per_s_at_largest_batch', nan):11.0f}"
+            f"{m.get('largest_batch', '-'):>9} {m.get('tokens_per_s_at_largest_batch', nan):11.0f}{spread}"
         )
 
 
@@ -350,6 +461,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch-limit", type=int, default=256, help="largest batch the search tries")
     ap.add_argument("--no-max-batch", dest="max_batch", action="store_false")
     ap.add_argument("--budget-s", type=float, default=300.0, help="no new batch search after this")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=0,
+        help="time all methods interleaved over this many rounds in one process (benchmarks/rounds.py: "
+        "medians, min-max, paired speedups; --steps per round, no batch search); 0: one after another",
+    )
     ap.add_argument(
         "--methods",
         default="bf16,bf16_compiled,coatstate_fp8_only,coatstate,coatstate_compiled,coatstate_compiled_ca,"
@@ -368,6 +486,8 @@ def main(argv=None) -> dict:
         device = torch.device("cpu")
         cfg = LlamaConfig(vocab=256, dim=64, layers=2, heads=2, hidden=176, seq=64, loss_chunks=2)
         args.batch, args.warmup, args.steps, args.max_batch = 2, 1, 2, False
+        args.rounds = min(args.rounds, 2)
+        torch.set_num_threads(1)  # (two threads on a shared 2-core host spin against each other)
         out = Path(args.out or "/tmp/fp8_linear_train_smoke.json")
     else:
         if not torch.cuda.is_available():
@@ -393,6 +513,19 @@ def main(argv=None) -> dict:
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise SystemExit(f"--methods: unknown {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+    if args.rounds:
+        result["method"] = "rounds"
+        result["rounds"] = args.rounds
+
+        def partial(rounds_so_far: dict) -> None:
+            out.write_text(json.dumps(dict(result, partial_rounds=rounds_so_far), indent=1) + "\n")
+
+        result["results"] = measure_interleaved(methods, cfg, device, args, partial)
+        result["summary"] = summarize_rounds(result["results"])
+        out.write_text(json.dumps(result, indent=1) + "\n")
+        print_table(result["results"], result["summary"])
+        print(f"wrote {out}")
+        return result
     for method in methods:
         try:
             result["results"][method] = measure(method, cfg, device, args, deadline)

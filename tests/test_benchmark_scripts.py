@@ -44,33 +44,58 @@ def test_training_parity_script_writes_json_and_png(tmp_path):
         assert png.stat().st_size > 10_000
 
 
-def test_activation_memory_script_runs_on_cpu(tmp_path):
+def test_activation_memory_smoke_interleaves_rounds_and_pairs_ratios(tmp_path):
+    """--smoke: eager variants in 2 interleaved rounds; every row has its per-round times, the
+    ratio to its base is the median of per-round ratios (the base's own is exactly 1)."""
     out = tmp_path / "act.json"
+    _run("benchmarks/activation_memory.py", "--smoke", "--out", str(out))
+    data = json.loads(out.read_text())
+    rows = {r["variant"]: r for r in data["rows"]}
+    assert set(rows) >= {"none", "compress_activations", "hooks only (all kept)"}
+    for r in rows.values():
+        assert len(r["round_wall_ms"]) == 2 and r["wall_ms"]["min"] <= r["step_ms"] <= r["wall_ms"]["max"]
+    assert rows["none"]["wall_vs_base"] == {"median": 1.0, "min": 1.0, "max": 1.0, "n": 2}
+    mine = rows["compress_activations"]
+    ratios = sorted(a / b for a, b in zip(mine["round_wall_ms"], rows["none"]["round_wall_ms"], strict=True))
+    assert mine["wall_vs_base"]["min"] == ratios[0] and mine["wall_vs_base"]["max"] == ratios[-1]
+    assert mine["kernel_ms"] is None and mine["host_bound"] is None  # (no GPU: no kernel time)
+
+
+def test_rounds_rotate_the_order_and_merge_kernel_intervals():
+    """benchmarks/rounds.py: round r starts with variant r mod V; overlapping kernels count once."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from rounds import Variant, busy_ms, run_rounds
+
+    assert busy_ms([(0, 4), (2, 6), (10, 11), (3, 5)]) == 7
+    assert busy_ms([]) == 0
+    calls = []
+    variants = [Variant(n, lambda i, n=n: calls.append(n)) for n in "abc"]
+    result = run_rounds(variants, rounds=3, steps=1, warmup=1, cuda=False, log=lambda _: None)
+    assert calls[3:] == list("abcbcacab")  # (after one warm-up step each)
+    assert all(r["rounds"] == 3 for r in result.values())
+
+
+def test_fp8_linear_train_smoke_rounds_mode(tmp_path):
+    """--smoke --rounds: the methods timed interleaved; speedups paired per round."""
+    out = tmp_path / "fp8.json"
     _run(
-        "benchmarks/activation_memory.py",
-        "--device",
-        "cpu",
-        "--layers",
+        "benchmarks/fp8_linear_train.py",
+        "--smoke",
+        "--rounds",
         "2",
-        "--seq",
-        "64",
-        "--batch",
-        "2",
-        "--dim",
-        "64",
-        "--heads",
-        "2",
-        "--vocab",
-        "256",
-        "--steps",
-        "2",
-        "--warmup",
-        "1",
+        "--methods",
+        "bf16,coatstate",
         "--out",
         str(out),
     )
-    rows = json.loads(out.read_text())["rows"]
-    assert {r["variant"] for r in rows} >= {"none", "compress_activations"}
+    data = json.loads(out.read_text())
+    assert data["method"] == "rounds" and set(data["results"]) == {"bf16", "coatstate"}
+    assert data["summary"]["bf16"]["speedup_vs_bf16"] == 1.0
+    spread = data["summary"]["coatstate"]["speedup_vs_bf16_spread"]
+    assert (
+        spread["n"] == 2 and spread["min"] <= data["summary"]["coatstate"]["speedup_vs_bf16"] <= spread["max"]
+    )
+    assert data["results"]["coatstate"]["activations"]["kept"] > 0  # the hooks ran
 
 
 def test_gpu_parity_smoke_runs_on_cpu_and_resumes_exactly(tmp_path):
