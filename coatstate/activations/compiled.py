@@ -8,13 +8,14 @@
 
 Why a second path: compress_activations works on any model through saved-tensor hooks, which run
 Python per saved tensor (benchmarks/activation_host.py measures it). A transformer's forward is
-often host-bound, so that Python time is step time. Here nothing runs per step: inductor's partitioner splits the joint graph into
-forward and backward, and this partitioner (inductor's `custom_partitioner_fn` hook) rewrites the
-boundary. Each floating-point tensor the forward saves for backward is replaced by its FP8 codes
-and scale bytes, computed by nodes appended to the forward graph (inductor fuses them into the
-kernel that produces the tensor, or into one pass over it), and the backward graph decodes them
-right before their first use. The codec is coatstate.formats.activation's pure-torch one, traced:
-the bytes held are exactly compress_activations' (docs/FORMAT.md, "Saved activations").
+often host-bound, so that Python time is step time. Here nothing runs per step: inductor's
+partitioner splits the joint graph into forward and backward, and this partitioner (inductor's
+`custom_partitioner_fn` hook) rewrites the boundary. Each floating-point tensor the forward saves
+for backward is replaced by its FP8 codes and scale bytes, computed by nodes appended to the
+forward graph (inductor fuses them into the kernel that produces the tensor, or into one pass over
+it), and the backward graph decodes them right before their first use. The codec is
+coatstate.formats.activation's pure-torch one, traced: the bytes held are exactly
+compress_activations' (docs/FORMAT.md, "Saved activations").
 
 The op kind comes from the graph, not the Python call site: a saved tensor that feeds a matmul
 is a linear input, one that feeds a mean/var_mean (directly or through one pointwise op, such as
@@ -47,9 +48,6 @@ import warnings
 
 import torch
 import torch.fx as fx
-from coatstate.formats import activation as codec
-from coatstate.formats import fp8 as fp8_format
-from coatstate.formats.fp8 import FLOAT_DTYPES
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files  # (torch >= 2.9)
 
@@ -57,6 +55,9 @@ from coatstate.activations.graph import Boundary, LayoutError, copy_nodes, inlin
 from coatstate.activations.op_kinds import OpKind
 from coatstate.activations.policy import ActivationPolicy, Granularity
 from coatstate.activations.stats import ActivationStats, KeepReason
+from coatstate.formats import activation as codec
+from coatstate.formats import fp8 as fp8_format
+from coatstate.formats.fp8 import FLOAT_DTYPES
 
 __all__ = ["CompiledActivations"]
 
@@ -113,14 +114,31 @@ class CompiledActivations(CustomPartitionerFn):
         cache: let inductor's on-disk caches serve graphs compiled before with the same policy.
             Off by default: on a cache hit the partitioner does not run, so `stats` and `report`
             would not describe that graph (its compiled code is right either way).
+        cudagraphs: run the compiled graphs as CUDA graphs (cudagraph trees, what
+            torch.compile(mode="reduce-overhead") sets; `mode` and `options` cannot both be
+            passed): a block's forward or backward then costs the host one graph launch instead
+            of one per kernel. The FP8 codes and scales are ordinary outputs of the forward graph
+            and inputs of the backward one, made and read by the graphs' own kernels with no host
+            sync or CPU state between them, so they live in the graphs' memory pool like any
+            other saved tensor. Call torch.compiler.cudagraph_mark_step_begin() before each
+            training step and let `.grad` be None (zero_grad's default) or allocated before the
+            first compiled backward (cudagraph trees' rule for gradients). Ignored off CUDA.
     Pass `options` to torch.compile. `stats` accumulates over every graph partitioned with it (one
     per distinct compiled block, at compile time, not per step) and `report` lists what each
     saved tensor became.
     """
 
-    def __init__(self, policy: ActivationPolicy | None = None, *, cache: bool = False, **overrides) -> None:
+    def __init__(
+        self,
+        policy: ActivationPolicy | None = None,
+        *,
+        cache: bool = False,
+        cudagraphs: bool = False,
+        **overrides,
+    ) -> None:
         self.policy = ActivationPolicy.resolve(policy, overrides)
         self.cache = bool(cache)
+        self.cudagraphs = bool(cudagraphs)
         self.stats = ActivationStats()
         self.graphs = 0
         """Forward/backward pairs partitioned (blocks of one class usually share one graph)."""
@@ -133,8 +151,13 @@ class CompiledActivations(CustomPartitionerFn):
     @property
     def options(self) -> dict:
         """torch.compile's `options` that install this partitioner (and, unless `cache`, turn
-        inductor's caches off for those compiles)."""
-        return {"custom_partitioner_fn": self} | ({} if self.cache else {"fx_graph_cache": False})
+        inductor's caches off for those compiles; with `cudagraphs`, turn CUDA graphs on)."""
+        options = {"custom_partitioner_fn": self}
+        if not self.cache:
+            options["fx_graph_cache"] = False
+        if self.cudagraphs:
+            options["triton.cudagraphs"] = True  # (inductor skips it, with a log line, off CUDA)
+        return options
 
     def uuid(self):
         """Inductor's cache key: this file, the codec it traces, and the policy. (Never None:
