@@ -71,6 +71,12 @@ VARIANTS = {  # name: (optimizer, CompiledActivations, FP8Linear)
     "compressed_plain": ("compressed_plain", False, False),  # FP8 moments without range expansion
     "compressed_m_expand": ("compressed_m_expand", False, False),  # expansion on the first moment only
     "compressed_v_expand": ("compressed_v_expand", False, False),  # expansion on the second moment only
+    # the defaults since expansion went off: the recipe of compressed_ca / full with plain moments
+    "compressed_ca_plain": ("compressed_plain", True, False),
+    "full_plain": ("compressed_plain", True, True),
+    # a bfloat16 model (cast_model: LayerNorms stay float32) with compact master weights
+    "master24": ("master24", False, False),
+    "master16": ("master16", False, False),
 }
 OPTIMIZER_OPTIONS = {  # (compressed, compressed_ca and full keep COAT's expansion, as they were measured)
     "compressed": {"exp_avg_expand": True, "exp_avg_sq_expand": True},
@@ -78,6 +84,8 @@ OPTIMIZER_OPTIONS = {  # (compressed, compressed_ca and full keep COAT's expansi
     "compressed_plain": {"exp_avg_expand": False, "exp_avg_sq_expand": False},
     "compressed_m_expand": {"exp_avg_expand": True, "exp_avg_sq_expand": False},
     "compressed_v_expand": {"exp_avg_expand": False, "exp_avg_sq_expand": True},
+    "master24": {"master_bits": 24},
+    "master16": {"master_bits": 16},
 }
 TRAINING_KEYS = (  # the config keys that change what a run computes: runs in one --out must agree
     "layers dim heads seq batch tokens lr warmup min_lr_frac weight_decay clip val_every val_tokens val_pct "
@@ -196,6 +204,8 @@ def build(variant: str, seed: int, args, device: torch.device):
     model = GPT(args.layers, args.dim, args.heads, args.seq).to(device)
     if with_fp8:
         coatstate.convert_to_fp8(model, filter_fn=lambda m, name: name != "lm_head")
+    if "master_bits" in OPTIMIZER_OPTIONS.get(opt_kind, {}):
+        coatstate.cast_model(model)  # bfloat16 weights; the master lives in the optimizer
     ps = list(model.parameters())  # weight decay on matrices (and embeddings), not on norms and biases
     groups = [dict(params=[p for p in ps if p.dim() >= 2], weight_decay=args.weight_decay)]
     groups.append(dict(params=[p for p in ps if p.dim() < 2], weight_decay=0.0))
