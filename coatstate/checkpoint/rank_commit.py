@@ -173,12 +173,12 @@ def _get(url: str) -> str | None:
         return None
 
 
-def _poll(look: Callable[[], Any], what: str, timeout: float) -> Any:
+def _poll(look: Callable[[], Any], what: Callable[[], str], timeout: float) -> Any:
     """look() until it returns something other than None, or raise after `timeout` seconds."""
     deadline, pause = time.monotonic() + timeout, POLL_S[0]
     while (found := look()) is None:
         if time.monotonic() > deadline:
-            raise CheckpointError(f"gave up after {timeout:.0f} s waiting for {what}")
+            raise CheckpointError(f"gave up after {timeout:g} s waiting for {what()}")
         time.sleep(pause)
         pause = min(2 * pause, POLL_S[1])
     return found
@@ -200,7 +200,9 @@ def _collect(url: str, save_id: str, world_size: int) -> list[dict | None]:
                 reports[r] = schema.loads_json(done, url, f"rank {r}'s report")["report"]
         return reports if len(reports) == world_size else None
 
-    _poll(look, f"the files of ranks {sorted(set(range(world_size)) - set(reports))}", COMMIT_TIMEOUT_S)
+    _poll(
+        look, lambda: f"the files of ranks {sorted(set(range(world_size)) - set(reports))}", COMMIT_TIMEOUT_S
+    )
     return [reports[r] for r in range(world_size)]
 
 
@@ -231,7 +233,9 @@ def _save_in_background(url, pieces, header, metadata, save_id: str, rank: int, 
         _put(_marker_url(url, save_id, rank, "done"), json.dumps({"report": report}))
         if rank != 0:
             try:
-                _poll(lambda: _committed(url, save_id), f"rank 0 to commit save {save_id}", COMMIT_TIMEOUT_S)
+                _poll(
+                    lambda: _committed(url, save_id), lambda: f"rank 0 to commit {save_id}", COMMIT_TIMEOUT_S
+                )
             except CheckpointError as e:
                 failed = "failed (" in str(e)  # marked failed by rank 0 (a timeout may still commit)
                 raise

@@ -315,7 +315,7 @@ def read_local(url: str, header: dict[str, Any], optimizer, model=None) -> dict[
         local = reader.rows(key, lo, hi)
         stride = torch.empty(shape, device="meta").stride()
         return DTensor.from_local(
-            local, target.device_mesh, target.placements, run_check=False, shape=shape, stride=stride
+            local, target.device_mesh, target.placements, run_check=False, shape=tuple(shape), stride=stride
         )
 
     return _parallel(header["tensors"], read)
