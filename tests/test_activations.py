@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from models import GPT, Llama, ModelConfig, RMSNorm  # noqa: E402
 
+
 def test_policy_validation():
     with pytest.raises(ValueError, match="linear='fp4'"):
         ActivationPolicy(linear="fp4")
@@ -136,6 +137,61 @@ def test_views_of_one_storage_are_packed_once_and_unpacked_once():
     assert unpacked.count(True) == 1 + 2  # the qkv storage once; the output and the linear's input
     cos = F.cosine_similarity(ref.flatten(), qkv_proj.weight.grad.flatten(), dim=0)
     assert cos > 0.999, f"cosine {cos:.5f}"
+
+
+def test_attention_q_and_k_are_packed_v_kept_with_exact_gradients():
+    """Separate q, k, v (saved before the op's output tells them apart): q and k are held per
+    group, v and the output as they are (the default policy); the gradients equal, bit for bit,
+    those of autograd run on the same held values put in by plain saved-tensor hooks."""
+    from coatstate.formats import activation as codec
+
+    torch.manual_seed(0)
+    wq, wk, wv = (torch.randn(32, 32, requires_grad=True) for _ in range(3))
+    x = torch.randn(2, 64, 32)
+
+    def attention():
+        q, k, v = ((x @ w).view(2, 64, 2, 16).transpose(1, 2) for w in (wq, wk, wv))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).square().sum(), q, k
+
+    def grads():
+        out = [w.grad.clone() for w in (wq, wk, wv)]
+        for w in (wq, wk, wv):
+            w.grad = None
+        return out
+
+    with compress_activations(min_numel=0) as ctx:
+        loss, _, _ = attention()
+    loss.backward()
+    got = grads()
+    assert ctx.stats.packed_by_kind["attention/group"] == 2, ctx.stats.packed_by_kind
+    assert ctx.stats.kept_reasons["policy keeps attention_v_out"] == 2, ctx.stats.kept_reasons
+
+    held_ids = []
+
+    def pack(t):  # q and k through the codec, in the layout the hooks pack (rows of their last dim)
+        if any(t is h for h in held_ids):
+            rows = t.contiguous().reshape(-1, t.shape[-1])
+            return codec.unpack_groups(*codec.pack_groups(rows, 16), 16, t.dtype).view(t.shape)
+        return t
+
+    real_sdpa = F.scaled_dot_product_attention
+
+    def sdpa(q, k, v, **kw):
+        held_ids[:] = [q, k]
+        return real_sdpa(q, k, v, **kw)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        F.scaled_dot_product_attention = sdpa
+        try:
+            loss, _, _ = attention()
+        finally:
+            F.scaled_dot_product_attention = real_sdpa
+    loss.backward()
+    for a, b in zip(got, grads(), strict=True):
+        assert torch.equal(a, b), (a - b).abs().max()
+    attention()[0].backward()
+    exact = grads()
+    assert not torch.equal(got[0], exact[0]) and not torch.equal(got[1], exact[1])  # q, k did go through FP8
 
 
 def test_activation_output_is_recomputed_not_stored():

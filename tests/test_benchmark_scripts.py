@@ -112,3 +112,16 @@ def test_gpu_parity_smoke_runs_on_cpu_and_resumes_exactly(tmp_path):
         str(tmp_path / "ckpt"),
     )
     assert "smoke: all checks passed" in out
+
+
+def test_checkpoint_scale_smoke_writes_every_variant(tmp_path):
+    """benchmarks/checkpoint_scale.py --smoke: per-rank saves (blocking, async), DCP async_save,
+    the disk floor and loads, at 1 and 2 gloo ranks, over 3 rounds."""
+    out = tmp_path / "scale.json"
+    _run("benchmarks/checkpoint_scale.py", "--smoke", "--out", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["world_size"], r["variant"]) for r in rows} == {
+        (w, v) for w in (1, 2) for v in ("blocking", "async", "dcp_async", "floor", "load")
+    }
+    for r in rows:
+        assert len(r["total_s"]["all"]) == 3 and r["blocked_s"]["median"] <= r["total_s"]["median"], r

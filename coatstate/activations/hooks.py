@@ -71,14 +71,14 @@ import warnings
 import weakref
 
 import torch
-from coatstate.formats import activation as codec
-from coatstate.formats.fp8 import FLOAT_DTYPES
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from coatstate.activations.op_kinds import OpKind, kind_of_call_site, kind_on_stack
 from coatstate.activations.policy import RECOMPUTABLE, ActivationPolicy, Granularity
 from coatstate.activations.regions import _Handle, _Kept, _KeptRegion, _Packed, _Pending, _Recomputed, _Region
 from coatstate.activations.stats import ActivationStats, KeepReason
+from coatstate.formats import activation as codec
+from coatstate.formats.fp8 import FLOAT_DTYPES
 
 __all__ = ["compress_activations"]
 
@@ -89,6 +89,7 @@ _VIEW_OR_COPY_NODES = frozenset(
 )
 _RESHAPE_NODES = frozenset("ViewBackward0 UnsafeViewBackward0 ReshapeAliasBackward0 AliasBackward0".split())
 _KIND_KEYS: dict = {}  # (label, granularity) -> "label/granularity" of stats.packed_by_kind
+_POLICY_KEEPS: dict = {}  # label -> KeepReason.by_policy(label): one f-string per label, not per save
 _K = None  # coatstate.kernels.activation once imported
 _NODE_NAMES: dict = {}  # autograd node class -> its name()
 _SLOTS = 4096  # per-tensor scale slots per device buffer (kernel path)
@@ -103,6 +104,13 @@ _AOT_MODULE = "torch._functorch._aot_autograd"  # where torch.compile's Compiled
 # descriptors (enum's), a microsecond here and there per saved tensor.
 _OTHER, _ATTENTION, _ACTIVATION = OpKind.OTHER, OpKind.ATTENTION, OpKind.ACTIVATION
 _KEEP, _TENSOR, _BF16 = Granularity.KEEP, Granularity.TENSOR, Granularity.BF16
+
+
+def _policy_keeps(label: str) -> str:
+    reason = _POLICY_KEEPS.get(label)
+    if reason is None:
+        reason = _POLICY_KEEPS[label] = KeepReason.by_policy(label)
+    return reason
 
 
 def _kernels():
@@ -179,6 +187,7 @@ class compress_activations:  # noqa: N801  (a context manager used like a functi
         self.stats = ActivationStats()
         self._granularity = {kind: (self.policy.granularity(kind), kind.value) for kind in OpKind}
         self._min_numel = max(self.policy.min_numel, 1)
+        self._small = KeepReason.small(self.policy.min_numel)  # (built once: it is a key per save)
         self._recompute = self.policy.recompute
         self._regions: dict[int, list[weakref.ref]] = {}  # storage pointer -> held regions in it
         self._sources: dict[
@@ -252,8 +261,8 @@ class compress_activations:  # noqa: N801  (a context manager used like a functi
                 return KeepReason.LEAF
             return KeepReason.NO_GRAD_FN
         if x.numel() < self._min_numel:
-            return KeepReason.small(self.policy.min_numel)
-        if node._sequence_nr() < self._first_seq and threading.get_ident() == self._thread:
+            return self._small
+        if node._sequence_nr() < self._first_seq and _thread_id() == self._thread:
             return KeepReason.BEFORE_CONTEXT
         if _derived_from_parameter(x):
             return KeepReason.PARAMETER_CAST
@@ -285,7 +294,7 @@ class compress_activations:  # noqa: N801  (a context manager used like a functi
         if x.dtype not in FLOAT_DTYPES:
             return self._keep(x, KeepReason.NOT_FLOAT)
         if x.numel() < self._min_numel:
-            return self._keep(x, KeepReason.small(self.policy.min_numel))
+            return self._keep(x, self._small)
         args = frame.f_locals.get("args")
         if args is not self._graph_args:  # the first save of this call of the graph
             self._graph_args = args
@@ -318,18 +327,22 @@ class compress_activations:  # noqa: N801  (a context manager used like a functi
             self._pending.append(pending)
             self._pending_seq = (_thread_id(), seq)
             return pending
-        inputs = [n for n, _ in node.next_functions[:2] if n is not None]  # q's and k's grad_fns
+        nexts = node.next_functions
+        q, k = nexts[0][0], nexts[1][0] if len(nexts) > 1 else None  # q's and k's grad_fns
         pending, self._pending = self._pending, []
-        pending.sort(key=lambda p: not any(p.tensor.grad_fn is n for n in inputs))  # q, k first
-        for p in pending:
-            qk = any(p.tensor.grad_fn is n for n in inputs)
-            self._settle(p, "attention" if qk else "attention_v_out")
+        is_qk = [p.tensor.grad_fn is not None and p.tensor.grad_fn in (q, k) for p in pending]
+        for p, qk in zip(pending, is_qk, strict=True):  # q and k first: a shared qkv storage is theirs
+            if qk:
+                self._settle(p, "attention")
+        for p, qk in zip(pending, is_qk, strict=True):
+            if not qk:
+                self._settle(p, "attention_v_out")
         return self._hold(x, self.policy.attention_v_out, "attention_v_out")
 
     def _settle(self, pending: _Pending, label: str) -> None:
         x, pending.tensor = pending.tensor, None
         if x._version != pending.version:  # modified in place since: keep it so that backward raises
-            kept = self._keep(x, KeepReason.by_policy(label))
+            kept = self._keep(x, _policy_keeps(label))
             kept.version = pending.version
             pending.held = kept
         else:
@@ -383,7 +396,7 @@ class compress_activations:  # noqa: N801  (a context manager used like a functi
             if granularity is _BF16 and x.dtype is not torch.float32:
                 granularity = _KEEP  # already 16-bit: holding it as bfloat16 would save nothing
             if granularity is _KEEP:
-                reason = KeepReason.by_policy(label)
+                reason = _policy_keeps(label)
                 if start is None:
                     return self._keep(x, reason)
                 kept = self._keep(x, reason, (stop - start) * x.element_size())

@@ -56,10 +56,10 @@ def after_commit(url: str, own_id: str | None, previous: dict[str, Any] | None) 
         if previous and previous.get("shards"):
             shards.remove_orphans(url, None, sorted(named_files(previous)))
         fs, path = storage.url_to_fs(url)
-        root = current_root(url)
         if storage.is_local(fs) and _has_flock():
             _sweep_local(url, os.path.dirname(path) or ".", own_id)
             return
+        root = current_root(url)
         current = named_files(root)
         stale = [n for n in rank_files_of(previous) if n not in current]
         if own_id is not None:

@@ -25,6 +25,8 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from coatstate import distributed
 from coatstate.checkpoint import background, container, rank_cleanup, rank_files, shards, storage
 from coatstate.checkpoint.rank_files import lock_id, marker_name, num_rows, stem_of
@@ -107,7 +109,7 @@ def save(
         pieces = {k: (start, _cpu(t)) for k, (start, t) in pieces.items()}
         _save_blocking(url, pieces, header, metadata, save_id, rank, world_size)
         return None
-    pieces, ready = background.snapshot(pieces)
+    pieces, ready = _snapshot(pieces)
 
     def work() -> None:
         _save_in_background(url, pieces, header, metadata, save_id, rank, world_size)
@@ -118,6 +120,34 @@ def save(
 def _cpu(t):
     t = t.detach()
     return t.cpu() if t.device.type != "cpu" else t
+
+
+_pinned: dict[str, torch.Tensor] = {}
+"""Host buffers of the last background save's CUDA pieces, reused by the next one: pinning
+gigabytes (cudaHostAlloc) takes longer than copying them. Free once the previous save is done,
+which save() has waited for before it snapshots."""
+
+
+def _snapshot(pieces: dict) -> tuple[dict, Any]:
+    """A copy of this rank's pieces the training loop may not touch: CUDA pieces into (reused)
+    pinned host memory, queued on the current stream; CPU pieces cloned (background.snapshot)."""
+    on_gpu = {k for k, (_, t) in pieces.items() if t.is_cuda}
+    if not on_gpu:
+        return background.snapshot(pieces)
+    out = {}
+    for key, (start, t) in pieces.items():
+        if key not in on_gpu:
+            out[key] = (start, t.detach().clone())
+            continue
+        buf = _pinned.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = _pinned[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        out[key] = (start, buf.copy_(t.detach(), non_blocking=True))
+    for key in set(_pinned) - on_gpu:  # tensors gone since the last save
+        del _pinned[key]
+    event = torch.cuda.Event()
+    event.record()
+    return out, event
 
 
 def _save_blocking(url, pieces, header, metadata, save_id: str, rank: int, world_size: int) -> None:

@@ -1,0 +1,286 @@
+"""Per-rank checkpoints at 1, 2 and 4 ranks: time the training loop is blocked per save, write
+throughput beside the disk's own, and load time.
+
+    python benchmarks/checkpoint_scale.py                       # CPU, gloo, 1/2/4 ranks, ~28M params
+    python benchmarks/checkpoint_scale.py --device cuda         # one GPU, the 1.31B GPT-shaped set
+    python benchmarks/checkpoint_scale.py --smoke               # a few seconds (CI)
+
+Each rank holds a GPT-shaped parameter set (benchmarks/optimizer_step.py's gpt_shapes) sharded on
+dim 0 (DTensors, as FSDP2 holds them; on CUDA, world size 1, plain tensors) and a CompressedAdamW
+state after one step. Per round, in an order that rotates between rounds, on every rank:
+  blocking   coatstate.save(opt, url, distributed="per_rank")
+  async      coatstate.save(..., blocking=False); the handle's wait() measured apart
+  dcp_async  torch.distributed.checkpoint.async_save of the same state tensors
+  floor      write + fsync of a raw file as large as the rank's own per-rank file (the disk)
+  load       coatstate.load of the per-rank checkpoint into a fresh optimizer (warm page cache)
+"blocked" is the caller's time in the call (what the training loop waits for); "total" includes the
+background write until committed. Times are the slowest rank's (a barrier before, a max after).
+GB/s = bytes of the checkpoint / total. Prints a table (median and min-max over rounds) and writes
+JSON to --out. Needs no network (the process group runs on 127.0.0.1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from optimizer_step import gpt_shapes  # noqa: E402 - the GPT-shaped set of the GPU benchmarks
+from report import machine_meta  # noqa: E402
+
+VARIANTS = ("blocking", "async", "dcp_async", "floor", "load")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _setup(rank: int, world_size: int, port: int, device: str, threads: int):
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)  # DCP stages through gloo too
+    if device == "cuda":
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (world_size,))
+
+
+def _optimizer(args, mesh):
+    """CompressedAdamW over the GPT-shaped set (this rank's rows of it), after one step."""
+    import coatstate
+
+    gen = torch.Generator(args.device).manual_seed(0)  # drawn where it lives: 1.31B on a CPU is slow
+    params = []
+    for shape in gpt_shapes(vocab=args.vocab, scale=args.scale):
+        t = torch.randn(shape, generator=gen, device=args.device) * 0.02
+        if mesh is not None:
+            from torch.distributed.tensor import Shard, distribute_tensor
+
+            t = distribute_tensor(t, mesh, [Shard(0)], src_data_rank=None)  # no communication
+        params.append(torch.nn.Parameter(t))
+    opt = coatstate.CompressedAdamW(params, lr=1e-3, weight_decay=0.1)
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    opt.step()
+    opt.zero_grad()
+    return opt, sum(p.numel() for p in params)
+
+
+def _flat_state(opt) -> dict[str, torch.Tensor]:
+    """The state as DCP takes it: one flat dict of (D)tensors."""
+    return {f"state.{i}.{k}": v for i, s in enumerate(opt.state.values()) for k, v in s.items()}
+
+
+def _slowest(seconds: float) -> float:
+    import torch.distributed as dist
+
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _timed(fn) -> tuple[float, float]:
+    """(blocked, total) seconds of the slowest rank; fn returns a wait callable or None."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    wait = fn()
+    blocked = time.perf_counter() - t0
+    if wait is not None:
+        wait()
+    total = time.perf_counter() - t0
+    return _slowest(blocked), _slowest(total)
+
+
+def _floor(path: str, nbytes: int) -> None:
+    block = os.urandom(1 << 20)
+    with open(path, "wb") as f:
+        for _ in range(nbytes >> 20):
+            f.write(block)
+        f.write(block[: nbytes & ((1 << 20) - 1)])
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _round(opt, fresh, args, url: str, rank: int, index: int, results: dict, rank_bytes: int) -> None:
+    """One round: every variant once, in an order that rotates with `index`, then a load."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    import coatstate
+
+    dcp_dir, floor_file = os.path.join(args.dir, f"dcp{index}"), os.path.join(args.dir, f"floor-{rank}")
+
+    def blocking():
+        coatstate.save(opt, url, distributed="per_rank")
+
+    def background():
+        return coatstate.save(opt, url, distributed="per_rank", blocking=False).wait
+
+    def dcp_async():
+        res = dcp.async_save(_flat_state(opt), checkpoint_id=dcp_dir)
+        return getattr(res, "upload_completion", res).result  # a Future, or (2.7+) its response
+
+    plan = {
+        "blocking": blocking,
+        "async": background,
+        "dcp_async": dcp_async,
+        "floor": lambda: _floor(floor_file, rank_bytes),
+    }
+    names = list(plan)
+    for name in names[index % len(names) :] + names[: index % len(names)]:
+        results[name].append(_timed(plan[name]))
+    results["load"].append(_timed(lambda: coatstate.load(fresh, url) and None))
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(dcp_dir, ignore_errors=True)
+    os.unlink(floor_file)
+
+
+def _sizes(url: str, rank: int) -> tuple[int, int]:
+    """(bytes of the whole per-rank checkpoint, bytes of this rank's file)."""
+    from coatstate.checkpoint import read_header
+
+    files = read_header(url)["per_rank"]["files"]
+    mine = sum(f["bytes"] for f in files if f["rank"] == rank)
+    return os.path.getsize(url) + sum(f["bytes"] for f in files), mine
+
+
+def _worker(rank: int, world_size: int, port: int, args, out: str) -> None:
+    import torch.distributed as dist
+
+    import coatstate
+
+    if args.device == "cuda":
+        torch.cuda.set_device(rank)
+    mesh = _setup(rank, world_size, port, args.device, args.threads)
+    opt, numel = _optimizer(args, mesh)
+    fresh, _ = _optimizer(args, mesh)  # loaded into, built outside the timings
+    url = os.path.join(args.dir, "ckpt.safetensors")
+    coatstate.save(opt, url, distributed="per_rank")  # warm-up: imports, thread pools, first file
+    total, mine = _sizes(url, rank)
+    results: dict[str, list] = {v: [] for v in VARIANTS}
+    for r in range(args.rounds):
+        _round(opt, fresh, args, url, rank, r, results, mine)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"world_size": world_size, "params": numel, "bytes": total, "results": results}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------- report
+def _stats(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "all": values}
+
+
+def summarize(run: dict) -> list[dict]:
+    """One row per variant: blocked and total seconds, GB/s (checkpoint bytes / total)."""
+    rows = []
+    for variant, pairs in run["results"].items():
+        blocked, total = [b for b, _ in pairs], [t for _, t in pairs]
+        rows.append(
+            {
+                "world_size": run["world_size"],
+                "variant": variant,
+                "blocked_s": _stats(blocked),
+                "total_s": _stats(total),
+                "gbps": _stats([run["bytes"] / t / 1e9 for t in total]),
+                "bytes": run["bytes"],
+                "params": run["params"],
+            }
+        )
+    return rows
+
+
+def _cell(s: dict, scale: float = 1.0, fmt: str = "{:.3f}") -> str:
+    return (
+        f"{fmt.format(s['median'] * scale)} [{fmt.format(s['min'] * scale)}-{fmt.format(s['max'] * scale)}]"
+    )
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"{'ranks':>5} {'variant':<10} {'blocked s':>24} {'total s':>24} {'GB/s':>22}")
+    for r in rows:
+        print(
+            f"{r['world_size']:>5} {r['variant']:<10} {_cell(r['blocked_s']):>24} {_cell(r['total_s']):>24} "
+            f"{_cell(r['gbps'], fmt='{:.2f}'):>22}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--ranks", default=None, help="world sizes, e.g. 1,2,4 (default: 1,2,4 on CPU, 1 on CUDA)")
+    p.add_argument("--scale", type=float, default=None, help="gpt_shapes scale (default 0.05 CPU, 1.0 CUDA)")
+    p.add_argument("--vocab", type=int, default=50304)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
+    p.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
+    p.add_argument("--out", default=None)
+    p.add_argument("--smoke", action="store_true", help="tiny set, 1 and 2 ranks: a few seconds")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.scale, args.vocab, args.ranks = args.scale or 0.0005, 512, args.ranks or "1,2"
+    args.scale = args.scale or (1.0 if args.device == "cuda" else 0.05)
+    worlds = [int(w) for w in (args.ranks or ("1" if args.device == "cuda" else "1,2,4")).split(",")]
+    out = args.out or str(
+        Path(__file__).resolve().parent / "results" / f"checkpoint_scale_{args.device}.json"
+    )
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
+    multiprocessing.set_forkserver_preload(["torch", "coatstate"])
+    import torch.multiprocessing as mp
+
+    rows, meta = [], machine_meta(args.device)
+    base = args.dir
+    for world_size in worlds:
+        args.dir = tempfile.mkdtemp(prefix=f"ckpt_scale_{world_size}_", dir=base)
+        part = os.path.join(args.dir, "result.json")
+        try:
+            mp.start_processes(
+                _worker,
+                args=(world_size, _free_port(), args, part),
+                nprocs=world_size,
+                start_method="forkserver",
+            )
+            with open(part) as f:
+                rows += summarize(json.load(f))
+        finally:
+            shutil.rmtree(args.dir, ignore_errors=True)
+    print_table(rows)
+    params, nbytes = rows[0]["params"], rows[0]["bytes"]
+    print(
+        f"{params / 1e6:.1f}M params, checkpoint {nbytes / 1e6:.1f} MB; rounds {args.rounds}; "
+        f"{meta['machine']}"
+    )
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    report = {
+        "meta": meta,
+        "args": {k: v for k, v in vars(args).items() if k != "dir"} | {"dir": base or "temporary"},
+        "rows": rows,
+    }
+    Path(out).write_text(json.dumps(report, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
