@@ -125,3 +125,10 @@ def test_checkpoint_scale_smoke_writes_every_variant(tmp_path):
     }
     for r in rows:
         assert len(r["total_s"]["all"]) == 3 and r["blocked_s"]["median"] <= r["total_s"]["median"], r
+
+
+def test_master_train_smoke_runs_every_mode():
+    """benchmarks/master_train.py --smoke: each way of holding the state trains a tiny Llama and
+    reports its bytes per parameter (release drops the gradients)."""
+    out = _run("benchmarks/master_train.py", "--smoke")
+    assert "coatstate master 24 + release" in out and "= 5.14" in out
