@@ -243,14 +243,10 @@ def save(
     tensor, frame checksums on; measured ~1.1x on FP8 states, so off by default). Above
     `shard_size` bytes the tensors go to shard files next to `url` and `url` holds the index.
 
-    distributed: how a job with a process group saves (docs/CHECKPOINT.md, "Distributed").
-    "gathered" (the default): DTensor (FSDP2) states and model tensors are all-gathered and rank 0
-    writes one world-size-independent file; every rank must call save(); without DTensors it
-    writes the file of the process that calls it (DDP: call it on rank 0). "per_rank": every
-    rank calls save() and writes its own rows of every DTensor to its own file, in parallel,
-    with no gathering; rank 0 writes the root `url` (the index, the commit point) once all
-    ranks have finished; plain tensors are written once, by rank 0; blocking=False works, and
-    the file loads at any world size. (No `compress` or `shard_size` there: one file per rank.)
+    distributed (docs/CHECKPOINT.md, "Distributed"): "gathered" (default) all-gathers DTensor
+    (FSDP2) states and rank 0 writes one file (every rank calls save(); DDP: rank 0 only).
+    "per_rank": every rank calls save() and writes its own rows to its own file, rank 0 then the
+    root `url` (the commit point); blocking=False works; loads at any world size; no zstd.
     """
     if compress not in (None, "zstd"):
         raise ValueError(f"compress must be None or 'zstd'; got {compress!r}")

@@ -103,7 +103,7 @@ def _sweep_local(url: str, directory: str, own_id: str | None) -> None:
             or rank is None
             or shards._save_is_over(directory, stem, lock_id(save_id, rank), held)
         }
-        running = {save_id for key in owned if key not in gone for save_id in key[:1]}
+        running = {save_id for save_id, rank in owned if (save_id, rank) not in gone}
         current = current_root(url)
         if current is None and os.path.exists(path_of(url)):
             return  # an unreadable root: remove nothing

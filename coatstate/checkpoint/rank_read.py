@@ -52,7 +52,8 @@ def check_index(header: dict[str, Any], where: str) -> dict[str, Any]:
     if not isinstance(files, list):
         fail("files must be a list")
     for i, f in enumerate(files):
-        m = pattern.fullmatch(f.get("file", "") if isinstance(f, dict) else "")
+        name = f.get("file") if isinstance(f, dict) else None
+        m = pattern.fullmatch(name) if isinstance(name, str) else None
         if not m or m.group(1) or m.group(4) or m.group(2) != index["save_id"]:
             fail(f"files[{i}] must name a rank file of this save next to the root")
         if not (
