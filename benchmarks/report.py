@@ -39,8 +39,10 @@ from report_common import (  # machine_meta: the CPU benchmarks import it from h
 )
 from report_gpu import (
     section_activation_host,
+    section_checkpoint_scale,
     section_fp8_linear_train,
     section_fsdp_train,
+    section_master_train,
     section_optimizer_step,
     section_plan_check,
     section_table7,
@@ -451,6 +453,9 @@ SECTIONS = {
     "whole_state_step": section_whole_state_step,
     "parity_gpu": section_parity_gpu,
     "compare_trees": section_compare_trees,
+    "master_train": section_master_train,
+    "checkpoint_scale_cuda": section_checkpoint_scale,
+    "checkpoint_scale_cpu": section_checkpoint_scale,
 }
 COVERED = {"activation_host_cuda"}  # shown in another file's section
 

@@ -338,3 +338,80 @@ def section_table7(data: dict, path: Path) -> str:
             "",
         ]
     )
+
+
+def section_master_train(data: dict, path: Path) -> str:
+    """benchmarks/master_train.py: the 1B Llama end to end per master-weight mode."""
+    cfg, rows = data["config"], data["rows"]
+    ref = rows.get("fp32 + torch AdamW", {}).get("tokens_per_s")
+    table = []
+    for name, r in rows.items():
+        b = r["bytes_per_param"]
+        table.append(
+            [
+                name,
+                f"{r['tokens_per_s']:,.0f} [{r['tokens_per_s_min']:,.0f}-{r['tokens_per_s_max']:,.0f}]",
+                f"{r['tokens_per_s'] / ref:.3f}x" if ref else "",
+                _f(r.get("peak_gib"), ".2f"),
+                str(r.get("largest_batch_predicted", "")),
+                f"{b['weights']:.2f} + {b['correction']:.2f} + {b['gradients']:.2f} + {b['moments']:.2f}",
+                f"{b['total']:.2f}",
+                _f(r["first_step_s"], ".1f"),
+            ]
+        )
+    head = [
+        "variant",
+        "tokens/s [min-max]",
+        "vs fp32",
+        "peak GiB",
+        "largest batch*",
+        "w + corr + grad + mom",
+        "B/param",
+        "first s",
+    ]
+    return "\n".join(
+        [
+            "## A 1B Llama end to end per master-weight mode (GPU)",
+            f"{cfg['device']}, {data['date']}: {cfg['model_params'] / 1e9:.2f}B params, batch {cfg['batch']} x "
+            f"{cfg['seq']}, eager, {cfg['rounds']} interleaved rounds of {cfg['steps']} timed steps (median "
+            "[min-max]). *Largest batch: a linear fit of the peaks at batch 1 and at this batch to the card's "
+            "memory (predicted, not tried). Source: `python benchmarks/master_train.py` -> "
+            f"`benchmarks/results/{path.name}`.",
+            "",
+            _md_table(head, table),
+            "",
+        ]
+    )
+
+
+def section_checkpoint_scale(data: dict, path: Path) -> str:
+    """benchmarks/checkpoint_scale.py: per-rank saves, blocking vs async vs DCP async_save."""
+    meta, rows = data["meta"], data["rows"]
+
+    def spread(d: dict, digits: int) -> str:
+        return f"{d['median']:.{digits}f} [{d['min']:.{digits}f}-{d['max']:.{digits}f}]"
+
+    table = [
+        [
+            str(r["world_size"]),
+            r["variant"],
+            spread(r["blocked_s"], 3),
+            spread(r["total_s"], 3),
+            spread(r["gbps"], 2),
+        ]
+        for r in rows
+    ]
+    first = rows[0]
+    return "\n".join(
+        [
+            f"## Per-rank checkpoints at scale ({meta['device']})",
+            f"{meta['machine']}, {meta['date']}: {first['params'] / 1e6:.0f}M parameters, {first['bytes'] / 1e6:.0f} MB "
+            f"per checkpoint, {data['args']['rounds']} interleaved rounds, median [min-max]. `floor` writes and "
+            "fsyncs a file of the same size (the disk's bandwidth in the same run); `blocked` is the time the "
+            "training loop waits per save. Source: `python benchmarks/checkpoint_scale.py` -> "
+            f"`benchmarks/results/{path.name}`.",
+            "",
+            _md_table(["ranks", "variant", "blocked s", "total s", "GB/s"], table),
+            "",
+        ]
+    )
