@@ -299,3 +299,18 @@ def test_cast_model_keeps_norms_in_float32_and_trains_with_a_master():
     assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     with pytest.raises(ValueError, match="bfloat16 or torch.float16"):
         coatstate.cast_model(model, torch.float32)
+
+
+def test_bfloat16_parameters_default_to_a_24_bit_master(caplog):
+    """master_bits="auto": 24 for a bfloat16 group (the GPU parity run's choice), None for float32
+    and float16 groups; an explicit None keeps the rounding path and says so once."""
+    bf16 = torch.nn.Parameter(torch.randn(64, 64).to(torch.bfloat16))
+    fp32, fp16 = torch.nn.Parameter(torch.randn(64, 64)), torch.nn.Parameter(torch.randn(64, 64).half())
+    opt = coatstate.CompressedAdamW([{"params": [bf16]}, {"params": [fp32]}, {"params": [fp16]}], min_numel=1)
+    assert [g["master_bits"] for g in opt.param_groups] == [24, None, None]
+    bf16.grad = torch.randn(64, 64).to(torch.bfloat16)
+    opt.step()
+    assert opt.state[bf16][MASTER_CORRECTION].dtype == torch.int8
+    with caplog.at_level("INFO", logger="coatstate"):
+        coatstate.CompressedAdamW([bf16], master_bits=None)
+    assert "without master_bits" in caplog.text

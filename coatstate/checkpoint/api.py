@@ -9,7 +9,6 @@ tensors (codes, scales, exponents); any torch optimizer whose state is tensors a
 from __future__ import annotations
 
 import dataclasses
-import io
 import os
 import time
 from collections.abc import Mapping
@@ -28,7 +27,7 @@ from coatstate.checkpoint import (
     storage,
     validate,
 )
-from coatstate.checkpoint.dcp import load_failure, read_dcp
+from coatstate.checkpoint.dcp import load_failure, read_dcp, weights_only_load
 from coatstate.formats import schema
 from coatstate.formats.optimizer_state import CODES, EXPONENTS, MOMENTS, is_compressed, moment_of
 from coatstate.formats.schema import CheckpointError
@@ -360,7 +359,7 @@ def _read_pt(data: bytes, where: str) -> Checkpoint:
     ext = os.path.splitext(where)[1].lower()
     why = f"because of its extension {ext}" if ext in PT_EXTENSIONS else "because it starts like a zip file"
     try:
-        obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        obj = weights_only_load(data)
     except Exception as e:  # weights_only refuses anything that would need unpickling code
         reason = load_failure(e)
         if data[:2] != b"PK" and data[:1] != b"\x80":  # neither a zip nor a pickle's protocol opcode

@@ -17,6 +17,7 @@ import io
 import math
 import os
 import stat
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -265,13 +266,21 @@ def load_failure(e: BaseException) -> str:
     return " ".join(reason.split())[:300]
 
 
+def weights_only_load(data: bytes) -> Any:
+    """torch.load(weights_only=True) of bytes, silently: its warnings about what it refuses would
+    be a second line beside the one CheckpointError the caller raises for the same problem."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+
 def _load_slice(files: _Files, info, where: str, fail) -> Any:
     fd, _, _ = files.open(info.relative_path)
     blob = os.pread(fd, info.length, info.offset)
     if len(blob) != info.length:
         fail(f"{where}: the file shrank while being read")
     try:
-        return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+        return weights_only_load(blob)
     except Exception as e:  # weights_only refuses pickled code; a torn record fails its size check
         fail(f"{where}: unreadable with torch.load(weights_only=True) ({load_failure(e)})")
 
