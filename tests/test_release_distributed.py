@@ -1,9 +1,11 @@
-"""Gradient release under FSDP2 (gloo, 2 ranks) and under torch.compile of the model.
+"""Gradient release and master weights under FSDP2 (gloo, 2 ranks); release under torch.compile.
 
 FSDP2 writes each sharded gradient after its reduce-scatter and runs the parameter's
 post-accumulate-grad hooks itself, so the release hook steps the local shard there. Checked: no
 gradient outlives the backward, the states equal the ordinary step's bit for bit, and
 `max_grad_norm`'s norm is the global one (its DTensor sum of squares reduces over the ranks).
+bfloat16 shards with the default 24-bit master step their local rows: bit for bit what one
+process computes, with and without release.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 import torch.distributed as dist
 from test_distributed import LR, _fsdp, _init, _snapshot, _spawn, _train
 
+import coatstate
 from coatstate import CompressedAdamW
 
 pytestmark = pytest.mark.skipif(
@@ -66,6 +69,65 @@ def _release_worker(rank, world_size, port):
     got = full_tensor(opt._release.previous_norm)
     torch.testing.assert_close(got, full_tensor(want), rtol=1e-5, atol=0)
     dist.destroy_process_group()
+
+
+def _bf16_fsdp(mesh):
+    from torch.distributed.fsdp import fully_shard
+    from test_distributed import _model
+
+    model = coatstate.cast_model(_model())  # bfloat16 Linears, the LayerNorm in float32
+    for layer in model:
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _train_bf16(model, opt, steps):
+    for step in range(steps):
+        x, y = _batch(step)
+        torch.nn.functional.mse_loss(model(x.bfloat16()).float(), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).contiguous().view(torch.uint8)
+
+
+def _master_worker(rank, world_size, port):
+    """bfloat16 FSDP2 shards with the default 24-bit master, with and without release, against
+    one process (rank 0) for every parameter whose rows split evenly."""
+    from test_distributed import UNEVEN, _model
+
+    mesh = _init(rank, world_size, port)
+    runs = {}
+    for release in (False, True):
+        model = _bf16_fsdp(mesh)
+        opt = CompressedAdamW(model.named_parameters(), lr=LR, weight_decay=0.1, gradient_release=release)
+        assert opt.param_groups[0]["master_bits"] == 24
+        _train_bf16(model, opt, 4)
+        runs[release] = _snapshot(model, opt)
+    assert runs[False].keys() == runs[True].keys()
+    for name, want in runs[False].items():
+        for key, w in want.items():
+            assert torch.equal(_raw(runs[True][name][key]), _raw(w)), (name, key)
+    if rank == 0:
+        ref = coatstate.cast_model(_model())
+        ref_opt = CompressedAdamW(ref.named_parameters(), lr=LR, weight_decay=0.1)
+        _train_bf16(ref, ref_opt, 4)
+        for name, q in ref.named_parameters():
+            if name == UNEVEN:
+                continue
+            got = runs[False][name]
+            assert torch.equal(_raw(got["param"]), _raw(q.detach())), name
+            for key, value in ref_opt.state[q].items():
+                assert torch.equal(_raw(got[key]), _raw(value)), (name, key)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_master_weights_under_fsdp2_match_one_process():
+    _spawn(_master_worker, 2)
 
 
 def test_gradient_release_under_fsdp2_equals_the_ordinary_step():
