@@ -412,12 +412,22 @@ def section_parity_gpu(data: dict, path: Path) -> str:
     return "\n".join(out + [""])
 
 
+TREE_COMPARISONS = {  # result file -> (title, what "old" and "new" are)
+    "compare_trees": ("the subpackage split", "the tree before and after it"),
+    "compare_nan_policy": (
+        "the NaN/Inf policy",
+        "commit 96aca67 (a NaN zeroed its group) and the tree that keeps non-finite values per element",
+    ),
+}
+
+
 def section_compare_trees(data: dict, path: Path) -> str:
+    title, what = TREE_COMPARISONS[path.stem]
     out = [
-        "## Step time before and after the subpackage split (GPU)",
-        f"`benchmarks/optimizer_step.py {data['args']}` of the old and the new tree in alternating "
-        f"processes, {data['rounds']} rounds. Source: `python benchmarks/compare_trees.py` -> "
-        "`benchmarks/results/compare_trees.json`.",
+        f"## Step time before and after {title} (GPU)",
+        f"`benchmarks/optimizer_step.py {data['args']}` of {what}, in alternating processes, "
+        f"{data['rounds']} rounds. Source: `python benchmarks/compare_trees.py` -> "
+        f"`benchmarks/results/{path.name}`.",
         "",
         "| variant | old ms | new ms | new / old |",
         "|---|---|---|---|",
@@ -453,6 +463,7 @@ SECTIONS = {
     "whole_state_step": section_whole_state_step,
     "parity_gpu": section_parity_gpu,
     "compare_trees": section_compare_trees,
+    "compare_nan_policy": section_compare_trees,
     "master_train": section_master_train,
     "checkpoint_scale_cuda": section_checkpoint_scale,
     "checkpoint_scale_cpu": section_checkpoint_scale,
