@@ -7,12 +7,14 @@ throughput beside the disk's own, and load time.
 
 Each rank holds a GPT-shaped parameter set (benchmarks/optimizer_step.py's gpt_shapes) sharded on
 dim 0 (DTensors, as FSDP2 holds them; on CUDA, world size 1, plain tensors) and a CompressedAdamW
-state after one step. Per round, in an order that rotates between rounds, on every rank:
-  blocking   coatstate.save(opt, url, distributed="per_rank")
+state after one step; a checkpoint holds the float32 weights (as the model state dict) and the
+compressed states (--no-model: the states only). Per round, in an order that rotates between
+rounds, on every rank:
+  blocking   coatstate.save(opt, url, model=weights, distributed="per_rank")
   async      coatstate.save(..., blocking=False); the handle's wait() measured apart
-  dcp_async  torch.distributed.checkpoint.async_save of the same state tensors
+  dcp_async  torch.distributed.checkpoint.async_save of the same tensors
   floor      write + fsync of a raw file as large as the rank's own per-rank file (the disk)
-  load       coatstate.load of the per-rank checkpoint into a fresh optimizer (warm page cache)
+  load       coatstate.load of the per-rank checkpoint's states into a fresh optimizer (warm page cache)
 "blocked" is the caller's time in the call (what the training loop waits for); "total" includes the
 background write until committed. Times are the slowest rank's (a barrier before, a max after).
 GB/s = bytes of the checkpoint / total. Prints a table (median and min-max over rounds) and writes
@@ -62,7 +64,8 @@ def _setup(rank: int, world_size: int, port: int, device: str, threads: int):
 
 
 def _optimizer(args, mesh):
-    """CompressedAdamW over the GPT-shaped set (this rank's rows of it), after one step."""
+    """CompressedAdamW over the GPT-shaped set (this rank's rows of it), after one step, and the
+    model state dict saved with it (the float32 weights; {} with --no-model)."""
     import coatstate
 
     gen = torch.Generator(args.device).manual_seed(0)  # drawn where it lives: 1.31B on a CPU is slow
@@ -79,12 +82,14 @@ def _optimizer(args, mesh):
         p.grad = torch.randn_like(p) * 1e-3
     opt.step()
     opt.zero_grad()
-    return opt, sum(p.numel() for p in params)
+    model = {} if args.no_model else {f"w{i}": p.detach() for i, p in enumerate(params)}
+    return opt, model, sum(p.numel() for p in params)
 
 
-def _flat_state(opt) -> dict[str, torch.Tensor]:
-    """The state as DCP takes it: one flat dict of (D)tensors."""
-    return {f"state.{i}.{k}": v for i, s in enumerate(opt.state.values()) for k, v in s.items()}
+def _flat_state(opt, model: dict) -> dict[str, torch.Tensor]:
+    """What is saved, as DCP takes it: one flat dict of (D)tensors."""
+    state = {f"state.{i}.{k}": v for i, s in enumerate(opt.state.values()) for k, v in s.items()}
+    return state | {f"model.{k}": v for k, v in model.items()}
 
 
 def _slowest(seconds: float) -> float:
@@ -109,11 +114,11 @@ def _timed(fn) -> tuple[float, float]:
     return _slowest(blocked), _slowest(total)
 
 
-def _dcp_async(opt, directory: str):
+def _dcp_async(opt, model: dict, directory: str):
     """Start torch.distributed.checkpoint.async_save of the state; returns its wait."""
     import torch.distributed.checkpoint as dcp
 
-    res = dcp.async_save(_flat_state(opt), checkpoint_id=directory)
+    res = dcp.async_save(_flat_state(opt, model), checkpoint_id=directory)
     return getattr(res, "upload_completion", res).result  # a Future, or (2.7+) its response
 
 
@@ -127,7 +132,7 @@ def _floor(path: str, nbytes: int) -> None:
         os.fsync(f.fileno())
 
 
-def _round(opt, fresh, args, url: str, rank: int, index: int, results: dict, rank_bytes: int) -> None:
+def _round(opt, model, fresh, args, url: str, rank: int, index: int, results: dict, rank_bytes: int) -> None:
     """One round: every variant once, in an order that rotates with `index`, then a load."""
     import torch.distributed as dist
 
@@ -136,13 +141,13 @@ def _round(opt, fresh, args, url: str, rank: int, index: int, results: dict, ran
     dcp_dir, floor_file = os.path.join(args.dir, f"dcp{index}"), os.path.join(args.dir, f"floor-{rank}")
 
     def blocking():
-        coatstate.save(opt, url, distributed="per_rank")
+        coatstate.save(opt, url, model=model or None, distributed="per_rank")
 
     def background():
-        return coatstate.save(opt, url, distributed="per_rank", blocking=False).wait
+        return coatstate.save(opt, url, model=model or None, distributed="per_rank", blocking=False).wait
 
     def dcp_async():
-        return _dcp_async(opt, dcp_dir)
+        return _dcp_async(opt, model, dcp_dir)
 
     plan = {
         "blocking": blocking,
@@ -177,17 +182,17 @@ def _worker(rank: int, world_size: int, port: int, args, out: str) -> None:
     if args.device == "cuda":
         torch.cuda.set_device(rank)
     mesh = _setup(rank, world_size, port, args.device, args.threads)
-    opt, numel = _optimizer(args, mesh)
-    fresh, _ = _optimizer(args, mesh)  # loaded into, built outside the timings
+    opt, model, numel = _optimizer(args, mesh)
+    fresh, _, _ = _optimizer(args, mesh)  # loaded into, built outside the timings
     url = os.path.join(args.dir, "ckpt.safetensors")
     # warm-up, not measured: imports, thread pools, the first files, pinned buffers, DCP's planner
-    coatstate.save(opt, url, distributed="per_rank")
-    coatstate.save(opt, url, distributed="per_rank", blocking=False).wait()
-    _dcp_async(opt, os.path.join(args.dir, "dcp_warmup"))()
+    coatstate.save(opt, url, model=model or None, distributed="per_rank")
+    coatstate.save(opt, url, model=model or None, distributed="per_rank", blocking=False).wait()
+    _dcp_async(opt, model, os.path.join(args.dir, "dcp_warmup"))()
     total, mine = _sizes(url, rank)
     results: dict[str, list] = {v: [] for v in VARIANTS}
     for r in range(args.rounds):
-        _round(opt, fresh, args, url, rank, r, results, mine)
+        _round(opt, model, fresh, args, url, rank, r, results, mine)
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"world_size": world_size, "params": numel, "bytes": total, "results": results}, f)
@@ -245,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     p.add_argument("--out", default=None)
     p.add_argument("--smoke", action="store_true", help="tiny set, 1 and 2 ranks: a few seconds")
+    p.add_argument("--no-model", action="store_true", help="save the optimizer states only (no weights)")
     args = p.parse_args(argv)
     if args.smoke:
         args.scale, args.vocab, args.ranks = args.scale or 0.0005, 512, args.ranks or "1,2"
