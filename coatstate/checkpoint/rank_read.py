@@ -51,6 +51,7 @@ def check_index(header: dict[str, Any], where: str) -> dict[str, Any]:
     files = index.get("files")
     if not isinstance(files, list):
         fail("files must be a list")
+    ranks = set()
     for i, f in enumerate(files):
         name = f.get("file") if isinstance(f, dict) else None
         m = pattern.fullmatch(name) if isinstance(name, str) else None
@@ -60,6 +61,10 @@ def check_index(header: dict[str, Any], where: str) -> dict[str, Any]:
             _is_int(f.get("bytes")) and _is_int(f.get("rank")) and isinstance(f.get("manifest_sha256"), str)
         ):
             fail(f"files[{i}] needs bytes, rank and manifest_sha256")
+        # the name is rank_file_name's: one file per rank, each listed once
+        if int(m.group(3)) != f["rank"] or f["rank"] in ranks or f["rank"] >= index["world_size"]:
+            fail(f"files[{i}] must be the only file of its rank, a rank below world_size, in its name")
+        ranks.add(f["rank"])
     splits, tensor_splits = index.get("splits"), index.get("tensor_splits")
     if not isinstance(splits, list) or not isinstance(tensor_splits, dict):
         fail("splits must be a list and tensor_splits an object")
@@ -172,22 +177,16 @@ class _Reader:
         """Rows [lo, hi) of tensor `key` (the whole tensor for a 0-d one), blocks verified."""
         info = self.header["tensors"][key]
         dtype, shape = schema.torch_dtype(info["dtype"]), list(info["shape"])
+        wanted = [(f, s, e) for f, s, e in self.pieces(key) if max(lo, s) < min(hi, e)]
+        for f, _, _ in wanted:  # first: the files' real sizes then back the shape claimed here
+            self.file(f)
         out = torch.empty([hi - lo, *shape[1:]] if shape else [], dtype=dtype)
         per_row = row_bytes(shape, dtype.itemsize)
         dest = schema.tensor_bytes(out) if out.numel() else memoryview(bytearray(0))
-        for f, s, e in self.pieces(key):
+        for f, s, e in wanted:
             a, b = max(lo, s) - s, min(hi, e) - s  # rows of this piece that are wanted
-            if a < b:
-                self._piece(
-                    self.file(f),
-                    key,
-                    s,
-                    e,
-                    a,
-                    b,
-                    per_row,
-                    dest[(s + a - lo) * per_row : (s + b - lo) * per_row],
-                )
+            view = dest[(s + a - lo) * per_row : (s + b - lo) * per_row]
+            self._piece(self.file(f), key, s, e, a, b, per_row, view)
         return out
 
     def _piece(

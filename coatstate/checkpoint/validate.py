@@ -132,6 +132,10 @@ def validate_header(header: Any, where: str) -> dict[str, Any]:
         fail(f"tensors {unreferenced[:3]} are listed but no state, param group or model entry names them")
     if header.get("shards") is not None:
         _shards(header["shards"], tensors, fail)
+    if header.get("per_rank") is not None:  # checked here, so no reader walks an unchecked index
+        from coatstate.checkpoint import rank_read  # (it imports this module)
+
+        rank_read.check_index(header, where)
     return header
 
 

@@ -1,0 +1,437 @@
+"""Hostile and broken per-rank checkpoints: every case is refused with a CheckpointError, or loads
+bit-identical.
+
+A per-rank root is an ordinary coatstate header plus a `per_rank` index naming rank files, their
+sizes, manifest sha256s and the row ranges of each tensor in each file (docs/CHECKPOINT.md). A
+buggy or malicious writer controls all of it, header checksum included, so the root is edited
+here with that checksum recomputed, and the rank files with their manifest sha256 and size in the
+root recomputed. Every case must be one CheckpointError naming the root (the CLI: exit 1, one
+line on stderr), leave the target model and optimizer as they were, open nothing outside the
+checkpoint's directory and allocate nothing the files do not back. Counts are printed (-s).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections import Counter
+
+import pytest
+import torch
+from coatstate.formats.schema import CheckpointError
+from test_hostile_input import _bits, _deadline, _with_header
+
+from coatstate import checkpoint as ck
+from coatstate.checkpoint import rank_files, rank_read
+from coatstate.cli import main as cli
+from coatstate.optim import CompressedAdamW
+
+_OPENED: list[str] | None = None
+"""While a list: every path the process opens (an audit hook; hooks cannot be removed)."""
+
+
+def _audit(event: str, args) -> None:
+    if _OPENED is not None and event == "open" and isinstance(args[0], (str, bytes)):
+        _OPENED.append(os.fsdecode(args[0]))
+
+
+sys.addaudithook(_audit)
+
+
+# ------------------------------------------------------------------------------ the targets
+def _small_model() -> torch.nn.Module:
+    torch.manual_seed(7)
+    # the weights get FP8 moments (codes and scales), the biases float32 ones
+    return torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.GELU(), torch.nn.Linear(128, 32))
+
+
+def _small_train(model, opt, steps: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(4, 32, generator=g)
+        opt.zero_grad()
+        (model(x) - x).square().mean().backward()
+        opt.step()
+
+
+class Target:
+    """A model and optimizer with state of their own, to load into and compare afterwards."""
+
+    def __init__(self, make):
+        self.make = make
+        self.model, self.opt = make()
+        self.before = self.snapshot()
+
+    def snapshot(self):
+        return _bits(self.model.state_dict()), _bits(self.opt.state_dict())
+
+
+def _small_target():
+    model = _small_model()
+    opt = CompressedAdamW(model.parameters(), lr=1e-2)
+    _small_train(model, opt, 1, seed=7)
+    return model, opt
+
+
+class Saved:
+    """A good per-rank checkpoint: its directory, root bytes, rank files and what it loads as."""
+
+    def __init__(self, directory, make_target):
+        self.dir, self.make_target = str(directory), make_target
+        self.root = open(os.path.join(self.dir, "ckpt.safetensors"), "rb").read()
+        self.files = [f["file"] for f in ck.read_header(self.path)["per_rank"]["files"]]
+        self.data = {n: open(os.path.join(self.dir, n), "rb").read() for n in self.files}
+        good = Target(make_target)
+        ck.load(good.opt, self.path, model=good.model)
+        self.loaded = good.snapshot()
+
+    @property
+    def path(self) -> str:
+        return os.path.join(self.dir, "ckpt.safetensors")
+
+
+@pytest.fixture(scope="module")
+def one(tmp_path_factory):
+    """A world of one (no process group): one rank file holding every row."""
+    base = tmp_path_factory.mktemp("per_rank_one")
+    model = _small_model()
+    opt = CompressedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    torch.manual_seed(0)
+    _small_train(model, opt, 2, seed=1)
+    ck.save(opt, str(base / "ckpt.safetensors"), model=model, distributed="per_rank")
+    return Saved(base, _small_target)
+
+
+def _two_rank_worker(rank, world_size, port, out):
+    import torch.distributed as dist
+    from test_distributed import _fsdp, _init, _optimizer, _train
+
+    mesh = _init(rank, world_size, port)
+    model = _fsdp(mesh)
+    opt = _optimizer(model)
+    _train(model, opt, 0, 1)
+    import coatstate
+
+    coatstate.save(opt, os.path.join(out, "ckpt.safetensors"), model=model, distributed="per_rank")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _big_target():
+    from test_distributed import _model, _optimizer, _train
+
+    model = _model()
+    opt = _optimizer(model)
+    _train(model, opt, 5, 1)
+    return model, opt
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    """FSDP2 on 2 gloo ranks: two rank files, each tensor's rows cut between them."""
+    if not torch.distributed.is_available() or sys.platform == "win32":
+        pytest.skip("needs torch.distributed with gloo")
+    from test_distributed_checkpoint import _start
+
+    base = tmp_path_factory.mktemp("per_rank_two")
+    _start(_two_rank_worker, 2, str(base))
+    return Saved(base, _big_target)
+
+
+# ------------------------------------------------------------------------------- the judge
+def _case(tmp_path, saved: Saved, name: str, root: bytes | None = None, files: dict | None = None):
+    """A directory holding the good checkpoint with `root` and `files` ({name: bytes}) replaced."""
+    d = tmp_path / "".join(c if c.isalnum() else "_" for c in name)
+    while d.exists():  # names that differ only in punctuation
+        d = d.with_name(d.name + "_")
+    d.mkdir()
+    (d / "ckpt.safetensors").write_bytes(saved.root if root is None else root)
+    for n, data in {**saved.data, **(files or {})}.items():
+        if data is not None:
+            (d / n).write_bytes(data)
+    return d
+
+
+def _cli_line(argv, capsys) -> tuple[int, str]:
+    capsys.readouterr()
+    code = cli(argv)
+    err = capsys.readouterr().err
+    if code:
+        assert err.count("\n") == 1 and argv[1] in err, (argv, err)
+        assert "Traceback" not in err and "unexpected error" not in err, (argv, err)
+    return code, err
+
+
+def _judge(saved: Saved, target: Target, d, capsys, strict_inspect: bool, outside=()) -> str:
+    """'refused' or 'same' for the checkpoint in directory `d`, after checking load, read and the
+    CLI; `outside`: paths that must never be opened (the case points at them)."""
+    global _OPENED
+    url = str(d / "ckpt.safetensors")
+    _OPENED = []
+    try:
+        with _deadline(20, url):
+            outcome = _load(saved, target, url)
+            try:
+                ck.read(url)
+                read_ok = True
+            except CheckpointError as e:
+                assert url in str(e), str(e)
+                read_ok = False
+            assert read_ok or outcome == "refused", f"{url}: loads but read() refuses it"
+            _unverified_and_partial_reads(url)
+            codes = {
+                "inspect": _cli_line(["inspect", url], capsys)[0],
+                "verify": _cli_line(["inspect", url, "--verify"], capsys)[0],
+                "convert": _cli_line(["convert", url, str(d / "out.safetensors")], capsys)[0],
+            }
+    finally:
+        opened, _OPENED = _OPENED, None
+    leaks = [p for p in opened for o in outside if os.path.realpath(p).startswith(os.path.realpath(o))]
+    assert not leaks, f"{url}: opened {leaks[:3]} outside the checkpoint's directory"
+    if outcome == "refused":
+        assert codes["verify"] == codes["convert"] == 1, (url, codes)
+        assert codes["inspect"] == 1 or not strict_inspect, (url, codes)
+    else:
+        assert set(codes.values()) == {0}, (url, codes)
+    return outcome
+
+
+def _unverified_and_partial_reads(url: str) -> None:
+    """read(verify=False), and the second half of every tensor's rows as a rank of a sharded
+    load reads them (rank_read's range reads): a CheckpointError naming the root, or data."""
+    try:
+        ck.read(url, verify=False)
+    except CheckpointError as e:
+        assert url in str(e), str(e)
+    try:
+        header = ck.read_header(url)
+    except CheckpointError as e:
+        assert url in str(e), str(e)
+        return
+    for key, info in header["tensors"].items():  # a reader each: no file checked by another key
+        rows = rank_files.num_rows(info["shape"])
+        try:
+            rank_read._Reader(url, header, verify=True).rows(key, rows // 2, rows)
+        except CheckpointError as e:
+            assert url in str(e), str(e)
+
+
+def _load(saved: Saved, target: Target, url: str) -> str:
+    try:
+        ck.load(target.opt, url, model=target.model)
+    except CheckpointError as e:
+        assert url in str(e), f"the error does not name the root: {e}"
+        assert target.snapshot() == target.before, f"a failed load of {url} changed the target"
+        return "refused"
+    assert target.snapshot() == saved.loaded, f"{url} loaded other bits than the good checkpoint"
+    return "same"
+
+
+def _run(cases, saved: Saved, tmp_path, capsys, wrong: list, strict_inspect=True, allow_same=()) -> Counter:
+    """Judge every (name, root bytes, files, outside) case, adding what went wrong to `wrong`;
+    a fresh target after each load."""
+    target, outcomes = Target(saved.make_target), Counter()
+    for name, root, files, outside in cases:
+        d = _case(tmp_path, saved, name, root, files)
+        if callable(outside):  # a case that sets up special files in its directory
+            outside = outside(d)
+        try:
+            outcome = _judge(saved, target, d, capsys, strict_inspect, outside)
+        except Exception as e:  # noqa: BLE001 - every case is run; all failures reported at once
+            wrong.append(f"{name}: {type(e).__name__}: {' '.join(str(e).split())[:300]}")
+            target = Target(saved.make_target)
+            continue
+        outcomes[outcome] += 1
+        if outcome == "same":
+            target = Target(saved.make_target)
+            if name not in allow_same:
+                wrong.append(f"{name}: loaded although hostile")
+    return outcomes
+
+
+# -------------------------------------------------------------------------------- root edits
+def _index(fn):
+    return lambda h: fn(h["per_rank"])
+
+
+def _file0(**kw):
+    return _index(lambda p: p["files"][0].update(**kw))
+
+
+def _split_of(key: str, pieces) -> object:
+    """Tensor `key` cut as `pieces` (a new split of its own)."""
+
+    def edit(h):
+        h["per_rank"]["splits"].append(pieces)
+        h["per_rank"]["tensor_splits"][key] = len(h["per_rank"]["splits"]) - 1
+
+    return edit
+
+
+def _huge(key: str, rows: int):
+    """A shape claim of `rows` rows for `key`, with a split that covers them: no file backs it."""
+
+    def edit(h):
+        h["tensors"][key]["shape"][0] = rows
+        _split_of(key, [[0, 0, rows]])(h)
+
+    return edit
+
+
+def _deep(depth: int):
+    return "[" * depth + "]" * depth
+
+
+def _text_before_world_size(text: str) -> dict:
+    """An edit of the root's JSON text (what json.dumps cannot write: deep or duplicate keys)."""
+    return dict(edit_text=lambda t: t.replace('"world_size":', text + '"world_size":', 1))
+
+
+W = "model/0.weight"  # 128 rows of 32 float32 in the world of one
+ROOT_EDITS = {
+    "index": {
+        "per_rank a list": lambda h: h.update(per_rank=[]),
+        "per_rank a string": lambda h: h.update(per_rank="ckpt"),
+        "per_rank a number": lambda h: h.update(per_rank=3),
+        "per_rank true": lambda h: h.update(per_rank=True),
+        "per_rank empty": lambda h: h.update(per_rank={}),
+        "files an object": _index(lambda p: p.update(files={"0": p["files"][0]})),
+        "files a string": _index(lambda p: p.update(files="ckpt")),
+        "files entry a string": _index(lambda p: p["files"].__setitem__(0, p["files"][0]["file"])),
+        "files entry a list": _index(lambda p: p["files"].__setitem__(0, list(p["files"][0].values()))),
+        "files empty": _index(lambda p: p.update(files=[])),
+        "no rank": _index(lambda p: p["files"][0].pop("rank")),
+        "rank -1": _file0(rank=-1),
+        "rank a string": _file0(rank="0"),
+        "world_size 0": _index(lambda p: p.update(world_size=0)),
+        "world_size true": _index(lambda p: p.update(world_size=True)),
+        "save_id a number": _index(lambda p: p.update(save_id=12345678)),
+        "save_id another": _index(lambda p: p.update(save_id="00000000")),
+        "duplicate file entry": _index(lambda p: p["files"].append(dict(p["files"][0]))),
+        "duplicate file, rank 1": _index(lambda p: p["files"].append({**p["files"][0], "rank": 1})),
+        "with shards": lambda h: h.update(shards=[]),
+        "with compression": lambda h: h.update(compression="zstd"),
+        "nested 100 deep": _text_before_world_size(f'"x":{_deep(100)},'),
+        "nested 10**5 deep": _text_before_world_size(f'"x":{_deep(10**5)},'),
+        "duplicate key": _text_before_world_size('"world_size":2,'),
+        "splits an object": _index(lambda p: p.update(splits={})),
+        "tensor_splits a list": _index(lambda p: p.update(tensor_splits=[])),
+        "tensor_splits missing a key": _index(lambda p: p["tensor_splits"].pop(W)),
+        "tensor_splits extra key": _index(lambda p: p["tensor_splits"].update({"model/x": 0})),
+        "tensor_splits 99": _index(lambda p: p["tensor_splits"].update({W: 99})),
+        "tensor_splits -1": _index(lambda p: p["tensor_splits"].update({W: -1})),
+        "tensor_splits a string": _index(lambda p: p["tensor_splits"].update({W: "1"})),
+        "tensor_splits 1.0": _index(lambda p: p["tensor_splits"].update({W: 1.0})),
+        "tensor split of another shape": _index(lambda p: p["tensor_splits"].update({W: 2})),
+        "step on a 128-row split": _index(lambda p: p["tensor_splits"].update({"state/0/step": 1})),
+    },
+    "names": {
+        "../ name": _file0(file="../x/ckpt-{id}-rank00000-of-00001.safetensors"),
+        "./ name": _file0(file="./ckpt-{id}-rank00000-of-00001.safetensors"),
+        "sub/../ name": _file0(file="sub/../ckpt-{id}-rank00000-of-00001.safetensors"),
+        "..\\ name": _file0(file="..\\ckpt-{id}-rank00000-of-00001.safetensors"),
+        "absolute name": _file0(file="{outside}/ckpt-{id}-rank00000-of-00001.safetensors"),
+        "file:// name": _file0(file="file://{outside}/ckpt-{id}-rank00000-of-00001.safetensors"),
+        "memory:// name": _file0(file="memory://ckpt-{id}-rank00000-of-00001.safetensors"),
+        "s3:// name": _file0(file="s3://bucket/ckpt-{id}-rank00000-of-00001.safetensors"),
+        "NUL in name": _file0(file="ckpt-{id}-rank00000-of-00001.safetensors\x00"),
+        "newline in name": _file0(file="ckpt-{id}-rank00000-of-00001.safetensors\n"),
+        "a number as name": _file0(file=7),
+        "null name": _file0(file=None),
+        "another stem": _file0(file="other-{id}-rank00000-of-00001.safetensors"),
+        "another save id": _file0(file="ckpt-0badc0de-rank00000-of-00001.safetensors"),
+        "a temp file": _file0(file="ckpt-{id}-rank00000-of-00001.safetensors.tmp-0123456789ab"),
+        "a hidden file": _file0(file=".ckpt-{id}-rank00000-of-00001.safetensors"),
+        "the root itself": _file0(file="ckpt.safetensors"),
+    },
+    "row ranges": {
+        "overlap": _split_of(W, [[0, 0, 64], [0, 32, 128]]),
+        "gap": _split_of(W, [[0, 0, 64], [0, 65, 128]]),
+        "past the rows": _split_of(W, [[0, 0, 200]]),
+        "short of the rows": _split_of(W, [[0, 0, 100]]),
+        "negative start": _split_of(W, [[0, -1, 128]]),
+        "float stop": _split_of(W, [[0, 0, 128.0]]),
+        "bool start": _split_of(W, [[0, False, 128]]),
+        "strings": _split_of(W, [["0", "0", "128"]]),
+        "a pair": _split_of(W, [[0, 128]]),
+        "four numbers": _split_of(W, [[0, 0, 128, 0]]),
+        "file index 1": _split_of(W, [[1, 0, 128]]),
+        "file index -1": _split_of(W, [[-1, 0, 128]]),
+        "file index true": _split_of(W, [[True, 0, 128]]),
+        "empty piece first": _split_of(W, [[0, 0, 0], [0, 0, 128]]),
+        "reversed": _split_of(W, [[0, 128, 0]]),
+        "out of order": _split_of(W, [[0, 64, 128], [0, 0, 64]]),
+        "split an object": _split_of(W, {"0": [0, 0, 128]}),
+        "piece an object": _split_of(W, [{"file": 0, "start": 0, "stop": 128}]),
+        "no pieces": _split_of(W, []),
+        "2**64 rows": _split_of(W, [[0, 0, 2**64]]),
+        "cut in two in one file": _split_of(W, [[0, 0, 64], [0, 64, 128]]),
+    },
+    "sizes": {
+        "bytes 2**62": _file0(bytes=2**62),
+        "bytes one short": _index(lambda p: p["files"][0].update(bytes=p["files"][0]["bytes"] - 1)),
+        "bytes one more": _index(lambda p: p["files"][0].update(bytes=p["files"][0]["bytes"] + 1)),
+        "bytes -1": _file0(bytes=-1),
+        "bytes a float": _file0(bytes=57184.0),
+        "bytes a string": _file0(bytes="57184"),
+        "2**40 rows claimed": _huge(W, 2**40),
+        "2**62 rows claimed": _huge(W, 2**62),
+        "2**40 rows of a moment": _huge("state/0/exp_avg_codes", 2**40),
+        "one more row": _huge(W, 129),
+        "wider rows": lambda h: h["tensors"][W]["shape"].__setitem__(1, 2**40),
+        "3-d shape, same bytes": lambda h: h["tensors"][W].update(shape=[128, 32, 1]),
+        "0-d shape": lambda h: h["tensors"][W].update(shape=[]),
+    },
+    "dtypes and checksums": {
+        "float16 for float32": lambda h: h["tensors"][W].update(dtype="float16"),
+        "float64 for float32": lambda h: h["tensors"][W].update(dtype="float64"),
+        "int32 for float32": lambda h: h["tensors"][W].update(dtype="int32"),
+        "uint8 codes as int8": lambda h: h["tensors"]["state/0/exp_avg_codes"].update(dtype="int8"),
+        "manifest sha256 zeros": _file0(manifest_sha256="0" * 64),
+        "manifest sha256 upper case": lambda h: h["per_rank"]["files"][0].update(
+            manifest_sha256=h["per_rank"]["files"][0]["manifest_sha256"].upper()
+        ),
+        "manifest sha256 a number": _file0(manifest_sha256=0),
+        "no manifest sha256": _index(lambda p: p["files"][0].pop("manifest_sha256")),
+        "tensor checksum of another": lambda h: h["tensors"][W].update(
+            checksum=h["tensors"]["model/2.weight"]["checksum"]
+        ),
+    },
+}
+
+
+def _fill(obj, **values):
+    """`obj` with '{id}' and '{outside}' filled in, in every string."""
+    if isinstance(obj, str):
+        return obj.replace("{id}", values["id"]).replace("{outside}", values["outside"])
+    if isinstance(obj, dict):
+        return {k: _fill(v, **values) for k, v in obj.items()}
+    return [_fill(v, **values) for v in obj] if isinstance(obj, list) else obj
+
+
+def test_root_edits_with_a_valid_checksum_are_refused(one, tmp_path, capsys):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    for n, data in one.data.items():  # a real copy out there: opening it would load fine
+        (outside / n).write_bytes(data)
+    save_id = ck.read_header(one.path)["per_rank"]["save_id"]
+    counts, wrong = {}, []
+    for cls, edits in ROOT_EDITS.items():
+        cases = []
+        for name, edit in edits.items():
+
+            def filled(h, edit=edit):
+                if callable(edit):
+                    edit(h)
+                h["per_rank"] = _fill(h["per_rank"], id=save_id, outside=str(outside))
+
+            text = None if callable(edit) else edit["edit_text"]
+            root = _with_header(one.root, edit=filled, edit_text=text)
+            cases.append((f"{cls} {name}", root, None, [str(outside)]))
+        counts[cls] = _run(cases, one, tmp_path, capsys, wrong, strict_inspect=cls != "dtypes and checksums")
+    assert not wrong, "\n".join(wrong)
+    print(
+        "per-rank root edits with the header checksum recomputed: "
+        + ", ".join(f"{cls} {sum(c.values())} {dict(c)}" for cls, c in counts.items())
+    )
+    assert all(c["refused"] == len(ROOT_EDITS[cls]) for cls, c in counts.items())
