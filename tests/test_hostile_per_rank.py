@@ -435,3 +435,94 @@ def test_root_edits_with_a_valid_checksum_are_refused(one, tmp_path, capsys):
         + ", ".join(f"{cls} {sum(c.values())} {dict(c)}" for cls, c in counts.items())
     )
     assert all(c["refused"] == len(ROOT_EDITS[cls]) for cls, c in counts.items())
+
+
+# -------------------------------------------------------------------- what the rank file is
+def _root_claims(saved: Saved, **kw) -> bytes:
+    """The root with rank file 0's entry changed (its size claim, its manifest sha256)."""
+    return _with_header(saved.root, edit=_file0(**kw))
+
+
+def _replace(make):
+    """A setup that replaces rank file 0 of the case directory: make(path, its good bytes, an
+    outside directory) creates it and returns the paths it points at outside (never opened)."""
+
+    def setup(d):
+        path = next(p for p in d.iterdir() if "-rank00000-" in p.name)
+        data = path.read_bytes()
+        path.unlink()
+        outside = d.parent / f"outside-{d.name}"
+        outside.mkdir()
+        return [str(outside), *make(path, data, outside)]
+
+    return setup
+
+
+def _link_to_copy(path, data, outside):
+    (outside / path.name).write_bytes(data)  # the true bytes: opening them would load fine
+    os.symlink(outside / path.name, path)
+    return []
+
+
+def _link_via_dotdot(path, data, outside):
+    (outside / path.name).write_bytes(data)
+    os.symlink(os.path.join("..", outside.name, path.name), path)
+    return []
+
+
+def _link_to(target: str):
+    # (every path is under /: there only the result is checked)
+    return lambda path, data, outside: (os.symlink(target, path), [target] if target != "/" else [])[1]
+
+
+def _loop(path, data, outside):
+    os.symlink(path.name + ".b", path)
+    os.symlink(path.name, str(path) + ".b")
+    return []
+
+
+def _within(make_bytes):
+    return lambda path, data, outside: (path.write_bytes(make_bytes(data)), [])[1]
+
+
+SPECIAL = {  # name: (what rank file 0 is, what the root claims of it)
+    "missing": (lambda path, data, outside: [], {}),
+    "a FIFO": (lambda path, data, outside: (os.mkfifo(path), [])[1], {}),
+    "a FIFO, 0 bytes claimed": (lambda path, data, outside: (os.mkfifo(path), [])[1], {"bytes": 0}),
+    "a directory": (lambda path, data, outside: (path.mkdir(), [])[1], {}),
+    "a directory, its size claimed": (lambda path, data, outside: (path.mkdir(), [])[1], {"bytes": "dir"}),
+    "empty": (_within(lambda data: b""), {}),
+    "empty, 0 bytes claimed": (_within(lambda data: b""), {"bytes": 0}),
+    "a symlink to a true copy outside": (_link_to_copy, {}),
+    "a relative symlink out through ..": (_link_via_dotdot, {}),
+    "a symlink to /dev/zero": (_link_to("/dev/zero"), {}),
+    "a symlink to /dev/zero, 0 bytes claimed": (_link_to("/dev/zero"), {"bytes": 0}),
+    "a symlink to /etc/hostname": (_link_to("/etc/hostname"), {"bytes": "target"}),
+    "a symlink to /": (_link_to("/"), {"bytes": "target"}),
+    "a dangling symlink": (_link_to("/nonexistent/coatstate-rank-file"), {}),
+    "a symlink loop": (_loop, {}),
+    "a symlink to the root": (lambda path, data, outside: (os.symlink("ckpt.safetensors", path), [])[1], {}),
+}
+
+
+def test_special_rank_files_are_refused(one, tmp_path, capsys):
+    cases = []
+    for name, (make, claims) in SPECIAL.items():
+        setup = _replace(make)
+
+        def claimed(d, setup=setup, claims=claims):
+            path = next(p for p in d.iterdir() if "-rank00000-" in p.name)
+            outside = setup(d)
+            kw = dict(claims)
+            if kw.get("bytes") in ("dir", "target"):  # what a stat of it says, to get past that check
+                kw["bytes"] = os.stat(path).st_size
+            if kw:
+                (d / "ckpt.safetensors").write_bytes(_root_claims(one, **kw))
+            return outside
+
+        cases.append((name, None, None, claimed))
+    wrong = []
+    counts = _run(cases, one, tmp_path, capsys, wrong)
+    assert not wrong, "\n".join(wrong)
+    print(f"rank file 0 missing, a FIFO, a directory, empty, a symlink: {len(cases)} cases, {dict(counts)}")
+    assert counts["refused"] == len(cases)

@@ -94,13 +94,13 @@ class _File:
         self.url = url
         try:
             size = storage.file_size(url)
+            if size != entry["bytes"]:  # before it is opened: a FIFO or device never is
+                raise CheckpointError(
+                    f"{root}: rank file {entry['file']} has {size} bytes, the root says {entry['bytes']}"
+                )
             _, self.start, self.st_header = container.read_head(url, url)
         except FileNotFoundError:
             raise shards.ShardMissing(f"{root}: rank file {entry['file']} is missing") from None
-        if size != entry["bytes"]:
-            raise CheckpointError(
-                f"{root}: rank file {entry['file']} has {size} bytes, the root says {entry['bytes']}"
-            )
         text = (self.st_header.get("__metadata__") or {}).get(rank_files.MANIFEST_KEY)
         if not isinstance(text, str) or hashlib.sha256(text.encode()).hexdigest() != entry["manifest_sha256"]:
             raise CheckpointError(
@@ -166,8 +166,17 @@ class _Reader:
         with self._lock:
             if i not in self._files:
                 entry = self.index["files"][i]
-                url = storage.sibling_url(self.url, entry["file"])
-                self._files[i] = _File(url, self.url, entry, self.index, self._keys.get(i, {}))
+                try:
+                    url = _rank_url(self.url, entry["file"])
+                    self._files[i] = _File(url, self.url, entry, self.index, self._keys.get(i, {}))
+                except CheckpointError as e:  # e.g. from the rank file's own parser: name the root too
+                    if str(e).startswith(self.url):
+                        raise
+                    raise type(e)(f"{self.url}: {e}") from None
+                except OSError as e:  # a symlink loop, no permission
+                    raise CheckpointError(
+                        f"{self.url}: cannot open rank file {entry['file']} ({e.strerror or e})"
+                    ) from None
             return self._files[i]
 
     def pieces(self, key: str) -> list[list[int]]:
@@ -219,6 +228,22 @@ class _Reader:
             raise CheckpointError(
                 f"{self.url}: checksum mismatch for tensor {key!r}: its pieces are not the saved ones"
             )
+
+
+def _rank_url(root: str, name: str) -> str:
+    """Where rank file `name` of `root` is read from: a local one by its real path, which must be
+    in the root's directory (a symlink out of it is refused before anything is opened)."""
+    url = storage.sibling_url(root, name)
+    fs, path = storage.url_to_fs(url)
+    if not storage.is_local(fs):
+        return url
+    real = os.path.realpath(path)
+    directory = os.path.realpath(os.path.dirname(os.path.abspath(storage.url_to_fs(root)[1])))
+    if os.path.dirname(real) != directory:
+        raise CheckpointError(
+            f"{root}: rank file {name} resolves to {real}, outside the checkpoint's directory"
+        )
+    return real
 
 
 def _read_into(url: str, start: int, view: memoryview) -> None:
