@@ -12,7 +12,10 @@ checkpoint's directory and allocate nothing the files do not back. Counts are pr
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import struct
 import sys
 from collections import Counter
 
@@ -526,3 +529,129 @@ def test_special_rank_files_are_refused(one, tmp_path, capsys):
     assert not wrong, "\n".join(wrong)
     print(f"rank file 0 missing, a FIFO, a directory, empty, a symlink: {len(cases)} cases, {dict(counts)}")
     assert counts["refused"] == len(cases)
+
+
+# --------------------------------------------------------- rank file edits, root recomputed
+def _rank_edit(saved: Saved, i: int = 0, manifest=None, manifest_text=None, outer=None, raw=None):
+    """Rank file `i` with its manifest or safetensors header edited, and the root's size and
+    manifest sha256 of it recomputed (a writer that got its file wrong, consistently)."""
+    data = saved.data[saved.files[i]]
+    n = struct.unpack("<Q", data[:8])[0]
+    head = json.loads(data[8 : 8 + n])
+    text = head["__metadata__"][rank_files.MANIFEST_KEY]
+    if manifest is not None:
+        m = json.loads(text)
+        manifest(m)
+        text = json.dumps(m, separators=(",", ":"))
+    if manifest_text is not None:
+        text = manifest_text(text)
+    head["__metadata__"][rank_files.MANIFEST_KEY] = text
+    if outer is not None:
+        outer(head)
+    st = json.dumps(head, separators=(",", ":")).encode()  # ASCII: a lone surrogate stays escaped
+    st += b" " * (-len(st) % 8)
+    new = struct.pack("<Q", len(st)) + st + data[8 + n :]
+    if raw is not None:
+        new = raw(new)
+    digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+    def edit(h):
+        h["per_rank"]["files"][i].update(bytes=len(new), manifest_sha256=digest)
+
+    return _with_header(saved.root, edit=edit), {saved.files[i]: new}
+
+
+def _piece(key: str, **kw):
+    return dict(manifest=lambda m: m["pieces"][key].update(**kw))
+
+
+def _entry(key: str, **kw):
+    return dict(outer=lambda h: h[key].update(**kw))
+
+
+def _same_bytes_as(key: str, other: str):
+    return dict(outer=lambda h: h[key].update(data_offsets=h[other]["data_offsets"]))
+
+
+def _swap_offsets(a: str, b: str):
+    def edit(h):
+        h[a]["data_offsets"], h[b]["data_offsets"] = h[b]["data_offsets"], h[a]["data_offsets"]
+
+    return dict(outer=edit)
+
+
+W2 = "model/2.weight"  # 32 x 128 float32: as many bytes as W
+RANK_EDITS = {
+    "a list as a piece": dict(manifest=lambda m: m["pieces"].update({W: []})),
+    "a non-empty list as a piece": dict(manifest=lambda m: m["pieces"].update({W: [0, 128]})),
+    "a string as a piece": dict(manifest=lambda m: m["pieces"].update({W: "rows"})),
+    "a list as pieces": dict(manifest=lambda m: m.update(pieces=[])),
+    "a list as manifest": dict(manifest_text=lambda t: "[]"),
+    "rows 0..127": _piece(W, rows=[0, 127]),
+    "rows as strings": _piece(W, rows=["0", "128"]),
+    "rows 1..129": _piece(W, rows=[1, 129]),
+    "block_rows 0": _piece(W, block_rows=0),
+    "block_rows 1": _piece(W, block_rows=1),
+    "block_rows 2**70": _piece(W, block_rows=2**70),
+    "checksums a string": _piece(W, checksums="sha256:0"),
+    "checksums numbers": _piece(W, checksums=[0]),
+    "no checksums": _piece(W, checksums=[]),
+    "another block's checksum": dict(
+        manifest=lambda m: m["pieces"][W].update(checksums=m["pieces"][W2]["checksums"])
+    ),
+    "another save id": dict(manifest=lambda m: m.update(save_id="0badc0de")),
+    "rank 1": dict(manifest=lambda m: m.update(rank=1)),
+    "rank true": dict(manifest=lambda m: m.update(rank=True)),
+    "no save id": dict(manifest=lambda m: m.pop("save_id")),
+    "an extra piece": dict(manifest=lambda m: m["pieces"].update({"model/x": m["pieces"][W]})),
+    "a piece missing": dict(manifest=lambda m: m["pieces"].pop(W)),
+    "manifest not JSON": dict(manifest_text=lambda t: t[:-1]),
+    "manifest 100 deep": dict(manifest_text=lambda t: t[:-1] + ',"x":' + _deep(100) + "}"),
+    "manifest 10**5 deep": dict(manifest_text=lambda t: t[:-1] + ',"x":' + _deep(10**5) + "}"),
+    "manifest NaN": dict(manifest_text=lambda t: t.replace('"rank":0', '"rank":NaN', 1)),
+    "manifest duplicate key": dict(manifest_text=lambda t: t.replace('"rank":0', '"rank":0,"rank":1', 1)),
+    "manifest lone surrogate": dict(manifest_text=lambda t: t[:-1] + ',"x":"\ud800"}'),
+    "manifest in a lone surrogate": dict(manifest_text=lambda t: t + "\udcff"),
+    "metadata a list": dict(outer=lambda h: h.update(__metadata__=["x"])),
+    "metadata a string": dict(outer=lambda h: h.update(__metadata__="x")),
+    "no manifest": dict(outer=lambda h: h["__metadata__"].pop(rank_files.MANIFEST_KEY)),
+    "manifest a number": dict(outer=lambda h: h["__metadata__"].update({rank_files.MANIFEST_KEY: 7})),
+    "tensor entry a list": dict(outer=lambda h: h.update({W: ["F32"]})),
+    "tensor entry a string": dict(outer=lambda h: h.update({W: "F32"})),
+    "tensor entry missing": dict(outer=lambda h: h.pop(W)),
+    "F16 in the file": _entry(W, dtype="F16"),
+    "U8 in the file": _entry(W, dtype="U8"),
+    "dtype a number": _entry(W, dtype=7),
+    "shape 64 x 32": _entry(W, shape=[64, 32]),
+    "shape 128 x 32 x 1": _entry(W, shape=[128, 32, 1]),
+    "shape flat": _entry(W, shape=[4096]),
+    "shape strings": _entry(W, shape=["128", "32"]),
+    "offsets past the file": _entry(W, data_offsets=[0, 2**62]),
+    "offsets negative": _entry(W, data_offsets=[-16384, 0]),
+    "offsets floats": _entry(W, data_offsets=[0.0, 16384.0]),
+    "offsets reversed": dict(outer=lambda h: h[W].update(data_offsets=h[W]["data_offsets"][::-1])),
+    "offsets one short": dict(
+        outer=lambda h: h[W]["data_offsets"].__setitem__(1, h[W]["data_offsets"][1] - 4)
+    ),
+    "offsets a string": _entry(W, data_offsets="0-16384"),
+    "the bytes of another tensor": _same_bytes_as(W, W2),
+    "offsets swapped with another": _swap_offsets(W, W2),
+    "header length 2**63": dict(raw=lambda b: struct.pack("<Q", 2**63) + b[8:]),
+    "header length past the file": dict(raw=lambda b: struct.pack("<Q", len(b)) + b[8:]),
+    "header not UTF-8": dict(raw=lambda b: b[:8] + b"\xff" + b[9:]),
+    "truncated in the data": dict(raw=lambda b: b[:-100]),
+    "4 KiB appended": dict(raw=lambda b: b + bytes(4096)),
+}
+
+
+def test_rank_file_edits_with_the_root_recomputed(one, tmp_path, capsys):
+    cases = []
+    for name, edit in RANK_EDITS.items():
+        root, files = _rank_edit(one, **edit)
+        cases.append((name, root, files, []))
+    wrong = []
+    # appended bytes no piece points at are harmless (the root's size claim covers them)
+    counts = _run(cases, one, tmp_path, capsys, wrong, strict_inspect=False, allow_same={"4 KiB appended"})
+    assert not wrong, "\n".join(wrong)
+    print(f"rank file edits, the root's size and manifest sha256 recomputed: {len(cases)}, {dict(counts)}")
+    assert counts["refused"] >= len(cases) - 1

@@ -101,8 +101,9 @@ class _File:
             _, self.start, self.st_header = container.read_head(url, url)
         except FileNotFoundError:
             raise shards.ShardMissing(f"{root}: rank file {entry['file']} is missing") from None
-        text = (self.st_header.get("__metadata__") or {}).get(rank_files.MANIFEST_KEY)
-        if not isinstance(text, str) or hashlib.sha256(text.encode()).hexdigest() != entry["manifest_sha256"]:
+        meta = self.st_header.get("__metadata__")
+        text = meta.get(rank_files.MANIFEST_KEY) if isinstance(meta, dict) else None
+        if not isinstance(text, str) or _sha256_hex(text) != entry["manifest_sha256"]:
             raise CheckpointError(
                 f"{root}: checksum mismatch for the manifest of {entry['file']}: the file is corrupt"
             )
@@ -122,10 +123,10 @@ class _File:
         if set(pieces) != set(keys):
             raise CheckpointError(f"{root}: {entry['file']} holds other tensors than the root assigns to it")
         for key, (rows, info) in keys.items():
-            p = pieces[key]
+            p = pieces[key] if isinstance(pieces[key], dict) else {}
             shape, itemsize = info["shape"], schema.DTYPES[info["dtype"]][1]
             n = rows[1] - rows[0]
-            sums = p.get("checksums") if isinstance(p, dict) else None
+            sums = p.get("checksums")
             if (
                 p.get("rows") != list(rows)
                 or p.get("block_rows") != block_rows([n, *shape[1:]], itemsize)
@@ -136,7 +137,7 @@ class _File:
                 raise CheckpointError(
                     f"{root}: the manifest of {entry['file']} disagrees with the root for {key!r}"
                 )
-            st = self.st_header.get(key) or {}
+            st = self.st_header.get(key) if isinstance(self.st_header.get(key), dict) else {}
             want_shape = [n, *shape[1:]] if shape else []
             if st.get("dtype") != schema.DTYPES[info["dtype"]][0] or st.get("shape") != want_shape:
                 raise CheckpointError(
@@ -228,6 +229,14 @@ class _Reader:
             raise CheckpointError(
                 f"{self.url}: checksum mismatch for tensor {key!r}: its pieces are not the saved ones"
             )
+
+
+def _sha256_hex(text: str) -> str | None:
+    """sha256 of `text` as UTF-8; None for a text that is not (a JSON-escaped lone surrogate)."""
+    try:
+        return hashlib.sha256(text.encode("utf-8")).hexdigest()
+    except UnicodeEncodeError:
+        return None
 
 
 def _rank_url(root: str, name: str) -> str:
