@@ -25,7 +25,7 @@ from coatstate.formats.schema import CheckpointError
 from test_hostile_input import _bits, _deadline, _with_header
 
 from coatstate import checkpoint as ck
-from coatstate.checkpoint import rank_files, rank_read
+from coatstate.checkpoint import container, rank_files, rank_read
 from coatstate.cli import main as cli
 from coatstate.optim import CompressedAdamW
 
@@ -165,9 +165,9 @@ def _cli_line(argv, capsys) -> tuple[int, str]:
     return code, err
 
 
-def _judge(saved: Saved, target: Target, d, capsys, strict_inspect: bool, outside=()) -> str:
+def _judge(saved: Saved, target: Target, d, capsys, strict_inspect: bool, outside=(), full=True) -> str:
     """'refused' or 'same' for the checkpoint in directory `d`, after checking load, read and the
-    CLI; `outside`: paths that must never be opened (the case points at them)."""
+    CLI (not `full`: load, read and inspect --verify); `outside`: paths never to be opened."""
     global _OPENED
     url = str(d / "ckpt.safetensors")
     _OPENED = []
@@ -181,27 +181,27 @@ def _judge(saved: Saved, target: Target, d, capsys, strict_inspect: bool, outsid
                 assert url in str(e), str(e)
                 read_ok = False
             assert read_ok or outcome == "refused", f"{url}: loads but read() refuses it"
-            _unverified_and_partial_reads(url)
-            codes = {
-                "inspect": _cli_line(["inspect", url], capsys)[0],
-                "verify": _cli_line(["inspect", url, "--verify"], capsys)[0],
-                "convert": _cli_line(["convert", url, str(d / "out.safetensors")], capsys)[0],
-            }
+            codes = {"verify": _cli_line(["inspect", url, "--verify"], capsys)[0]}
+            if full:
+                _unverified_and_partial_reads(url)
+                codes["inspect"] = _cli_line(["inspect", url], capsys)[0]
+                codes["convert"] = _cli_line(["convert", url, str(d / "out.safetensors")], capsys)[0]
     finally:
         opened, _OPENED = _OPENED, None
     leaks = [p for p in opened for o in outside if os.path.realpath(p).startswith(os.path.realpath(o))]
     assert not leaks, f"{url}: opened {leaks[:3]} outside the checkpoint's directory"
     if outcome == "refused":
-        assert codes["verify"] == codes["convert"] == 1, (url, codes)
-        assert codes["inspect"] == 1 or not strict_inspect, (url, codes)
+        assert codes["verify"] == codes.get("convert", 1) == 1, (url, codes)
+        assert codes.get("inspect", 1) == 1 or not strict_inspect, (url, codes)
     else:
         assert set(codes.values()) == {0}, (url, codes)
     return outcome
 
 
 def _unverified_and_partial_reads(url: str) -> None:
-    """read(verify=False), and the second half of every tensor's rows as a rank of a sharded
-    load reads them (rank_read's range reads): a CheckpointError naming the root, or data."""
+    """read(verify=False), and the second half of the rows of the model's and the first
+    parameter's tensors as a rank of a sharded load reads them (rank_read's range reads): a
+    CheckpointError naming the root, or data."""
     try:
         ck.read(url, verify=False)
     except CheckpointError as e:
@@ -212,6 +212,8 @@ def _unverified_and_partial_reads(url: str) -> None:
         assert url in str(e), str(e)
         return
     for key, info in header["tensors"].items():  # a reader each: no file checked by another key
+        if not key.startswith(("model/", "state/0/")):
+            continue
         rows = rank_files.num_rows(info["shape"])
         try:
             rank_read._Reader(url, header, verify=True).rows(key, rows // 2, rows)
@@ -230,7 +232,7 @@ def _load(saved: Saved, target: Target, url: str) -> str:
     return "same"
 
 
-def _run(cases, saved: Saved, tmp_path, capsys, wrong: list, strict_inspect=True, allow_same=()) -> Counter:
+def _run(cases, saved: Saved, tmp_path, capsys, wrong: list, strict_inspect=True, allow_same=(), full=True):
     """Judge every (name, root bytes, files, outside) case, adding what went wrong to `wrong`;
     a fresh target after each load."""
     target, outcomes = Target(saved.make_target), Counter()
@@ -239,7 +241,7 @@ def _run(cases, saved: Saved, tmp_path, capsys, wrong: list, strict_inspect=True
         if callable(outside):  # a case that sets up special files in its directory
             outside = outside(d)
         try:
-            outcome = _judge(saved, target, d, capsys, strict_inspect, outside)
+            outcome = _judge(saved, target, d, capsys, strict_inspect, outside, full)
         except Exception as e:  # noqa: BLE001 - every case is run; all failures reported at once
             wrong.append(f"{name}: {type(e).__name__}: {' '.join(str(e).split())[:300]}")
             target = Target(saved.make_target)
@@ -396,6 +398,18 @@ ROOT_EDITS = {
         ),
         "manifest sha256 a number": _file0(manifest_sha256=0),
         "no manifest sha256": _index(lambda p: p["files"][0].pop("manifest_sha256")),
+        "a zstd encoding": lambda h: h["tensors"][W].update(encoding="zstd", stored_bytes=16384),
+        "a zstd encoding of the step": lambda h: h["tensors"]["state/0/step"].update(
+            encoding="zstd", stored_bytes=4
+        ),
+        "a step of 0 rows": lambda h: (
+            h["tensors"]["state/0/step"].update(shape=[0]),
+            _split_of("state/0/step", [])(h),
+        ),
+        "a step of 2 rows": lambda h: (
+            h["tensors"]["state/0/step"].update(shape=[2]),
+            _split_of("state/0/step", [[0, 0, 2]])(h),
+        ),
         "tensor checksum of another": lambda h: h["tensors"][W].update(
             checksum=h["tensors"]["model/2.weight"]["checksum"]
         ),
@@ -412,7 +426,14 @@ def _fill(obj, **values):
     return [_fill(v, **values) for v in obj] if isinstance(obj, list) else obj
 
 
-def test_root_edits_with_a_valid_checksum_are_refused(one, tmp_path, capsys):
+def _no_zstandard():
+    raise ImportError("zstandard is not installed (simulated)")
+
+
+def test_root_edits_with_a_valid_checksum_are_refused(one, tmp_path, capsys, monkeypatch):
+    # a per-rank root never needs zstd: an install without the optional package must refuse a
+    # root that claims it with a CheckpointError too
+    monkeypatch.setattr(container, "_zstd", _no_zstandard)
     outside = tmp_path / "outside"
     outside.mkdir()
     for n, data in one.data.items():  # a real copy out there: opening it would load fine
@@ -655,3 +676,104 @@ def test_rank_file_edits_with_the_root_recomputed(one, tmp_path, capsys):
     assert not wrong, "\n".join(wrong)
     print(f"rank file edits, the root's size and manifest sha256 recomputed: {len(cases)}, {dict(counts)}")
     assert counts["refused"] >= len(cases) - 1
+
+
+# ------------------------------------------------------------------ bit flips, truncations
+def _flips(data: bytes, ranges, count: int, seed: int):
+    """`count` copies of `data` with one bit flipped, spread over the byte `ranges`."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for j in range(count):
+        lo, hi = ranges[j % len(ranges)]
+        pos, bit = int(torch.randint(lo, hi, (1,), generator=g)), int(torch.randint(0, 8, (1,), generator=g))
+        flipped = bytearray(data)
+        flipped[pos] ^= 1 << bit
+        out.append((pos, bytes(flipped)))
+    return out
+
+
+def test_bit_flips_and_truncations_are_refused_or_harmless(one, tmp_path, capsys):
+    name = one.files[0]
+    data = one.data[name]
+    head_end = 8 + struct.unpack("<Q", data[:8])[0]
+    cases = [
+        (f"rank flip at {pos}", None, {name: b}, [])
+        for pos, b in _flips(data, [(0, head_end), (head_end, len(data))], 64, seed=5)
+    ]
+    cases += [
+        (f"root flip at {pos}", b, None, []) for pos, b in _flips(one.root, [(0, len(one.root))], 12, 6)
+    ]
+    cuts = sorted({0, 4, 7, 8, 9, head_end - 1, head_end, *(round(i * len(data) / 6) for i in range(1, 6))})
+    for cut in cuts:
+        cases.append((f"cut at {cut}", None, {name: data[:cut]}, []))
+        root = _root_claims(one, bytes=cut)  # the size claim agreeing: the reader sees the rest
+        cases.append((f"cut at {cut}, size claimed", root, {name: data[:cut]}, []))
+    wrong = []
+    counts = _run(
+        cases, one, tmp_path, capsys, wrong, allow_same={c[0] for c in cases if "flip" in c[0]}, full=False
+    )
+    assert not wrong, "\n".join(wrong)
+    print(
+        f"per-rank bit flips: 64 in the rank file ({head_end} header bytes, {len(data) - head_end} data), "
+        f"12 in the root; truncations at {len(cuts)} offsets, with and without the size claimed: "
+        f"{len(cases)} cases, {dict(counts)}"
+    )
+    assert counts["refused"] >= len(cases) - 6  # a flip in header padding or JSON whitespace loads
+
+
+# ----------------------------------------------------------------------- two rank files
+K = "model/2.weight"  # 131 rows: 66 in rank 0's file, 65 in rank 1's
+
+
+def _cut(fn):
+    """An edit of K's split given as fn(its boundary row) -> new pieces."""
+
+    def edit(h):
+        p = h["per_rank"]
+        b = p["splits"][p["tensor_splits"][K]][0][2]
+        _split_of(K, fn(b))(h)
+
+    return edit
+
+
+TWO_RANK_EDITS = {
+    "files swapped": _index(lambda p: p["files"].reverse()),
+    "pieces' files swapped": _cut(lambda b: [[1, 0, b], [0, b, 131]]),
+    "boundary moved down": _cut(lambda b: [[0, 0, b - 1], [1, b - 1, 131]]),
+    "boundary moved up": _cut(lambda b: [[0, 0, b + 1], [1, b + 1, 131]]),
+    "overlap across files": _cut(lambda b: [[0, 0, b], [1, b - 6, 131]]),
+    "gap across files": _cut(lambda b: [[0, 0, b - 6], [1, b, 131]]),
+    "both pieces in file 0": _cut(lambda b: [[0, 0, b], [0, b, 131]]),
+    "second piece dropped": _cut(lambda b: [[0, 0, b]]),
+    "a third piece past the rows": _cut(lambda b: [[0, 0, b], [1, b, 131], [1, 131, 140]]),
+    "file 1 listed twice": _index(lambda p: p["files"].append(dict(p["files"][1]))),
+    "file 1 as rank 0": _index(lambda p: p["files"][1].update(rank=0)),
+    "world_size 1": _index(lambda p: p.update(world_size=1)),
+    "file 1's manifest sha256 for file 0": _index(
+        lambda p: p["files"][1].update(manifest_sha256=p["files"][0]["manifest_sha256"])
+    ),
+    "K on the split of a 64-row tensor": lambda h: h["per_rank"]["tensor_splits"].update(
+        {K: h["per_rank"]["tensor_splits"]["model/0.weight"]}
+    ),
+}
+
+
+def test_two_rank_files_edited_are_refused(two, tmp_path, capsys):
+    f0, f1 = two.files
+    cases = [(name, _with_header(two.root, edit=edit), None, []) for name, edit in TWO_RANK_EDITS.items()]
+    # file 1 holding file 0's bytes, the root's claims of it recomputed to match
+    entry0 = ck.read_header(two.path)["per_rank"]["files"][0]
+    claims = {k: entry0[k] for k in ("bytes", "manifest_sha256")}
+    copy_root = _with_header(two.root, edit=_index(lambda p: p["files"][1].update(**claims)))
+    cases.append(("file 1 a copy of file 0", copy_root, {f1: two.data[f0]}, []))
+    cases.append(("file 1 missing", None, {f1: None}, []))
+    cases.append(("file 1 truncated", None, {f1: two.data[f1][:-8]}, []))
+    flipped = bytearray(two.data[f1])
+    flipped[len(flipped) // 2] ^= 4
+    cases.append(("file 1 with a bit flipped", None, {f1: bytes(flipped)}, []))
+    cases.append(("a manifest piece of file 1 moved", *_rank_edit(two, 1, **_piece(K, rows=[64, 129])), []))
+    wrong = []
+    counts = _run(cases, two, tmp_path, capsys, wrong, strict_inspect=False)
+    assert not wrong, "\n".join(wrong)
+    print(f"two rank files (FSDP2 on 2 gloo ranks) edited: {len(cases)} cases, {dict(counts)}")
+    assert counts["refused"] == len(cases)

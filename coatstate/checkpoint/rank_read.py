@@ -71,6 +71,8 @@ def check_index(header: dict[str, Any], where: str) -> dict[str, Any]:
     if set(tensor_splits) != set(header["tensors"]):
         fail("tensor_splits must name exactly the header's tensors")
     for key, s in tensor_splits.items():
+        if header["tensors"][key].get("encoding") is not None:  # (zstd may not even be installed)
+            fail(f"tensor_splits[{key!r:.80}]: a tensor read by row ranges cannot be encoded")
         if not (_is_int(s) and s < len(splits) and isinstance(splits[s], list)):
             fail(f"tensor_splits[{key!r:.80}] must index splits")
         end = 0
