@@ -777,3 +777,53 @@ def test_two_rank_files_edited_are_refused(two, tmp_path, capsys):
     assert not wrong, "\n".join(wrong)
     print(f"two rank files (FSDP2 on 2 gloo ranks) edited: {len(cases)} cases, {dict(counts)}")
     assert counts["refused"] == len(cases)
+
+
+# ------------------------------------------------------------ files that change mid-read
+def test_rank_files_changed_between_the_check_and_the_read(one, tmp_path):
+    """The reader checks a rank file's head, then range-reads its rows by path: a file removed,
+    cut or replaced by a FIFO in between is a CheckpointError naming the root (ShardMissing,
+    which read() retries on a replaced root, for a removed one)."""
+    from coatstate.checkpoint.shards import ShardMissing
+
+    d = _case(tmp_path, one, "mid-read")
+    url, path = str(d / "ckpt.safetensors"), d / one.files[0]
+    changes = {
+        "removed": (path.unlink, ShardMissing),
+        "cut": (lambda: path.write_bytes(one.data[one.files[0]][:4096]), CheckpointError),
+        "a FIFO": (lambda: (path.unlink(), os.mkfifo(path)), CheckpointError),
+    }
+    for name, (change, error) in changes.items():
+        reader = rank_read._Reader(url, ck.read_header(url), verify=True)
+        reader.file(0)  # its head checked
+        change()
+        with _deadline(10, name), pytest.raises(error) as info:
+            reader.rows(W, 0, 128)
+        assert str(info.value).startswith(url), (name, str(info.value))
+        path.unlink(missing_ok=True)
+        path.write_bytes(one.data[one.files[0]])
+
+
+def test_a_reader_rereads_a_per_rank_root_replaced_mid_read(tmp_path, monkeypatch):
+    """A per-rank save commits (and removes the old rank files) between this reader's check of
+    the old files and its range reads: read() reads the new root."""
+    url = str(tmp_path / "r.safetensors")
+    first = {
+        "state": {0: {"step": torch.tensor(1.0), "exp_avg": torch.ones(64, 64)}},
+        "param_groups": [{"params": [0]}],
+    }
+    second = {
+        "state": {0: {"step": torch.tensor(2.0), "exp_avg": torch.ones(64, 64)}},
+        "param_groups": [{"params": [0]}],
+    }
+    ck.save(first, url, distributed="per_rank")
+    real, raced = rank_read._read_into, []
+
+    def racing(*args):
+        if not raced:
+            raced.append(True)
+            ck.save(second, url, distributed="per_rank")
+        return real(*args)
+
+    monkeypatch.setattr(rank_read, "_read_into", racing)
+    assert ck.read(url).optimizer["state"][0]["step"].item() == 2.0 and raced

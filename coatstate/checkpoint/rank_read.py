@@ -210,14 +210,22 @@ class _Reader:
         begin = f.start + container.tensor_span(f.st_header, key, f.data_bytes, f.url)[0] + r0 * per_row
         direct = (r0, r1) == (a, b)
         buf = dest if direct else memoryview(bytearray((r1 - r0) * per_row))
-        _read_into(f.url, begin, buf)
+        name = os.path.basename(f.url)
+        try:  # the file may have changed since its head was checked (a newer save removes it)
+            _read_into(f.url, begin, buf)
+        except FileNotFoundError:
+            raise shards.ShardMissing(f"{self.url}: rank file {name} is missing") from None
+        except OSError as e:
+            raise CheckpointError(f"{self.url}: cannot read rank file {name} ({e.strerror or e})") from None
+        except CheckpointError as e:
+            raise CheckpointError(f"{self.url}: rank file {e}") from None
         if self.verify:
             for j in range(r0 // step, -(-r1 // step)):
                 lo, hi = (j * step - r0) * per_row, (min((j + 1) * step, e - s) - r0) * per_row
                 if schema.checksum(buf[lo:hi]) != p["checksums"][j]:
                     raise CheckpointError(
                         f"{self.url}: checksum mismatch for rows {s + j * step}.. of {key!r} in "
-                        f"{os.path.basename(f.url)}: the file is corrupt"
+                        f"{name}: the file is corrupt"
                     )
         if not direct:
             dest[:] = buf[(a - r0) * per_row : (b - r0) * per_row]
