@@ -450,3 +450,20 @@ def test_resume_on_cuda_is_bit_exact(tmp_path):
     assert opt2.state_dict()["state"][0]["exp_avg_codes"].is_cuda
     steps(model2, opt2, xs[3:])
     _assert_same(model.state_dict(), model2.state_dict(), "params after resume on CUDA")
+
+
+def test_a_lone_surrogate_in_the_header_is_a_checkpoint_error(tmp_path):
+    """A header no writer of ours makes (a lone UTF-16 surrogate cannot be UTF-8 encoded, so its
+    checksum cannot be computed): one CheckpointError, not a UnicodeEncodeError."""
+    model = _model()
+    opt = CompressedAdamW(model.parameters(), min_numel=1)
+    path = tmp_path / "c.safetensors"
+    ck.save(opt, path, model=model)
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    st = json.loads(data[8 : 8 + n])
+    st["__metadata__"][schema.METADATA_KEY] = st["__metadata__"][schema.METADATA_KEY][:-1] + ',"x":"\ud800"}'
+    head = json.dumps(st).encode()  # ensure_ascii: the surrogate travels as the escape \ud800
+    path.write_bytes(len(head).to_bytes(8, "little") + head + data[8 + n :])
+    with pytest.raises(CheckpointError, match="header checksum mismatch"):
+        ck.read(path)
