@@ -467,3 +467,12 @@ def test_a_lone_surrogate_in_the_header_is_a_checkpoint_error(tmp_path):
     path.write_bytes(len(head).to_bytes(8, "little") + head + data[8 + n :])
     with pytest.raises(CheckpointError, match="header checksum mismatch"):
         ck.read(path)
+
+
+@pytest.mark.parametrize("layout", ["gathered", "per_rank"])
+def test_a_missing_directory_is_named_before_anything_is_written(tmp_path, layout):
+    model = _model()
+    opt = CompressedAdamW(model.parameters(), min_numel=1)
+    with pytest.raises(FileNotFoundError, match="directory .* does not exist"):
+        ck.save(opt, tmp_path / "missing" / "c.safetensors", distributed=layout)
+    assert not (tmp_path / "missing").exists()

@@ -103,6 +103,7 @@ def save(
     as its other collectives. `header`: the checkpoint header without checksums (global shapes).
     """
     rank, world_size = _world()
+    storage.check_directory(url)
     pieces = rank_files.local_pieces(tensors, rank)  # refuses placements it cannot store, before any I/O
     save_id = distributed.broadcast_from_main(uuid.uuid4().hex[:8])
     if blocking:

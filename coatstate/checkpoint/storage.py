@@ -157,6 +157,14 @@ class _HalfwayHook(io.RawIOBase):
         return n
 
 
+def check_directory(url: str) -> None:
+    """A save to a local path whose directory is missing fails before anything is written."""
+    fs, path = url_to_fs(url)
+    directory = os.path.dirname(path) or "."
+    if is_local(fs) and not os.path.isdir(directory):
+        raise FileNotFoundError(f"cannot save to {url}: directory {directory} does not exist")
+
+
 def atomic_write(url: str, write: Callable[[BinaryIO], Any], total_hint: int = 0) -> None:
     """Write `url` so that readers see the old object or the complete new one, never a mix.
 
@@ -170,9 +178,8 @@ def atomic_write(url: str, write: Callable[[BinaryIO], Any], total_hint: int = 0
     tmp = sibling(fs, path, tmp_name)
     hooked = (lambda f: _HalfwayHook(f, total_hint)) if os.environ.get(TEST_PAUSE_ENV) else (lambda f: f)
     if is_local(fs):
+        check_directory(url)
         directory = os.path.dirname(path) or "."
-        if not os.path.isdir(directory):
-            raise FileNotFoundError(f"cannot save to {url}: directory {directory} does not exist")
         try:
             with open(tmp, "wb") as f:
                 write(hooked(f))
