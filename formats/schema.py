@@ -18,8 +18,14 @@ import torch
 
 FORMAT_NAME = "coatstate.checkpoint"
 """The magic: the `format` field of every header."""
-FORMAT_VERSION = 1
-"""Bumped on any change an older reader would misread; readers refuse newer versions."""
+FORMAT_VERSION = 2
+"""The newest version this library reads; readers refuse newer ones. Bumped on any change an
+older reader would misread. 2: per-rank roots (a `per_rank` index, docs/CHECKPOINT.md); every
+other file is still written as version 1, which readers of 0.1 read."""
+SINGLE_FILE_FORMAT_VERSION = 1
+"""What a single-file or sharded checkpoint is written as."""
+PER_RANK_FORMAT_VERSION = 2
+"""What a per-rank root is written as: 0.1 readers refuse it by its version, with a clear error."""
 METADATA_KEY = "coatstate"
 """safetensors metadata key holding the JSON header."""
 HEADER_CHECKSUM_KEY = "coatstate.header_sha256"

@@ -130,7 +130,8 @@ def test_uncompressed_file_opens_with_safe_open_and_lists_documented_keys(tmp_pa
     expected |= {f"model/{n}" for n in model.state_dict()}
     assert keys == expected
     header = json.loads(meta["coatstate"])
-    assert header["format"] == "coatstate.checkpoint" and header["format_version"] == schema.FORMAT_VERSION
+    assert header["format"] == "coatstate.checkpoint"
+    assert header["format_version"] == schema.SINGLE_FILE_FORMAT_VERSION == 1  # what 0.1 readers read
     assert meta["coatstate.header_sha256"] == schema.header_checksum(meta["coatstate"])
 
 
@@ -352,7 +353,7 @@ def test_wrong_version_magic_and_missing_tensors_raise(compressed_file, tmp_path
     path, _, _ = compressed_file
     out = str(tmp_path / "e.safetensors")
     _rewrite_header(path, out, lambda h, t: h.update(format_version=schema.FORMAT_VERSION + 1))
-    with pytest.raises(CheckpointError, match="version 2 is not supported"):
+    with pytest.raises(CheckpointError, match=f"version {schema.FORMAT_VERSION + 1} is not supported"):
         ck.read(out)
     _rewrite_header(path, out, lambda h, t: h.update(format="something.else"))
     with pytest.raises(CheckpointError, match="not a coatstate checkpoint"):
@@ -476,3 +477,14 @@ def test_a_missing_directory_is_named_before_anything_is_written(tmp_path, layou
     with pytest.raises(FileNotFoundError, match="directory .* does not exist"):
         ck.save(opt, tmp_path / "missing" / "c.safetensors", distributed=layout)
     assert not (tmp_path / "missing").exists()
+
+
+def test_a_per_rank_root_is_version_2_and_a_version_1_reader_refuses_it(tmp_path, monkeypatch):
+    model = _model()
+    opt = CompressedAdamW(model.parameters(), min_numel=1)
+    url = tmp_path / "c.safetensors"
+    ck.save(opt, url, model=model, distributed="per_rank")
+    assert ck.read_header(url)["format_version"] == schema.PER_RANK_FORMAT_VERSION == 2
+    monkeypatch.setattr(schema, "FORMAT_VERSION", 1)  # coatstate 0.1's reader
+    with pytest.raises(CheckpointError, match="format version 2 is not supported.*upgrade coatstate"):
+        ck.read(url)

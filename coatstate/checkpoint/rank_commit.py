@@ -75,6 +75,7 @@ def root_header(header: dict[str, Any], reports: list[dict | None], save_id: str
         tensor_splits[key] = splits.setdefault(split, len(splits))
     if pieces:
         raise CheckpointError(f"ranks wrote tensors {sorted(pieces)[:3]} that the header does not list")
+    header["format_version"] = schema.PER_RANK_FORMAT_VERSION
     header["per_rank"] = {
         "save_id": save_id,
         "world_size": world_size,

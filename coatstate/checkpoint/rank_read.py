@@ -43,6 +43,8 @@ def check_index(header: dict[str, Any], where: str) -> dict[str, Any]:
         raise CheckpointError(f"{where}: invalid header: per_rank.{problem}")
 
     index = header["per_rank"]
+    if header.get("format_version") != schema.PER_RANK_FORMAT_VERSION:
+        fail(f"belongs to format version {schema.PER_RANK_FORMAT_VERSION} roots only")
     if not isinstance(index, dict) or header.get("shards") is not None or header.get("compression"):
         fail("must be an object, in a root without shards or compression")
     if not _is_int(index.get("world_size"), 1) or not isinstance(index.get("save_id"), str):
