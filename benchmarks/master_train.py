@@ -168,12 +168,12 @@ def report(rows: dict) -> None:
           f"{'B/param: w + corr + grad + mom = total':>40}")  # fmt: skip
     for name, r in rows.items():
         b = r["bytes_per_param"]
-        split = f"{b['weights']:.2f} + {b['correction']:.2f} + {b['gradients']:.2f} + {b['moments']:.2f} = {b['total']:.2f}"
+        parts = " + ".join(f"{b[k]:.2f}" for k in ("weights", "correction", "gradients", "moments"))
+        split = f"{parts} = {b['total']:.2f}"
         rel = f"{r['tokens_per_s'] / ref['tokens_per_s']:.3f}" if ref else "-"
-        print(
-            f"{name:<32} {r['tokens_per_s']:>9.0f} {r['tokens_per_s_min']:>8.0f}-{r['tokens_per_s_max']:<8.0f} "
-            f"{rel:>7} {r.get('peak_gib', float('nan')):>8.2f} {r.get('largest_batch_predicted', '-'):>9} {split:>40}"
-        )
+        spread = f"{r['tokens_per_s_min']:>8.0f}-{r['tokens_per_s_max']:<8.0f}"
+        peak, batch = r.get("peak_gib", float("nan")), r.get("largest_batch_predicted", "-")
+        print(f"{name:<32} {r['tokens_per_s']:>9.0f} {spread} {rel:>7} {peak:>8.2f} {batch:>9} {split:>40}")
 
 
 def main(argv=None) -> None:

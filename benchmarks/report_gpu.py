@@ -372,10 +372,11 @@ def section_master_train(data: dict, path: Path) -> str:
     return "\n".join(
         [
             "## A 1B Llama end to end per master-weight mode (GPU)",
-            f"{cfg['device']}, {data['date']}: {cfg['model_params'] / 1e9:.2f}B params, batch {cfg['batch']} x "
-            f"{cfg['seq']}, eager, {cfg['rounds']} interleaved rounds of {cfg['steps']} timed steps (median "
-            "[min-max]). *Largest batch: a linear fit of the peaks at batch 1 and at this batch to the card's "
-            "memory (predicted, not tried). Source: `python benchmarks/master_train.py` -> "
+            f"{cfg['device']}, {data['date']}: {cfg['model_params'] / 1e9:.2f}B params, batch "
+            f"{cfg['batch']} x {cfg['seq']}, eager, {cfg['rounds']} interleaved rounds of {cfg['steps']} "
+            "timed steps (median [min-max]). *Largest batch: a linear fit of the peaks at batch 1 and at "
+            "this batch to the card's memory (predicted, not tried). Source: "
+            "`python benchmarks/master_train.py` -> "
             f"`benchmarks/results/{path.name}`.",
             "",
             _md_table(head, table),
@@ -405,10 +406,11 @@ def section_checkpoint_scale(data: dict, path: Path) -> str:
     return "\n".join(
         [
             f"## Per-rank checkpoints at scale ({meta['device']})",
-            f"{meta['machine']}, {meta['date']}: {first['params'] / 1e6:.0f}M parameters, {first['bytes'] / 1e6:.0f} MB "
-            f"per checkpoint, {data['args']['rounds']} interleaved rounds, median [min-max]. `floor` writes and "
-            "fsyncs a file of the same size (the disk's bandwidth in the same run); `blocked` is the time the "
-            "training loop waits per save. Source: `python benchmarks/checkpoint_scale.py` -> "
+            f"{meta['machine']}, {meta['date']}: {first['params'] / 1e6:.0f}M parameters, "
+            f"{first['bytes'] / 1e6:.0f} MB per checkpoint, {data['args']['rounds']} interleaved rounds, "
+            "median [min-max]. `floor` writes and fsyncs a file of the same size (the disk's bandwidth in "
+            "the same run); `blocked` is the time the training loop waits per save. Source: "
+            "`python benchmarks/checkpoint_scale.py` -> "
             f"`benchmarks/results/{path.name}`.",
             "",
             _md_table(["ranks", "variant", "blocked s", "total s", "GB/s"], table),
