@@ -175,6 +175,44 @@ def _ddp_worker(rank, world_size, port, out):
     dist.destroy_process_group()
 
 
+def _one_rank_fails_worker(rank, world_size, port, out):
+    """Rank 1 alone cannot start (its directory check fails: a node-local disk), then cannot
+    take its lock: every rank must raise, none may wait in a collective for rank 1."""
+    import torch.distributed as dist
+
+    from coatstate.checkpoint import shards
+
+    _init(rank, world_size, port)
+    model = _model()
+    opt = coatstate.CompressedAdamW(model.parameters(), lr=LR)
+    _train(model, opt, 0, 1)
+    url = os.path.join(out, "c.safetensors")
+    check_directory, save_lock = storage.check_directory, shards._SaveLock
+
+    def fail(error):
+        def raising(*args):
+            raise error
+
+        return raising
+
+    if rank == 1:
+        storage.check_directory = fail(FileNotFoundError("no such disk here"))
+    for blocking in (True, False):
+        want = (
+            (FileNotFoundError, "no such disk") if rank == 1 else (coatstate.CheckpointError, "rank 1: File")
+        )
+        with pytest.raises(want[0], match=want[1]):
+            coatstate.save(opt, url, distributed="per_rank", blocking=blocking)
+    if rank == 1:
+        storage.check_directory, shards._SaveLock = check_directory, fail(PermissionError("read-only here"))
+    with pytest.raises(PermissionError if rank == 1 else coatstate.CheckpointError, match="read-only"):
+        coatstate.save(opt, url, distributed="per_rank")
+    shards._SaveLock = save_lock
+    assert not os.path.exists(url)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 # -------------------------------------------------------------------------------------- tests
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
@@ -300,3 +338,7 @@ def test_a_background_commit_waits_at_most_the_timeout(tmp_path, monkeypatch):
     rank_commit._put(rank_commit._marker_url(url, "0123abcd", 0, "done"), '{"report": null}')
     with pytest.raises(coatstate.CheckpointError, match=r"waiting for the files of ranks \[1\]"):
         rank_commit._collect(url, "0123abcd", 2)
+
+
+def test_a_rank_that_cannot_save_fails_every_rank_without_a_hang(tmp_path):
+    _start(_one_rank_fails_worker, 2, str(tmp_path))

@@ -104,9 +104,7 @@ def save(
     as its other collectives. `header`: the checkpoint header without checksums (global shapes).
     """
     rank, world_size = _world()
-    storage.check_directory(url)
-    pieces = rank_files.local_pieces(tensors, rank)  # refuses placements it cannot store, before any I/O
-    save_id = distributed.broadcast_from_main(uuid.uuid4().hex[:8])
+    pieces, save_id = _start(url, tensors, rank, world_size)
     if blocking:
         pieces = {k: (start, _cpu(t)) for k, (start, t) in pieces.items()}
         _save_blocking(url, pieces, header, metadata, save_id, rank, world_size)
@@ -117,6 +115,32 @@ def save(
         _save_in_background(url, pieces, header, metadata, save_id, rank, world_size)
 
     return background.start(url, work, ready)
+
+
+def _start(url: str, tensors: dict, rank: int, world_size: int) -> tuple[dict, str]:
+    """(this rank's pieces, the save id) once every rank can start. The local checks (the
+    directory, placements it cannot store) run before any I/O; then one collective tells every
+    rank whether all passed, since a rank that raised alone would leave the others waiting in
+    the save's next collective, and carries rank 0's fresh save id."""
+    pieces, error = {}, None
+    try:
+        storage.check_directory(url)
+        pieces = rank_files.local_pieces(tensors, rank)
+    except Exception as e:  # noqa: BLE001 - told to every rank below, then raised here
+        error = e
+    mine = (None if error is None else f"{type(error).__name__}: {error}", uuid.uuid4().hex[:8])
+    gathered: list[Any] = [mine]
+    if world_size > 1:
+        import torch.distributed as dist
+
+        gathered = [None] * world_size
+        dist.all_gather_object(gathered, mine)
+    if error is not None:
+        raise error
+    failed = [f"rank {r}: {problem}" for r, (problem, _) in enumerate(gathered) if problem]
+    if failed:
+        raise CheckpointError(f"{url}: the per-rank save cannot start ({'; '.join(failed)})")
+    return pieces, gathered[0][1]
 
 
 def _cpu(t):
@@ -155,10 +179,10 @@ def _snapshot(pieces: dict) -> tuple[dict, Any]:
 def _save_blocking(url, pieces, header, metadata, save_id: str, rank: int, world_size: int) -> None:
     import torch.distributed as dist
 
-    lock = shards._SaveLock(url, lock_id(save_id, rank))
-    report, error, outcome = None, None, None
+    report, error, outcome, lock = None, None, None, None
     try:
         try:
+            lock = shards._SaveLock(url, lock_id(save_id, rank))  # (in here: a failure is told to all)
             if pieces:
                 report = rank_files.write_rank_file(url, save_id, rank, world_size, pieces)
         except Exception as e:  # noqa: BLE001 - told to every rank below, then raised here
@@ -179,7 +203,8 @@ def _save_blocking(url, pieces, header, metadata, save_id: str, rank: int, world
                     outcome = f"rank 0 could not commit the root: {type(e).__name__}: {e}"
         outcome = distributed.broadcast_from_main(outcome)
     finally:
-        lock.release()
+        if lock is not None:
+            lock.release()
     if outcome is not None and report is not None:  # certainly not committed: this save's file goes
         storage.remove_quietly(url, [report["file"]])
     if error is not None:
