@@ -488,3 +488,22 @@ def test_a_per_rank_root_is_version_2_and_a_version_1_reader_refuses_it(tmp_path
     monkeypatch.setattr(schema, "FORMAT_VERSION", 1)  # coatstate 0.1's reader
     with pytest.raises(CheckpointError, match="format version 2 is not supported.*upgrade coatstate"):
         ck.read(url)
+
+
+def test_a_shard_symlinked_out_of_the_directory_is_refused(compressed_file, tmp_path):
+    """A shard must be a file of the root's directory: a symlink to a true copy elsewhere, or a
+    loop, is one CheckpointError before anything is read through it."""
+    _, sd, model_sd = compressed_file
+    inside, outside = tmp_path / "ckpt", tmp_path / "elsewhere"
+    inside.mkdir(), outside.mkdir()
+    path = str(inside / "s.safetensors")
+    ck.save(sd, path, model=model_sd, shard_size=20_000)
+    name = ck.read_header(path)["shards"][1]["file"]
+    os.replace(inside / name, outside / name)
+    os.symlink(outside / name, inside / name)  # the true bytes, out of the directory
+    with pytest.raises(CheckpointError, match="outside the checkpoint's directory"):
+        ck.read(path)
+    os.unlink(inside / name)
+    os.symlink(inside / name, inside / name)  # a loop
+    with pytest.raises(CheckpointError):
+        ck.read(path)

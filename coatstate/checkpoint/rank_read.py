@@ -172,7 +172,7 @@ class _Reader:
             if i not in self._files:
                 entry = self.index["files"][i]
                 try:
-                    url = _rank_url(self.url, entry["file"])
+                    url = storage.sibling_inside(self.url, entry["file"], "rank file")
                     self._files[i] = _File(url, self.url, entry, self.index, self._keys.get(i, {}))
                 except CheckpointError as e:  # e.g. from the rank file's own parser: name the root too
                     if str(e).startswith(self.url):
@@ -249,22 +249,6 @@ def _sha256_hex(text: str) -> str | None:
         return hashlib.sha256(text.encode("utf-8")).hexdigest()
     except UnicodeEncodeError:
         return None
-
-
-def _rank_url(root: str, name: str) -> str:
-    """Where rank file `name` of `root` is read from: a local one by its real path, which must be
-    in the root's directory (a symlink out of it is refused before anything is opened)."""
-    url = storage.sibling_url(root, name)
-    fs, path = storage.url_to_fs(url)
-    if not storage.is_local(fs):
-        return url
-    real = os.path.realpath(path)
-    directory = os.path.realpath(os.path.dirname(os.path.abspath(storage.url_to_fs(root)[1])))
-    if os.path.dirname(real) != directory:
-        raise CheckpointError(
-            f"{root}: rank file {name} resolves to {real}, outside the checkpoint's directory"
-        )
-    return real
 
 
 def _read_into(url: str, start: int, view: memoryview) -> None:

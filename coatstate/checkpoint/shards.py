@@ -264,7 +264,7 @@ def read(url: str, header: dict, verify: bool) -> dict:
     """All tensors of the shards the root's `header` names; ShardMissing when one is gone."""
     stored = {}
     for shard in header["shards"]:
-        shard_url = storage.sibling_url(url, shard["file"])
+        shard_url = storage.sibling_inside(url, shard["file"], "shard")
         try:
             data = storage.read_bytes(shard_url)
         except FileNotFoundError:

@@ -47,6 +47,23 @@ def sibling_url(url: str, name: str) -> str:
     return url[: len(url) - len(os.path.basename(url))] + name
 
 
+def sibling_inside(root: str, name: str, what: str) -> str:
+    """Where file `name` next to `root` (a shard, a rank file) is read from: a local one by its
+    real path, which must be in the root's directory (a symlink out of it is refused before
+    anything is opened); other filesystems have no symlinks, so their sibling URL."""
+    from coatstate.formats.schema import CheckpointError
+
+    url = sibling_url(root, name)
+    fs, path = url_to_fs(url)
+    if not is_local(fs):
+        return url
+    real = os.path.realpath(path)
+    directory = os.path.realpath(os.path.dirname(os.path.abspath(url_to_fs(root)[1])))
+    if os.path.dirname(real) != directory:
+        raise CheckpointError(f"{root}: {what} {name} resolves to {real}, outside the checkpoint's directory")
+    return real
+
+
 def _kind(mode: int) -> str:
     for test, name in (
         (stat.S_ISDIR, "a directory"),
