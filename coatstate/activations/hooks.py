@@ -6,37 +6,36 @@
     print(ctx.stats.summary())
 
 For torch.compile'd models, coatstate.CompiledActivations holds the same bytes without hooks: it
-rewrites the compiled graphs so that inductor fuses the packing into the model's kernels (no
-Python per saved tensor, which matters where a transformer's eager forward is host-bound). This
-context manager is the path for eager models.
+rewrites the compiled graphs so that inductor fuses the packing into the model's kernels (no Python per
+saved tensor, which matters where a transformer's eager forward is host-bound). This context manager is
+the path for eager models.
 
-How it works: a torch.autograd.graph.saved_tensors_hooks pair packs each saved tensor and
-unpacks it when backward needs it. The pack hook reads the op kind off the Python call site that
-is running the op (coatstate.activations.op_kinds, cached per site), and for ops that say
-nothing by themselves (a mul) off the innermost nn.Module.forward on the Python stack, so the
-policy (coatstate.activations.policy) can pick the granularity by op kind. Nothing runs per op
-that saves nothing (no TorchFunctionMode): host time goes into saved tensors only. On CUDA the
-Triton kernels of coatstate.kernels.activation do the work, elsewhere their pure-torch twins in
-coatstate.formats.activation.
+How it works: a torch.autograd.graph.saved_tensors_hooks pair packs each saved tensor and unpacks it
+when backward needs it. The pack hook reads the op kind off the Python call site that is running the op
+(coatstate.activations.op_kinds, cached per site), and for ops that say nothing by themselves (a mul)
+off the innermost nn.Module.forward on the Python stack, so the policy (coatstate.activations.policy)
+can pick the granularity by op kind. Nothing runs per op that saves nothing (no TorchFunctionMode): host
+time goes into saved tensors only. On CUDA the Triton kernels of coatstate.kernels.activation do the
+work, elsewhere their pure-torch twins in coatstate.formats.activation.
 
-Attention: scaled_dot_product_attention saves q, k and v before its output; which input is which
-is known only from the op's autograd node, reachable once the output is saved (its grad_fn). So
-the inputs wait (uncompressed, as they are anyway) until the same op saves its output, then q and
-k are packed first (a qkv storage shared with v takes their granularity) and v after. Backends
-that save no output of their own (the math fallback) hold every input as `attention_v_out`.
+Attention: scaled_dot_product_attention saves q, k and v before its output; which input is which is
+known only from the op's autograd node, reachable once the output is saved (its grad_fn). So the inputs
+wait (uncompressed, as they are anyway) until the same op saves its output, then q and k are packed
+first (a qkv storage shared with v takes their granularity) and v after. Backends that save no output of
+their own (the math fallback) hold every input as `attention_v_out`.
 
-What is compressed is a REGION of memory, not a tensor: a dense tensor's own bytes, or, for a
-strided view such as the q, k and v that split one qkv projection, the whole storage it views
-(when that storage is at most 4x the view; otherwise a contiguous copy of the view). Every later
-save of memory inside a held region (the same tensor saved by several ops, views, transposes, the
-k and v next to a q) shares it: the first save decides the granularity. In backward a region is
-unpacked once for all the views that autograd unpacks together (a weak cache).
+What is compressed is a REGION of memory, not a tensor: a dense tensor's own bytes, or, for a strided
+view such as the q, k and v that split one qkv projection, the whole storage it views (when that storage
+is at most 4x the view; otherwise a contiguous copy of the view). Every later save of memory inside a
+held region (the same tensor saved by several ops, views, transposes, the k and v next to a q) shares
+it: the first save decides the granularity. In backward a region is unpacked once for all the views that
+autograd unpacks together (a weak cache).
 
-Recomputed instead of stored: the output of an activation function (GELU, SiLU, ...) whose input
-the same call saved compressed, when a later op (the next linear) saves that output: backward
-applies the function again to the unpacked input (`ActivationPolicy.recompute`). The output is
-recognised by its autograd node (GeluBackward0, ...: _RECOMPUTABLE) and that node's sequence
-number, which the pack hook of the input noted.
+Recomputed instead of stored: the output of an activation function (GELU, SiLU, ...) whose input the
+same call saved compressed, when a later op (the next linear) saves that output: backward applies the
+function again to the unpacked input (`ActivationPolicy.recompute`). The output is recognised by its
+autograd node (GeluBackward0, ...: _RECOMPUTABLE) and that node's sequence number, which the pack hook
+of the input noted.
 
 What is never compressed (each is reported in `stats.kept_reasons`):
 - parameters, buffers and views or casts of them; tensors created before the context was entered (the
@@ -48,18 +47,17 @@ A kept tensor is stored detached with its version counter; if it was modified in
 backward, unpacking raises RuntimeError, as autograd itself would (saved-tensor hooks switch
 autograd's own check off). Compressed regions are snapshots taken at save time.
 
-Works with non-reentrant torch.utils.checkpoint (the region's tensors go to checkpoint's own
-hooks, which take precedence, and pass through). Around a torch.compile'd call the compiled
-graph saves its tensors when its forward returns (AOTAutograd's CompiledFunction.apply), all
-without grad_fn, so the eager rules above would keep every one: there the graph's inputs stay
-(alive anyway), tensors with a parameter's shape are taken for its autocast cast and kept, and the
-rest are packed with the policy's `compiled` granularity (16-bit) or `compiled_fp32` (float32,
-kept by default); the op kind is not visible. Compile per block (`block.compile()` for each
-transformer block), not the whole model: a graph saves all its tensors when it returns and
-unpacks them all when its backward starts, so around one whole-model graph the originals and the
-packed copies coexist and the peak rises above uncompressed (docs/benchmarks.md). Entering the context
-INSIDE a compiled function raises a RuntimeError instead of silently doing nothing.
-"""
+Works with non-reentrant torch.utils.checkpoint (the region's tensors go to checkpoint's own hooks,
+which take precedence, and pass through). Around a torch.compile'd call the compiled graph saves its
+tensors when its forward returns (AOTAutograd's CompiledFunction.apply), all without grad_fn, so the
+eager rules above would keep every one: there the graph's inputs stay (alive anyway), tensors with a
+parameter's shape are taken for its autocast cast and kept, and the rest are packed with the policy's
+`compiled` granularity (16-bit) or `compiled_fp32` (float32, kept by default); the op kind is not
+visible. Compile per block (`block.compile()` for each transformer block), not the whole model: a graph
+saves all its tensors when it returns and unpacks them all when its backward starts, so around one
+whole-model graph the originals and the packed copies coexist and the peak rises above uncompressed
+(docs/benchmarks.md). Entering the context INSIDE a compiled function raises a RuntimeError instead of
+silently doing nothing."""
 
 from __future__ import annotations
 
