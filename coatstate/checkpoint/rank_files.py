@@ -44,7 +44,8 @@ def rank_file_name(stem: str, save_id: str, rank: int, world_size: int) -> str:
 
 
 def rank_file_pattern(stem: str) -> re.Pattern:
-    """Rank files of `stem` (group 1: save id, group 2: rank), or their temp files (group 3)."""
+    """Rank files of `stem` and their temp files: group 1 the temp file's leading dot, group 2
+    the save id, group 3 the rank, group 4 the temp suffix."""
     return re.compile(
         r"(\.)?" + re.escape(stem) + r"-([0-9a-f]{8})-rank(\d{5})-of-\d{5}\.safetensors(\.tmp-[0-9a-f]{12})?"
     )
