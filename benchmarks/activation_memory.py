@@ -280,7 +280,10 @@ def main(argv=None) -> dict:
     variants, runners, fp8s = _variants(model, opt, batches, args, table)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    result = {"args": vars(args), "torch": torch.__version__, "method": "rounds", "rows": []}
+    from report_common import machine_meta
+
+    result = {"args": vars(args), "meta": machine_meta(device), "torch": torch.__version__}
+    result.update(method="rounds", rows=[])
     if device == "cuda":
         from coatstate.kernels import activation as activation_pack
 
