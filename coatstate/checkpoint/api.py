@@ -528,7 +528,7 @@ def load(
     validate.check_class(optimizer, (ckpt.header.get("optimizer") or {}).get("class"), has_codes, url)
     validate.check_optimizer(optimizer, ckpt, names, url)
     if model is not None:
-        (rank_read.check_model if local_model else validate.check_model)(model, ckpt.model, url)
+        validate.check_model(model, ckpt.model, url)
     compressed_optimizer = validate.is_compressed_optimizer(optimizer)
     try:
         if has_codes and not compressed_optimizer:

@@ -351,31 +351,6 @@ def read_local(url: str, header: dict[str, Any], optimizer, model=None) -> dict[
     return _parallel(header["tensors"], read)
 
 
-def check_model(model: torch.nn.Module, saved: dict[str, torch.Tensor] | None, where: str) -> None:
-    """validate.check_model for saved DTensors: keys, global shapes, dtypes copyable (locally)."""
-    if saved is None:
-        raise CheckpointError(f"{where}: holds no model state dict (save it with save(..., model=model))")
-    current = model.state_dict()
-    missing, unexpected = sorted(set(current) - set(saved)), sorted(set(saved) - set(current))
-    if missing or unexpected:
-        raise CheckpointError(
-            f"{where}: model keys differ: missing {missing[:5]}, unexpected {unexpected[:5]}"
-        )
-    for name, t in current.items():
-        s = saved[name]
-        if t.shape != s.shape:
-            raise CheckpointError(
-                f"{where}: model tensor {name} has shape {list(t.shape)} in the model but "
-                f"{list(s.shape)} in the checkpoint"
-            )
-        try:
-            torch.empty((), dtype=t.dtype).copy_(torch.zeros((), dtype=s.dtype))
-        except (RuntimeError, TypeError) as e:
-            raise CheckpointError(
-                f"{where}: model tensor {name} is {s.dtype} and cannot be copied into {t.dtype} ({e})"
-            ) from None
-
-
 def load_model(model: torch.nn.Module, saved: dict[str, torch.Tensor]) -> None:
     """Copy each saved tensor into the model: a DTensor's rows into its local shard."""
     with torch.no_grad():

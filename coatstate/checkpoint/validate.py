@@ -466,7 +466,8 @@ def check_optimizer(optimizer, ckpt, names: Mapping[int, str], where: str) -> No
 
 
 def check_model(model: torch.nn.Module, saved: Mapping[str, torch.Tensor] | None, where: str) -> None:
-    """Same keys and shapes, and each saved tensor copyable into the model's (tried on one element)."""
+    """Same keys and shapes, and each saved tensor's dtype copyable into the model's (tried on a
+    scalar of that dtype: a saved DTensor holding only this rank's rows is checked the same way)."""
     if saved is None:
         raise CheckpointError(f"{where}: holds no model state dict (save it with save(..., model=model))")
     current = model.state_dict()
@@ -485,7 +486,7 @@ def check_model(model: torch.nn.Module, saved: Mapping[str, torch.Tensor] | None
             )
         if s.numel():
             try:  # a copy the model's load_state_dict would refuse fails here, before anything is loaded
-                torch.empty((), dtype=t.dtype).copy_(s.reshape(-1)[0])
+                torch.empty((), dtype=t.dtype).copy_(torch.zeros((), dtype=s.dtype))
             except (RuntimeError, TypeError) as e:
                 raise CheckpointError(
                     f"{where}: model tensor {name} is {s.dtype} in the checkpoint and cannot be copied into "
