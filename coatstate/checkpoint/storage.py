@@ -51,8 +51,6 @@ def sibling_inside(root: str, name: str, what: str) -> str:
     """Where file `name` next to `root` (a shard, a rank file) is read from: a local one by its
     real path, which must be in the root's directory (a symlink out of it is refused before
     anything is opened); other filesystems have no symlinks, so their sibling URL."""
-    from coatstate.formats.schema import CheckpointError
-
     url = sibling_url(root, name)
     fs, path = url_to_fs(url)
     if not is_local(fs):
@@ -177,9 +175,16 @@ class _HalfwayHook(io.RawIOBase):
 def check_directory(url: str) -> None:
     """A save to a local path whose directory is missing fails before anything is written."""
     fs, path = url_to_fs(url)
+    if is_local(fs):
+        _existing_directory(path, url)
+
+
+def _existing_directory(path: str, url: str) -> str:
+    """The directory of local `path`, which must exist (the error names `url`)."""
     directory = os.path.dirname(path) or "."
-    if is_local(fs) and not os.path.isdir(directory):
+    if not os.path.isdir(directory):
         raise FileNotFoundError(f"cannot save to {url}: directory {directory} does not exist")
+    return directory
 
 
 def atomic_write(url: str, write: Callable[[BinaryIO], Any], total_hint: int = 0) -> None:
@@ -195,8 +200,7 @@ def atomic_write(url: str, write: Callable[[BinaryIO], Any], total_hint: int = 0
     tmp = sibling(fs, path, tmp_name)
     hooked = (lambda f: _HalfwayHook(f, total_hint)) if os.environ.get(TEST_PAUSE_ENV) else (lambda f: f)
     if is_local(fs):
-        check_directory(url)
-        directory = os.path.dirname(path) or "."
+        directory = _existing_directory(path, url)
         try:
             with open(tmp, "wb") as f:
                 write(hooked(f))
