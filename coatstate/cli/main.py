@@ -288,8 +288,6 @@ def _direction(args: argparse.Namespace) -> str:
     if args.to:
         return args.to
     src, dst = _ext(args.src), _ext(args.dst)
-    if args.master_bits is not None and src in ST_EXTENSIONS and dst in ST_EXTENSIONS:
-        return "keep"
     if os.path.isdir(args.src):  # a DCP directory: to .safetensors as it is, to .pt decompressed
         return "keep" if dst in ST_EXTENSIONS else "adamw"
     if src in PT_EXTENSIONS and dst in ST_EXTENSIONS:
