@@ -33,6 +33,7 @@ from report_common import (  # machine_meta: the CPU benchmarks import it from h
     _md_table,
     _running_mean,
     _save,
+    _spread,
     machine_meta,  # noqa: F401
     plot_loss_curves,
     provenance,
@@ -83,18 +84,15 @@ def _section_activation_rounds(data: dict, path: Path) -> str:
     args = data.get("args", {})
     shape = ", ".join(f"{k} {args[k]}" for k in ("arch", "layers", "dim", "seq", "batch") if k in args)
 
-    def cell(s, spec=".2f", suffix=""):
-        return "-" if not s else f"{s['median']:{spec}}{suffix} [{s['min']:{spec}}-{s['max']:{spec}}]"
-
     rows = [
         [
             r["variant"],
             _f(r["activation_bytes"] and r["activation_bytes"] / 1e9),
             _f(r.get("activation_vs_base"), ".3f") + ("x" if r.get("activation_vs_base") else ""),
-            cell(r["wall_ms"], ".1f"),
-            cell(r["wall_vs_base"], ".3f", "x"),
-            cell(r["kernel_ms"], ".1f"),
-            cell(r["kernel_vs_base"], ".3f", "x"),
+            _spread(r["wall_ms"], ".1f"),
+            _spread(r["wall_vs_base"], ".3f", "x"),
+            _spread(r["kernel_ms"], ".1f"),
+            _spread(r["kernel_vs_base"], ".3f", "x"),
             _f(r["busy"] and r["busy"]["median"]) + (" host-bound" if r["host_bound"] else ""),
         ]
         for r in data["rows"]
@@ -369,7 +367,8 @@ def section_whole_state_step(data: dict, path: Path) -> str:
         f"median of {m['rounds']} interleaved rounds of {m['steps']} back-to-back steps (spread min-max). "
         "Source: `python benchmarks/whole_state_step.py` -> `benchmarks/results/whole_state_step.json`.",
         "",
-        "| optimizer | weights | correction | grads | moments | total B | with release | floor ms | step ms | spread | first s |",
+        "| optimizer | weights | correction | grads | moments | total B | with release | floor ms | step ms "
+        "| spread | first s |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in data["rows"]:
@@ -380,7 +379,8 @@ def section_whole_state_step(data: dict, path: Path) -> str:
         out.append(
             f"| {r['name']} | {r['weights_B']:.2f} | {r['correction_B']:.2f} | {r['grads_B']:.2f} | "
             f"{r['moments_B']:.2f} | {r['total_B']:.2f} | {r['total_with_release_B']:.2f} | {floor} | "
-            f"{r['step_ms']:.2f} | {r['spread_ms'][0]:.2f}-{r['spread_ms'][1]:.2f} | {r['first_step_s']:.2f} |"
+            f"{r['step_ms']:.2f} | {r['spread_ms'][0]:.2f}-{r['spread_ms'][1]:.2f} | "
+            f"{r['first_step_s']:.2f} |"
         )
     return "\n".join(out + [""])
 

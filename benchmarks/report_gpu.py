@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from report_common import _f, _figure, _md_table, _save, provenance
+from report_common import _f, _figure, _md_table, _save, _spread, provenance
 
 
 def section_optimizer_step(data: dict, path: Path) -> str:
@@ -389,16 +389,13 @@ def section_checkpoint_scale(data: dict, path: Path) -> str:
     """benchmarks/checkpoint_scale.py: per-rank saves, blocking vs async vs DCP async_save."""
     meta, rows = data["meta"], data["rows"]
 
-    def spread(d: dict, digits: int) -> str:
-        return f"{d['median']:.{digits}f} [{d['min']:.{digits}f}-{d['max']:.{digits}f}]"
-
     table = [
         [
             str(r["world_size"]),
             r["variant"],
-            spread(r["blocked_s"], 3),
-            spread(r["total_s"], 3),
-            spread(r["gbps"], 2),
+            _spread(r["blocked_s"], ".3f"),
+            _spread(r["total_s"], ".3f"),
+            _spread(r["gbps"]),
         ]
         for r in rows
     ]
