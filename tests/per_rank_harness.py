@@ -19,7 +19,7 @@ from collections import Counter
 
 import torch
 from coatstate.formats.schema import CheckpointError
-from test_hostile_input import _bits, _deadline, _with_header
+from test_hostile_input import _bits, _deadline, _model, _train, _with_header
 
 from coatstate import checkpoint as ck
 from coatstate.checkpoint import rank_files, rank_read
@@ -39,18 +39,12 @@ sys.addaudithook(_audit)
 
 
 def small_model() -> torch.nn.Module:
-    torch.manual_seed(7)
-    # the weights get FP8 moments (codes and scales), the biases float32 ones
-    return torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.GELU(), torch.nn.Linear(128, 32))
+    """test_hostile_input's model (FP8 moments for the weights, float32 for the biases), seed 7."""
+    return _model(7)
 
 
-def small_train(model, opt, steps: int, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        x = torch.randn(4, 32, generator=g)
-        opt.zero_grad()
-        (model(x) - x).square().mean().backward()
-        opt.step()
+small_train = _train
+"""test_hostile_input's training loop: (model, opt, steps, seed)."""
 
 
 class Target:

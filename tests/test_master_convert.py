@@ -44,6 +44,11 @@ def _train(params, opt, steps):
         opt.step()
 
 
+def _named(params) -> dict[str, torch.Tensor]:
+    """The model state dict of `params` (detached), keyed by NAMES."""
+    return dict(zip(NAMES, [p.detach() for p in params], strict=True))
+
+
 def _same_state(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     for pid in a:
@@ -69,9 +74,7 @@ def test_32_bit_split_and_join_are_exact_mid_training():
     _train(ref, opt_ref, range(5, 10))
     _train(half, opt_half, range(5, 10))
 
-    joined, osd32 = join_master(
-        dict(zip(NAMES, [p.detach() for p in half], strict=True)), opt_half.state_dict(), param_names=NAMES
-    )
+    joined, osd32 = join_master(_named(half), opt_half.state_dict(), param_names=NAMES)
     for n, p in zip(NAMES, ref, strict=True):
         assert joined[n].dtype == torch.float32
         assert torch.equal(joined[n].view(torch.int32), p.detach().view(torch.int32)), n
@@ -84,7 +87,7 @@ def test_a_torch_adamw_state_splits_and_loads_compressed():
     adamw = torch.optim.AdamW(ref, lr=1e-2)
     _train(ref, adamw, range(3))
     model16, osd = split_master(
-        dict(zip(NAMES, [p.detach() for p in ref], strict=True)),
+        _named(ref),
         adamw.state_dict(),
         master_bits=24,
         param_names=NAMES,
@@ -104,7 +107,7 @@ def test_16_bit_split_rounds_to_nearest_and_keeps_no_correction():
     opt = _optimizer(ref)
     _train(ref, opt, range(2))
     model16, osd = split_master(
-        dict(zip(NAMES, [p.detach() for p in ref], strict=True)),
+        _named(ref),
         opt.state_dict(),
         master_bits=16,
         param_names=NAMES,
@@ -118,7 +121,7 @@ def test_16_bit_split_rounds_to_nearest_and_keeps_no_correction():
 def test_conversion_refuses_what_it_cannot_map():
     ref = [torch.nn.Parameter(t) for t in _tensors(3)]
     opt = _optimizer(ref)
-    model = dict(zip(NAMES, [p.detach() for p in ref], strict=True))
+    model = _named(ref)
     with pytest.raises(ValueError, match="param_names"):
         split_master(model, opt.state_dict(), master_bits=32)
     with pytest.raises(ValueError, match="master_bits"):
