@@ -138,21 +138,78 @@ def tensor_digest(piece_digests: list[str]) -> str:
     return schema.checksum("".join(piece_digests).encode())
 
 
+def _spans(t: torch.Tensor) -> tuple[int, list[tuple[int, int]]]:
+    """(rows per block, byte spans of the blocks) of a contiguous CPU piece."""
+    rows, step = num_rows(t.shape), block_rows(t.shape, t.element_size())
+    per_row = row_bytes(t.shape, t.element_size())
+    return step, [(b * per_row, min(b + step, rows) * per_row) for b in range(0, rows, step)]
+
+
+def _workers(jobs: int) -> int:
+    return max(1, min(jobs, os.cpu_count() or 1))
+
+
 def block_checksums(pieces: dict[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
     """{key: {"block_rows", "checksums"}} of CPU pieces, hashed on a thread pool (hashlib
     releases the GIL on large buffers)."""
     jobs, layout = [], {}
     for key, t in pieces.items():
-        rows, step = num_rows(t.shape), block_rows(t.shape, t.element_size())
-        per_row = row_bytes(t.shape, t.element_size())
+        step, spans = _spans(t)
         data = schema.tensor_bytes(t)
-        spans = [(b * per_row, min(b + step, rows) * per_row) for b in range(0, rows, step)]
         layout[key] = (step, len(jobs), len(spans))
         jobs += [data[a:e] for a, e in spans]
-    workers = max(1, min(len(jobs), os.cpu_count() or 1))
-    with ThreadPoolExecutor(max_workers=workers) as pool:
+    with ThreadPoolExecutor(max_workers=_workers(len(jobs))) as pool:
         digests = list(pool.map(_sha256, jobs))
     return {k: {"block_rows": s, "checksums": digests[i : i + n]} for k, (s, i, n) in layout.items()}
+
+
+_PLACEHOLDER = schema.checksum(b"").split(":")[0] + ":" + "0" * 64
+"""Stands for a block checksum in the header written first (a checksum has the same length)."""
+
+
+def _manifest(save_id: str, rank: int, world_size: int, pieces: dict, tensors: dict, sums: dict) -> dict:
+    return {
+        "save_id": save_id,
+        "rank": rank,
+        "world_size": world_size,
+        "pieces": {
+            k: {"rows": [start, start + num_rows(tensors[k].shape)], **sums[k]}
+            for k, (start, _) in pieces.items()
+        },
+    }
+
+
+def _write_hashing(f, tensors: dict, manifest_of) -> tuple[int, dict]:
+    """Write a rank file into local file `f` while a thread pool hashes its blocks, then rewrite
+    its header with the checksums: hashing overlaps the write instead of preceding it. The
+    header's length does not change (every checksum has the placeholder's length), and the file
+    becomes visible only when complete (storage.atomic_write renames it)."""
+    layouts = {k: _spans(t) for k, t in tensors.items()}
+    placeholder = {
+        k: {"block_rows": s, "checksums": [_PLACEHOLDER] * len(sp)} for k, (s, sp) in layouts.items()
+    }
+    futures: dict[str, list] = {}
+    with ThreadPoolExecutor(max_workers=_workers(sum(len(sp) for _, sp in layouts.values()))) as pool:
+
+        def hash_blocks(key: str, data: memoryview) -> None:
+            futures[key] = [pool.submit(_sha256, data[a:e]) for a, e in layouts[key][1]]
+
+        meta = {"format": "pt", MANIFEST_KEY: json.dumps(manifest_of(placeholder), separators=(",", ":"))}
+        written = container.write_safetensors(f, tensors, meta, before_each=hash_blocks)
+        sums = {
+            k: {"block_rows": layouts[k][0], "checksums": [x.result() for x in futures[k]]} for k in tensors
+        }
+    head = container.safetensors_header(tensors, {**meta, MANIFEST_KEY: _text(manifest_of(sums))})
+    if len(head) != len(container.safetensors_header(tensors, meta)):  # (would overwrite tensor bytes)
+        raise schema.CheckpointError("internal error: a rank file's header changed length with its checksums")
+    f.seek(0)
+    f.write(head)
+    f.seek(0, os.SEEK_END)
+    return written, sums
+
+
+def _text(manifest: dict) -> str:
+    return json.dumps(manifest, separators=(",", ":"))
 
 
 def write_rank_file(url: str, save_id: str, rank: int, world_size: int, pieces: dict) -> dict[str, Any]:
@@ -162,26 +219,29 @@ def write_rank_file(url: str, save_id: str, rank: int, world_size: int, pieces: 
     the file name and size, the manifest's sha256, and per key the rows and piece digest.
     """
     name = rank_file_name(stem_of(url), save_id, rank, world_size)
+    target = storage.sibling_url(url, name)
     tensors = {k: t if t.is_contiguous() else t.contiguous() for k, (_, t) in pieces.items()}
-    sums = block_checksums(tensors)
-    manifest = {
-        "save_id": save_id,
-        "rank": rank,
-        "world_size": world_size,
-        "pieces": {
-            k: {"rows": [start, start + num_rows(tensors[k].shape)], **sums[k]}
-            for k, (start, _) in pieces.items()
-        },
-    }
-    text = json.dumps(manifest, separators=(",", ":"))
-    meta = {"format": "pt", MANIFEST_KEY: text}
-    box: dict[str, int] = {}
 
-    def write(f):
-        box["bytes"] = container.write_safetensors(f, tensors, meta)
+    def manifest_of(sums: dict) -> dict:
+        return _manifest(save_id, rank, world_size, pieces, tensors, sums)
+
+    box: dict[str, Any] = {}
+    if storage.is_local(storage.url_to_fs(target)[0]):  # (a seekable file)
+
+        def write(f):
+            box["bytes"], box["sums"] = _write_hashing(f, tensors, manifest_of)
+
+    else:  # object stores stream forward only: hash first
+        box["sums"] = block_checksums(tensors)
+
+        def write(f):
+            meta = {"format": "pt", MANIFEST_KEY: _text(manifest_of(box["sums"]))}
+            box["bytes"] = container.write_safetensors(f, tensors, meta)
 
     total = sum(t.numel() * t.element_size() for t in tensors.values())
-    storage.atomic_write(storage.sibling_url(url, name), write, total)
+    storage.atomic_write(target, write, total)
+    manifest = manifest_of(box["sums"])
+    text = _text(manifest)
     return {
         "rank": rank,
         "file": name,

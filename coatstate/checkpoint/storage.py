@@ -171,6 +171,9 @@ class _HalfwayHook(io.RawIOBase):
             _pause_for_tests(self.f)
         return n
 
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:  # (rank files rewrite their header)
+        return self.f.seek(offset, whence)
+
 
 def check_directory(url: str) -> None:
     """A save to a local path whose directory is missing fails before anything is written."""
