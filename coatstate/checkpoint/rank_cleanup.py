@@ -96,12 +96,15 @@ def _sweep_local(url: str, directory: str, own_id: str | None) -> None:
     try:
         # which writers are gone is decided before the root is read (as shards.py does): a save
         # that ends after this point keeps its files, one that ended before has committed or failed
+        # (a marker of no rank is a sharded save's lock or a per-rank save's failed-marker: its
+        # lock, when it has one, is looked at too, or a running sharded save would lose its marker)
         gone = {
             (save_id, rank)
             for save_id, rank in owned
             if save_id == own_id
-            or rank is None
-            or shards._save_is_over(directory, stem, lock_id(save_id, rank), held)
+            or shards._save_is_over(
+                directory, stem, save_id if rank is None else lock_id(save_id, rank), held
+            )
         }
         running = {save_id for save_id, rank in owned if (save_id, rank) not in gone}
         current = current_root(url)
