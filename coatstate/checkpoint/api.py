@@ -253,10 +253,17 @@ def save(
         raise ValueError(f"distributed must be 'gathered' or 'per_rank'; got {distributed!r}")
     if distributed == "per_rank" and compress is not None:
         raise ValueError(
-            "compress='zstd' is not available with distributed='per_rank' (rows are read by range)"
+            "compress='zstd' is not available with distributed='per_rank' (rows are read by range): save "
+            "per-rank without compress, then `coatstate convert ROOT ONE.safetensors --zstd` makes one "
+            "zstd file; or save with distributed='gathered'"
         )
     if shard_size is not None and (not isinstance(shard_size, int) or shard_size < 1):
         raise ValueError(f"shard_size must be a positive int (bytes) or None; got {shard_size!r}")
+    if distributed == "per_rank" and shard_size not in (None, DEFAULT_SHARD_SIZE):  # was ignored silently
+        raise ValueError(
+            f"shard_size={shard_size} does not apply to distributed='per_rank': a per-rank save writes one "
+            "file per rank; drop shard_size, or save a single file (distributed='gathered') to shard it"
+        )
     url = os.fspath(url)
     if not blocking:
         background.wait_for_saves()  # (a failure of the previous save is raised before anything else)
