@@ -1,25 +1,35 @@
-"""Per-rank checkpoints: removing the files no checkpoint names any more, after a commit.
+"""Per-rank checkpoints: removing the files no checkpoint names any more.
 
-A per-rank save never overwrites a file: its files carry a fresh save id. After its commit,
-rank 0 removes the files of the root it replaced, and (on a local filesystem) every file of
-its stem that the current root does not name and whose writer is gone: each rank holds an
-exclusive flock on `.{stem}-{id}-rank{r}.saving` (shards._SaveLock) from before its file until
-it knows the outcome of the save, and the kernel drops the lock of a killed process, so the
-files of a crashed or failed save go with the next commit while those of a save still running
-stay. Other fsspec filesystems have no such lock: there only the replaced root's files and this
-save's markers are removed (a killed save's files stay, as shards do). Never raises: a failed
-removal leaves a file that is never read.
+After a commit (after_commit). A per-rank save never overwrites a file: its files carry a fresh
+save id. After its commit, rank 0 removes the files of the root it replaced, and (on a local
+filesystem) every file of its stem that the current root does not name and whose writer is gone:
+each rank holds an exclusive flock on `.{stem}-{id}-rank{r}.saving` (shards._SaveLock) from
+before its file until it knows the outcome of the save, and the kernel drops the lock of a killed
+process, so the files of a crashed or failed save go with the next commit while those of a save
+still running stay. Other fsspec filesystems (s3, memory://) have no such lock: there only the
+replaced root's files and this save's markers are removed; a killed save's files stay, as shards
+do, until remove_unreferenced. Never raises: a failed removal leaves a file that is never read.
+
+On request (remove_unreferenced, `coatstate clean URL`), on any filesystem: every file of the
+root's stem that the root does not name (rank files of other save ids, orphan shards, temp files,
+markers, the root's own temp files). The caller asserts that no save to that URL is running, since
+without locks nothing tells a killed save's files from those of one still writing; on a local
+filesystem the files of a writer that still holds its flock are kept anyway. Without a readable
+root nothing is removed (a CheckpointError says why).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
+from dataclasses import dataclass, field
 from typing import Any
 
 from coatstate.checkpoint import container, shards, storage
-from coatstate.checkpoint.rank_files import lock_id, marker_name, rank_file_pattern, stem_of
+from coatstate.checkpoint.rank_files import MANIFEST_KEY, lock_id, marker_name, rank_file_pattern, stem_of
+from coatstate.formats.schema import CheckpointError
 
 
 def current_root(url: str) -> dict[str, Any] | None:
@@ -125,3 +135,198 @@ def _sweep_local(url: str, directory: str, own_id: str | None) -> None:
 
 def path_of(url: str) -> str:
     return storage.url_to_fs(url)[1]
+
+
+# ------------------------------------------------------- on request: remove_unreferenced
+class _Patterns:
+    """The names only a save of checkpoint `stem` writes next to its root `root_name`."""
+
+    def __init__(self, stem: str, root_name: str):
+        s, marker = re.escape(stem), _marker_pattern(stem).pattern
+        self.rank = rank_file_pattern(stem)
+        self.shard, self.shard_temp = shards._shard_pattern(stem), shards._temp_shard_pattern(stem)
+        self.by_id = [  # (kind, pattern: group 1 the save id, group 2 the rank or None)
+            ("marker", re.compile(marker)),
+            ("temp", re.compile(r"\." + marker + r"\.tmp-[0-9a-f]{12}")),  # a marker's atomic write
+            (
+                "lock temp",
+                re.compile(r"\." + s + r"-([0-9a-f]{8})(?:-rank(\d{5}))?\.saving\.tmp-[0-9a-f]{8}"),
+            ),
+        ]
+        self.root_temp = re.compile(r"\." + re.escape(root_name) + r"\.tmp-[0-9a-f]{12}")
+
+    def owner(self, name: str) -> tuple[str, str | None, int | None] | None:
+        """(kind, save id, rank) of `name`, kind "rank" / "shard" (a finished file), "temp",
+        "marker" or "lock temp" (shards._SaveLock's, before its rename); None: not a save's file
+        (the root itself, another stem's file, anything else)."""
+        if m := self.rank.fullmatch(name):
+            if bool(m.group(1)) != bool(m.group(4)):
+                return None  # a dot without a temp suffix or the reverse: no writer of ours names so
+            return ("temp" if m.group(1) else "rank", m.group(2), int(m.group(3)))
+        if m := self.shard.fullmatch(name):
+            return ("shard", m.group(1), None)
+        if m := self.shard_temp.fullmatch(name):
+            return ("temp", m.group(1), None)
+        for kind, pattern in self.by_id:
+            if m := pattern.fullmatch(name):
+                return (kind, m.group(1), None if m.group(2) is None else int(m.group(2)))
+        if self.root_temp.fullmatch(name):
+            return ("temp", None, None)  # the root's own, of a save killed while writing it
+        return None
+
+
+def _listing(fs, path: str) -> dict[str, int]:
+    """{name: bytes} of the files in the directory of `path` ({} when there is no directory)."""
+    parent = path.rsplit("/", 1)[0] if "/" in path else ""
+    fs.invalidate_cache(parent)  # (s3fs caches listings; another process may have written since)
+    try:
+        entries = fs.ls(parent, detail=True)
+    except FileNotFoundError:
+        return {}
+    return {
+        e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0)
+        for e in entries
+        if e.get("type") == "file"
+    }
+
+
+@dataclass
+class Sweep:
+    """What remove_unreferenced found next to a root: `removed` (name, bytes), removed or, in a
+    dry run, to remove; `kept` (name, why) for files of the stem it leaves although no root
+    names them."""
+
+    removed: list[tuple[str, int]] = field(default_factory=list)
+    kept: list[tuple[str, str]] = field(default_factory=list)
+
+
+def remove_unreferenced(url: str | os.PathLike, *, dry_run: bool = True) -> list[str]:
+    """Remove the files next to the checkpoint `url` that its root does not name; returns their URLs.
+
+    Only files of this checkpoint's stem that a save writes are considered: rank files of other
+    save ids, orphan shards of sharded saves, their temp files (`.{name}.tmp-*`), markers of
+    finished or killed saves, temp files of the root; never the root, never a file it names,
+    never another stem's. Rank files and shards go only if their metadata carries the save id of
+    their name. `dry_run=True` (the default) removes nothing and returns what it would remove.
+
+    Use it where a killed save left files that after-commit cleanup cannot tell from a running
+    save's (s3 and other filesystems without flock). The caller asserts that no save to `url` is
+    running (a running save's files would be removed, and its root would name missing files); on
+    a local filesystem files whose writer still holds its flock are kept anyway.
+
+    Raises CheckpointError when the root is missing or cannot be read, removing nothing: a
+    missing root with files of its stem is a first save killed before it committed, or a root
+    lost while its files stay; coatstate does not guess which (remove them by hand).
+    """
+    url = os.fspath(url)
+    return [storage.sibling_url(url, name) for name, _ in sweep(url, dry_run=dry_run).removed]
+
+
+def sweep(url: str, *, dry_run: bool) -> Sweep:
+    """remove_unreferenced, with the sizes of the files and the ones kept (for the CLI)."""
+    fs, path = storage.url_to_fs(url)
+    patterns = _Patterns(stem_of(url), os.path.basename(path))
+    listing = _listing(fs, path)
+    found = {n: owner for n in sorted(listing) if (owner := patterns.owner(n))}
+    held: list[int] = []
+    try:
+        # which writers live is decided before the root is read (as after_commit does): a save
+        # that commits after this point keeps its files, one that ended before is in the root
+        live = _live_writers(fs, path, found, held)
+        named = named_files(_root_or_raise(url, found))
+        result = Sweep()
+        for name, (kind, save_id, rank) in found.items():
+            if name in named:
+                continue
+            if name in live or (save_id, rank) in live or (rank is None and save_id in live):
+                result.kept.append((name, "a running save holds its lock"))
+            elif save_id is None and live:  # a root temp file: which save writes it is unknown
+                result.kept.append((name, "a save to this checkpoint holds its lock"))
+            elif kind in ("rank", "shard") and not _written_by(url, name, kind, save_id):
+                result.kept.append((name, f"its metadata does not name save {save_id}"))
+            else:
+                result.removed.append((name, listing[name]))
+        result.removed.sort(key=lambda item: (found[item[0]][0] == "marker", item[0]))  # markers last
+        if not dry_run:
+            _remove(fs, path, url, [name for name, _ in result.removed])
+        return result
+    finally:
+        for fd in held:
+            os.close(fd)
+
+
+def _live_writers(fs, path: str, found: dict[str, tuple], held: list[int]) -> set:
+    """Who still writes, on a local filesystem with flock: (save id, rank) and save ids whose
+    `.saving` marker is locked, and names of lock temp files that are (nothing elsewhere). The
+    locks taken on markers of gone writers are appended to `held`, kept until the files are gone."""
+    if not storage.is_local(fs) or not _has_flock():
+        return set()
+    directory, stem = os.path.dirname(path) or ".", stem_of(path)
+    live: set = set()
+    for name, (kind, save_id, rank) in found.items():
+        if kind == "marker" and name.endswith(".saving"):
+            if not shards._save_is_over(
+                directory, stem, save_id if rank is None else lock_id(save_id, rank), held
+            ):
+                live |= {(save_id, rank), save_id}
+        elif kind == "lock temp" and _locked(os.path.join(directory, name), held):
+            live.add(name)
+    return live
+
+
+def _locked(path: str, held: list[int]) -> bool:
+    """True when a live process holds an flock on `path` (a lock's file before its rename)."""
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return True
+    held.append(fd)
+    return False
+
+
+def _root_or_raise(url: str, found: dict[str, tuple]) -> dict[str, Any]:
+    try:
+        _, _, st_header = container.read_head(url, url)
+        return container.coatstate_header(st_header, url)
+    except FileNotFoundError:
+        strays = (
+            f"; {len(found)} files of its stem are there, of a first save killed before its commit or "
+            "of a root that was lost: coatstate does not guess which (remove them by hand if no save "
+            "is running)"
+        )
+        raise CheckpointError(
+            f"{url}: no checkpoint there, so nothing is removed{strays if found else ''}"
+        ) from None
+    except Exception as e:  # noqa: BLE001 - any root it cannot read: remove nothing
+        raise CheckpointError(f"{url}: cannot read the root, so nothing is removed ({e})") from None
+
+
+def _written_by(url: str, name: str, kind: str, save_id: str) -> bool:
+    """Whether file `name`'s own metadata says save `save_id` wrote it (not a user's file that
+    happens to be named so)."""
+    try:
+        _, _, st_header = container.read_head(storage.sibling_url(url, name), name)
+        key = MANIFEST_KEY if kind == "rank" else shards.SHARD_KEY
+        return json.loads(st_header["__metadata__"][key])["save_id"] == save_id
+    except Exception:  # noqa: BLE001 - unreadable: not provably ours, left alone
+        return False
+
+
+def _remove(fs, path: str, url: str, names: list[str]) -> None:
+    failed = []
+    for name in names:
+        try:
+            fs.rm(storage.sibling(fs, path, name))
+        except FileNotFoundError:
+            continue  # gone already
+        except Exception as e:  # noqa: BLE001 - reported below, after the others were tried
+            failed.append(f"{name} ({type(e).__name__}: {e})")
+    if failed:
+        raise OSError(f"{url}: could not remove {len(failed)} of {len(names)} files: {'; '.join(failed[:3])}")

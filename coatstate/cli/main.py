@@ -1,5 +1,5 @@
 """The `coatstate` command: `inspect` a checkpoint, `convert` between torch AdamW and compressed,
-`plan` a job's memory.
+`clean` what killed saves left next to a checkpoint, `plan` a job's memory.
 
 Exit codes: 0 success, 1 a checkpoint problem (unreadable, corrupt, mismatched: one line on
 stderr naming the file), 2 a usage error (one line). Nothing heavy is imported at module level:
@@ -366,7 +366,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
             raise _checkpoint_error(f"{args.src} already holds compressed states (convert --to adamw first)")
         from coatstate.optim import compress_adamw_state_dict
 
-        options = {k: getattr(args, k) for k in ("group_size", "exp_avg_format", "exp_avg_sq_format", "min_numel")}
+        options = {
+            k: getattr(args, k) for k in ("group_size", "exp_avg_format", "exp_avg_sq_format", "min_numel")
+        }
         options.update(exp_avg_expand=args.expand, exp_avg_sq_expand=args.expand)
         what = "compress its states (are they torch.optim.AdamW's?)"
         sd = _converted(what, args.src, compress_adamw_state_dict, sd, **options)
@@ -440,6 +442,25 @@ def _regex(text: str) -> str:
     return text
 
 
+# ------------------------------------------------------------------------------------- clean
+def cmd_clean(args: argparse.Namespace) -> int:
+    from coatstate.checkpoint import rank_cleanup
+
+    url = args.file
+    found = rank_cleanup.sweep(url, dry_run=not args.yes)
+    total = sum(size for _, size in found.removed)
+    if not found.removed:
+        print(f"{url}: nothing to remove")
+    else:
+        what = "removed" if args.yes else "would remove (a dry run; --yes removes them)"
+        print(f"{url}: {what} {len(found.removed)} files no root names, {_mb(total)}:")
+        for name, size in found.removed:
+            print(f"  {_mb(size):>12}  {name}")
+    for name, why in found.kept:
+        print(f"  kept          {name} ({why})")
+    return 0
+
+
 # -------------------------------------------------------------------------------------- main
 class _Parser(argparse.ArgumentParser):
     """argparse whose errors are one line on stderr and exit code 2 (subparsers inherit it)."""
@@ -467,10 +488,11 @@ def _parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="coatstate",
         description="coatstate checkpoints and memory: `inspect` what a checkpoint holds, `convert` between "
-        "torch AdamW and compressed (FP8) optimizer states, `plan` a training job's memory per GPU.",
+        "torch AdamW and compressed (FP8) optimizer states, `clean` what killed saves left next to a "
+        "checkpoint, `plan` a training job's memory per GPU.",
         epilog="Exit codes: 0 ok, 1 a checkpoint problem (one line on stderr), 2 a usage error.",
     )
-    sub = p.add_subparsers(dest="command", required=True, metavar="{inspect,convert,plan}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{inspect,convert,clean,plan}")
     i = sub.add_parser(
         "inspect",
         help="what a checkpoint holds (reads the header only unless --verify)",
@@ -538,6 +560,19 @@ def _parser() -> argparse.ArgumentParser:
         help="with --master-bits: parameters whose names match stay float32 (default: norms, as cast_model)",
     )
     c.set_defaults(run=cmd_convert)
+    k = sub.add_parser(
+        "clean",
+        help="list (--yes: remove) the files next to a checkpoint that its root does not name",
+        description="Remove what killed saves left next to a checkpoint: rank files of other save ids, "
+        "orphan shards, temp files and markers of its stem that the root does not name; never the root, "
+        "a file it names, or another checkpoint's file. Lists them with their sizes unless --yes. Run it "
+        "only while no save to URL is running: on s3 and other object stores nothing tells a killed "
+        "save's files from a running one's (locally, files whose writer holds its lock are kept). "
+        "Without a readable root it removes nothing (exit 1).",
+    )
+    k.add_argument("file", metavar="URL", help="the checkpoint's root .safetensors (path or fsspec URL)")
+    k.add_argument("--yes", action="store_true", help="remove the files (default: only list them)")
+    k.set_defaults(run=cmd_clean)
     from coatstate.cli.plan import add_plan_parser
 
     add_plan_parser(sub)
