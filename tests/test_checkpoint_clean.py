@@ -1,5 +1,5 @@
 """coatstate.checkpoint.remove_unreferenced and `coatstate clean`: what killed saves leave next to a
-root goes, and nothing else; per-rank argument checks.
+root goes, and nothing else; after_commit off local filesystems; per-rank argument checks.
 
 Killed saves are simulated, in one process: a save to a scratch directory makes rank files and
 shards carrying their own save ids (as a save killed before its commit leaves them), copied next to
@@ -251,6 +251,27 @@ def test_a_file_its_metadata_does_not_tie_to_its_name_is_kept(tmp_path):
         (renamed, "its metadata does not name save 0badc0de")
     ]
     assert renamed in _files(directory)
+
+
+def test_after_commit_off_local_removes_this_saves_leftover_temps_and_markers(tmp_path, monkeypatch):
+    directory = _directory("memory", tmp_path, "run")
+    model, opt = _trained()
+    url = f"{directory}/ckpt.safetensors"
+    ck.save(opt, url, model=model, distributed="per_rank")
+    other = _put(directory, f".ckpt-0badc0de-rank00000-of-00001.safetensors.tmp-{'8' * 12}")
+    real = rank_files.write_rank_file
+
+    def leaving_a_temp(url, save_id, rank, world_size, pieces):  # as an s3 mv whose delete failed
+        report = real(url, save_id, rank, world_size, pieces)
+        _put(directory, f".{report['file']}.tmp-{'9' * 12}")
+        _put(directory, f"..ckpt-{save_id}-rank00000.done.tmp-{'a' * 12}")
+        return report
+
+    monkeypatch.setattr(rank_files, "write_rank_file", leaving_a_temp)
+    ck.save(opt, url, model=model, distributed="per_rank", blocking=False).wait()
+    (rank_file,) = (n for n in _files(directory) if n.startswith("ckpt-"))
+    assert _files(directory) == {"ckpt.safetensors", rank_file, other}  # another save's stays
+    _assert_loads(url, opt, model)
 
 
 def test_a_per_rank_commit_keeps_a_running_sharded_saves_lock(tmp_path):

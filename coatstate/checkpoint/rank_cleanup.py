@@ -7,8 +7,9 @@ each rank holds an exclusive flock on `.{stem}-{id}-rank{r}.saving` (shards._Sav
 before its file until it knows the outcome of the save, and the kernel drops the lock of a killed
 process, so the files of a crashed or failed save go with the next commit while those of a save
 still running stay. Other fsspec filesystems (s3, memory://) have no such lock: there only the
-replaced root's files and this save's markers are removed; a killed save's files stay, as shards
-do, until remove_unreferenced. Never raises: a failed removal leaves a file that is never read.
+replaced root's files and this save's own temp files and markers are removed; a killed save's
+files stay, as shards do, until remove_unreferenced. Never raises: a failed removal leaves a file
+that is never read.
 
 On request (remove_unreferenced, `coatstate clean URL`), on any filesystem: every file of the
 root's stem that the root does not name (rank files of other save ids, orphan shards, temp files,
@@ -75,7 +76,8 @@ def after_commit(url: str, own_id: str | None, previous: dict[str, Any] | None) 
         if own_id is not None:
             world = int(((root or {}).get("per_rank") or {}).get("world_size", 0))
             stale += [marker_name(stem_of(url), own_id, r, "done") for r in range(world)]
-        storage.remove_quietly(url, stale)
+            stale += _own_leftovers(fs, path, own_id)
+        storage.remove_quietly(url, sorted(set(stale) - current))
     except Exception:  # noqa: BLE001 - cleanup never fails a committed save
         return
 
@@ -135,6 +137,18 @@ def _sweep_local(url: str, directory: str, own_id: str | None) -> None:
 
 def path_of(url: str) -> str:
     return storage.url_to_fs(url)[1]
+
+
+def _own_leftovers(fs, path: str, own_id: str) -> list[str]:
+    """Temp files and markers of the committed save `own_id` that a failed removal left (an s3
+    mv is a copy plus a delete): after the commit no rank of it writes any more."""
+    stem, root_name = stem_of(path), os.path.basename(path)
+    patterns = _Patterns(stem, root_name)
+    return [
+        name
+        for name in _listing(fs, path)
+        if (owner := patterns.owner(name)) and owner[1] == own_id and owner[0] in ("temp", "marker")
+    ]
 
 
 # ------------------------------------------------------- on request: remove_unreferenced
