@@ -225,7 +225,11 @@ class _Launcher:
     Reuse goes through the compiled kernel's own launcher with the current stream (`mode` 2) or,
     if that call does not fit this triton version, through CompiledKernel[grid] (`mode` 1), else
     through triton's full launch (`mode` 0): a mismatch raises TypeError (triton's launcher checks
-    its argument count) and moves every launcher one mode down."""
+    its argument count) and moves every launcher one mode down.
+
+    The `*_flat` functions below call `run` with the key built from precomputed parts (`_Plan`: the
+    integers' specialization is known per shape), in the format `key` gives: a loop over the
+    arguments is microseconds per launch."""
 
     mode = 2
 
@@ -233,19 +237,25 @@ class _Launcher:
         self.kernel = kernel
         self.compiled: dict[tuple, CompiledKernel] = {}
 
-    def __call__(self, grid: tuple[int, ...], args: tuple, constexprs: dict) -> None:
-        device = args[0].get_device()
-        key = [device, *constexprs.values()]
+    @staticmethod
+    def key(args: tuple, constexprs: dict) -> tuple:
+        key = [args[0].get_device(), *constexprs.values()]
         for a in args:
             if type(a) is int:
-                key += (a == 1, a % 16 == 0, a >= 2**31)
+                key += _int_spec(a)
             else:
                 key += (a.dtype, a.data_ptr() % 16 == 0)
-        key = tuple(key)
+        return tuple(key)
+
+    def __call__(self, grid: tuple[int, ...], args: tuple, constexprs: dict) -> None:
+        self.run(self.key(args, constexprs), grid, args, constexprs)
+
+    def run(self, key: tuple, grid: tuple[int, ...], args: tuple, constexprs: dict) -> None:
+        """Launch with `key` (what `key(args, constexprs)` returns; its first item is the device)."""
         compiled = self.compiled.get(key) if _Launcher.mode else None
         if compiled is not None:
             try:
-                self.launch(compiled, device, grid, args, constexprs)
+                self.launch(compiled, key[0], grid, args, constexprs)
                 return
             except (TypeError, AttributeError):
                 _Launcher.mode -= 1
@@ -271,6 +281,11 @@ class _Launcher:
         return self.kernel[grid](*args, **constexprs, num_warps=8)
 
 
+def _int_spec(a: int) -> tuple[bool, bool, bool]:
+    """What triton specializes an integer argument on."""
+    return (a == 1, a % 16 == 0, a >= 2**31)
+
+
 _amax = _Launcher(_amax_kernel)
 _pack_tensor = _Launcher(_pack_tensor_kernel)
 _unpack_tensor = _Launcher(_unpack_tensor_kernel)
@@ -278,6 +293,10 @@ _pack_groups = _Launcher(_pack_groups_kernel)
 _unpack_groups = _Launcher(_unpack_groups_kernel)
 _CONSTANTS: dict = {}
 _AMAX_CONSTANTS = {"BLOCK": _BLOCK, "ITERS": _AMAX_ITERS}
+_AMAX_VALUES = tuple(_AMAX_CONSTANTS.values())
+_U8 = torch.uint8
+_PLANS: dict = {}  # (what, n, ...) -> _Plan: one per shape and format seen
+_MAX_PLANS = 4096  # (a run with ever new shapes starts over rather than grow without bound)
 
 
 def _encode_constants(fmt: FP8Format, **extra) -> dict:
@@ -309,23 +328,77 @@ def _decode_constants(fmt: FP8Format, dtype: torch.dtype, **extra) -> dict:
     return const
 
 
+class _Plan:
+    """What a flat launch derives from its sizes and formats alone, worked out once per shape:
+    grid, integer arguments, constexprs, and their parts of the launcher's key (`ints`: the
+    specialization of the integer arguments that follow the tensors)."""
+
+    __slots__ = ("grid", "grid2", "n_groups", "cols", "per_row", "const", "values", "ints")
+
+    def __init__(self, grid, const, ints, grid2=None, n_groups=0, cols=0, per_row=0) -> None:
+        self.grid, self.grid2, self.const, self.values = grid, grid2, const, tuple(const.values())
+        self.ints, self.n_groups, self.cols, self.per_row = ints, n_groups, cols, per_row
+
+
+def _plan(key: tuple) -> _Plan:
+    """_PLANS[key], made on first use (key: (what, n, fmt, ...) as the functions below pass it)."""
+    plan = _PLANS.get(key)
+    if plan is not None:
+        return plan
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.clear()
+    what, n, fmt = key[:3]
+    if what == "tensor":  # (n, fmt, dtype or None): two grids (amax, then pack) or one (unpack)
+        dtype = key[3]
+        if dtype is None:
+            const = _encode_constants(fmt, BLOCK=_BLOCK)
+        else:
+            const = _decode_constants(fmt, dtype, BLOCK=_BLOCK)
+        grid = (max(1, cdiv(n, _BLOCK)),)
+        plan = _Plan(grid, const, _int_spec(n), grid2=(max(1, cdiv(n, _BLOCK * _AMAX_ITERS)),))
+    else:  # "groups": (n, fmt, cols, group_size, dtype or None)
+        cols, group_size, dtype = key[3:]
+        n_groups, cols, per_row, even, block = _group_layout(n, cols, group_size)
+        if dtype is None:
+            const = _encode_constants(fmt, G=group_size, EVEN=even, BLOCK_GROUPS=block)
+        else:
+            const = _decode_constants(fmt, dtype, G=group_size, EVEN=even, BLOCK_GROUPS=block)
+        ints = (*_int_spec(n), *_int_spec(n_groups), *_int_spec(cols), *_int_spec(per_row))
+        plan = _Plan((cdiv(n_groups, block),), const, ints, n_groups=n_groups, cols=cols, per_row=per_row)
+    _PLANS[key] = plan
+    return plan
+
+
 def pack_tensor_flat(x, n: int, fmt: FP8Format, amax, scales, slot: int) -> torch.Tensor:
     """Codes (n,) uint8 of the n elements at x's data pointer (dense); the scale byte goes to
     scales[slot], the maximum through amax[slot] (int32, zero before the call)."""
-    codes = torch.empty(n, dtype=torch.uint8, device=x.device)
-    _amax((max(1, cdiv(n, _BLOCK * _AMAX_ITERS)),), (x, amax, slot, n), _AMAX_CONSTANTS)
-    _pack_tensor(
-        (max(1, cdiv(n, _BLOCK)),), (x, amax, codes, scales, slot, n), _encode_constants(fmt, BLOCK=_BLOCK)
-    )
+    plan = _PLANS.get(("tensor", n, fmt, None))
+    if plan is None:
+        plan = _plan(("tensor", n, fmt, None))
+    codes = x.new_empty(n, dtype=_U8)
+    device = x.get_device()
+    xk = (x.dtype, x.data_ptr() % 16 == 0)
+    ak = (amax.dtype, amax.data_ptr() % 16 == 0)
+    sk = (slot == 1, slot % 16 == 0, slot >= 2**31)
+    key = (device, *_AMAX_VALUES, *xk, *ak, *sk, *plan.ints)
+    _amax.run(key, plan.grid2, (x, amax, slot, n), _AMAX_CONSTANTS)
+    key = (device, *plan.values, *xk, *ak, _U8, codes.data_ptr() % 16 == 0, scales.dtype,
+           scales.data_ptr() % 16 == 0, *sk, *plan.ints)  # fmt: skip
+    _pack_tensor.run(key, plan.grid, (x, amax, codes, scales, slot, n), plan.const)
     return codes
 
 
 def unpack_tensor_flat(codes, scales, slot: int, fmt: FP8Format, dtype: torch.dtype) -> torch.Tensor:
     """The (n,) tensor in `dtype` from pack_tensor_flat's codes and scales[slot]."""
     n = codes.numel()
-    out = torch.empty(n, dtype=dtype, device=codes.device)
-    const = _decode_constants(fmt, dtype, BLOCK=_BLOCK)
-    _unpack_tensor((max(1, cdiv(n, _BLOCK)),), (codes, scales, out, slot, n), const)
+    plan = _PLANS.get(("tensor", n, fmt, dtype))
+    if plan is None:
+        plan = _plan(("tensor", n, fmt, dtype))
+    out = codes.new_empty(n, dtype=dtype)
+    key = (codes.get_device(), *plan.values, _U8, codes.data_ptr() % 16 == 0, scales.dtype,
+           scales.data_ptr() % 16 == 0, dtype, out.data_ptr() % 16 == 0,
+           slot == 1, slot % 16 == 0, slot >= 2**31, *plan.ints)  # fmt: skip
+    _unpack_tensor.run(key, plan.grid, (codes, scales, out, slot, n), plan.const)
     return out
 
 
@@ -346,21 +419,27 @@ def _group_layout(n: int, cols: int, group_size: int) -> tuple[int, int, int, bo
 def pack_groups_flat(x, n: int, cols: int, group_size: int, fmt: FP8Format) -> torch.Tensor:
     """uint8 buffer: the codes of the n elements at x's data pointer (dense, rows of `cols`), then
     the scale bytes of their groups (rows, groups_per_row)."""
-    n_groups, cols, per_row, even, block = _group_layout(n, cols, group_size)
-    buf = torch.empty(n + n_groups, dtype=torch.uint8, device=x.device)
-    if n_groups:
-        const = _encode_constants(fmt, G=group_size, EVEN=even, BLOCK_GROUPS=block)
-        _pack_groups((cdiv(n_groups, block),), (x, buf, n, n_groups, cols, per_row), const)
+    plan = _PLANS.get(("groups", n, fmt, cols, group_size, None))
+    if plan is None:
+        plan = _plan(("groups", n, fmt, cols, group_size, None))
+    buf = x.new_empty(n + plan.n_groups, dtype=_U8)
+    if plan.n_groups:
+        key = (x.get_device(), *plan.values, x.dtype, x.data_ptr() % 16 == 0, _U8, buf.data_ptr() % 16 == 0,
+               *plan.ints)  # fmt: skip
+        _pack_groups.run(key, plan.grid, (x, buf, n, plan.n_groups, plan.cols, plan.per_row), plan.const)
     return buf
 
 
 def unpack_groups_flat(buf, n: int, cols: int, group_size: int, fmt: FP8Format, dtype: torch.dtype):
     """The (n,) tensor in `dtype` from pack_groups_flat's buffer."""
-    n_groups, cols, per_row, even, block = _group_layout(n, cols, group_size)
-    out = torch.empty(n, dtype=dtype, device=buf.device)
-    if n_groups:
-        const = _decode_constants(fmt, dtype, G=group_size, EVEN=even, BLOCK_GROUPS=block)
-        _unpack_groups((cdiv(n_groups, block),), (buf, out, n, n_groups, cols, per_row), const)
+    plan = _PLANS.get(("groups", n, fmt, cols, group_size, dtype))
+    if plan is None:
+        plan = _plan(("groups", n, fmt, cols, group_size, dtype))
+    out = buf.new_empty(n, dtype=dtype)
+    if plan.n_groups:
+        key = (buf.get_device(), *plan.values, _U8, buf.data_ptr() % 16 == 0, dtype, out.data_ptr() % 16 == 0,
+               *plan.ints)  # fmt: skip
+        _unpack_groups.run(key, plan.grid, (buf, out, n, plan.n_groups, plan.cols, plan.per_row), plan.const)
     return out
 
 
