@@ -69,12 +69,21 @@ import warnings
 import weakref
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from coatstate.activations.op_kinds import OpKind, kind_of_call_site, kind_on_stack
 from coatstate.activations.policy import RECOMPUTABLE, ActivationPolicy, Granularity
-from coatstate.activations.regions import _Handle, _Kept, _KeptRegion, _Packed, _Pending, _Recomputed, _Region
+from coatstate.activations.regions import (
+    _Handle,
+    _Kept,
+    _KeptRegion,
+    _Packed,
+    _Pending,
+    _Recomputed,
+    _Region,
+    _StorageRef,
+)
 from coatstate.activations.stats import ActivationStats, KeepReason
+from coatstate.activations.unpack import _Unpacker, kernels
 from coatstate.formats import activation as codec
 from coatstate.formats.fp8 import FLOAT_DTYPES
 
@@ -88,7 +97,6 @@ _VIEW_OR_COPY_NODES = frozenset(
 _RESHAPE_NODES = frozenset("ViewBackward0 UnsafeViewBackward0 ReshapeAliasBackward0 AliasBackward0".split())
 _KIND_KEYS: dict = {}  # (label, granularity) -> "label/granularity" of stats.packed_by_kind
 _POLICY_KEEPS: dict = {}  # label -> KeepReason.by_policy(label): one f-string per label, not per save
-_K = None  # coatstate.kernels.activation once imported
 _NODE_NAMES: dict = {}  # autograd node class -> its name()
 _SLOTS = 4096  # per-tensor scale slots per device buffer (kernel path)
 _MAX_STORAGE_PER_VIEW = 4  # a strided view packs its whole storage only up to this many times its size
@@ -102,6 +110,11 @@ _AOT_MODULE = "torch._functorch._aot_autograd"  # where torch.compile's Compiled
 # descriptors (enum's), a microsecond here and there per saved tensor.
 _OTHER, _ATTENTION, _ACTIVATION = OpKind.OTHER, OpKind.ATTENTION, OpKind.ACTIVATION
 _KEEP, _TENSOR, _BF16 = Granularity.KEEP, Granularity.TENSOR, Granularity.BF16
+_NOT_FLOAT, _LEAF, _NO_GRAD_FN = KeepReason.NOT_FLOAT, KeepReason.LEAF, KeepReason.NO_GRAD_FN
+_BEFORE_CONTEXT, _PARAMETER_CAST = KeepReason.BEFORE_CONTEXT, KeepReason.PARAMETER_CAST
+_LAYOUTS: dict = {}  # (shape, stride) -> _layout's answer: a model saves the same few layouts every step
+_CONTIGUOUS_STRIDES: dict = {}  # shape -> the strides of a contiguous tensor of that shape
+_MAX_CACHED = 4096  # entries of each of the two caches above (a run of ever new shapes starts over)
 
 
 def _policy_keeps(label: str) -> str:
@@ -109,16 +122,6 @@ def _policy_keeps(label: str) -> str:
     if reason is None:
         reason = _POLICY_KEEPS[label] = KeepReason.by_policy(label)
     return reason
-
-
-def _kernels():
-    """coatstate.kernels.activation, imported on first use (it imports triton)."""
-    global _K
-    if _K is None:
-        from coatstate.kernels import activation as activation_kernels
-
-        _K = activation_kernels
-    return _K
 
 
 def _node_name(node) -> str:
@@ -153,25 +156,37 @@ def _derived_from_parameter(x: torch.Tensor) -> bool:
     return False
 
 
-def _layout(x: torch.Tensor) -> tuple[int, int, bool, int]:
-    """(first, last) element offsets x touches in its storage, whether it covers them densely
-    (a permutation of a contiguous block), and its row length: the size of its stride-1 dim
-    (1 if it has none)."""
-    off = x.storage_offset()
-    if x.is_contiguous():  # the common case, without sorting: the stride-1 dim is the last one > 1
-        shape = x.shape
-        row = shape[-1] if shape and shape[-1] > 1 else next((n for n in reversed(shape) if n > 1), 1)
-        return off, off + x.numel() - 1, True, row
-    dims = sorted((st, size) for size, st in zip(x.shape, x.stride(), strict=True) if size > 1)
+def _layout(shape: torch.Size, stride: tuple) -> tuple[int, bool, int, bool]:
+    """(extent, dense, row, expanded) of a view with this shape and stride: its last element's
+    offset from its first, whether it covers that span densely (a permutation of a contiguous
+    block), its row length (the size of its stride-1 dim, 1 if it has none), and whether it is an
+    expanded (stride-0) view. Cached per layout (a sort and a few generators otherwise, per save)."""
+    entry = _LAYOUTS.get((shape, stride))
+    if entry is not None:
+        return entry
+    dims = sorted((st, size) for size, st in zip(shape, stride, strict=True) if size > 1)
     row = dims[0][1] if dims and dims[0][0] == 1 else 1
     expected, dense = 1, True
     for st, size in dims:
         dense &= st == expected
         expected *= size
-    return off, off + sum((size - 1) * st for st, size in dims), dense, row
+    expanded = not dense and any(st == 0 for st, _ in dims)
+    if len(_LAYOUTS) >= _MAX_CACHED:
+        _LAYOUTS.clear()
+    entry = _LAYOUTS[(shape, stride)] = (sum((size - 1) * st for st, size in dims), dense, row, expanded)
+    return entry
 
 
-class compress_activations:  # noqa: N801  (a context manager used like a function)
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides = _CONTIGUOUS_STRIDES.get(shape)
+    if strides is None:
+        if len(_CONTIGUOUS_STRIDES) >= _MAX_CACHED:
+            _CONTIGUOUS_STRIDES.clear()
+        strides = _CONTIGUOUS_STRIDES[shape] = torch.empty(shape, device="meta").stride()
+    return strides
+
+
+class compress_activations(_Unpacker):  # noqa: N801  (a context manager used like a function)
     """Hold tensors saved for backward in FP8 inside this context (see the module docstring).
 
     Args:
@@ -187,6 +202,8 @@ class compress_activations:  # noqa: N801  (a context manager used like a functi
         self._min_numel = max(self.policy.min_numel, 1)
         self._small = KeepReason.small(self.policy.min_numel)  # (built once: it is a key per save)
         self._recompute = self.policy.recompute
+        self._fmt, self._group_size = self.policy.fmt, self.policy.group_size
+        self._triton, self._auto = self.policy.backend == "triton", self.policy.backend == "auto"
         self._regions: dict[int, list[weakref.ref]] = {}  # storage pointer -> held regions in it
         self._sources: dict[
             tuple, tuple
@@ -270,11 +287,21 @@ class compress_activations:  # noqa: N801  (a context manager used like a functi
         if self._pending and (_thread_id(), _next_sequence_nr() - 1) != self._pending_seq:
             self._resolve_pending()  # an attention op that saved no output of its own (math backend)
         frame = sys._getframe(1)  # the Python code calling the op that saves x
-        if frame.f_code is _FUNCTION_APPLY and x.grad_fn is None and not x.requires_grad:
-            return self._compiled_save(x, frame)
-        reason = self._always_kept(x)
-        if reason is not None:
-            return self._keep(x, reason)
+        node = x.grad_fn
+        if node is None:  # (_always_kept's checks, in its order, for the cases that decide them here)
+            if frame.f_code is _FUNCTION_APPLY and not x.requires_grad:
+                return self._compiled_save(x, frame)
+            if x.dtype not in FLOAT_DTYPES:
+                return self._keep(x, _NOT_FLOAT)
+            return self._keep(x, _LEAF if x.requires_grad else _NO_GRAD_FN)
+        if x.dtype not in FLOAT_DTYPES:
+            return self._keep(x, _NOT_FLOAT)
+        if x.numel() < self._min_numel:
+            return self._keep(x, self._small)
+        if node._sequence_nr() < self._first_seq and _thread_id() == self._thread:
+            return self._keep(x, _BEFORE_CONTEXT)
+        if _derived_from_parameter(x):
+            return self._keep(x, _PARAMETER_CAST)
         kind = kind_of_call_site(frame.f_code, frame.f_lasti)
         if kind is _OTHER:
             kind = kind_on_stack(frame)
@@ -374,9 +401,12 @@ class compress_activations:  # noqa: N801  (a context manager used like a functi
         the input of an activation function whose output may be recomputed from it."""
         if _is_compiling():  # (here, not per save: a traced hook reaches this with any real activation)
             _refuse_compiled()
-        lo, hi, dense, row = _layout(x)
-        if not dense and any(st == 0 and n > 1 for n, st in zip(x.shape, x.stride(), strict=True)):
+        shape, stride = x.shape, x.stride()
+        extent, dense, row, expanded = _layout(shape, stride)
+        if expanded:
             return self._keep(x, "expanded (stride-0) view")
+        lo = x.storage_offset()
+        hi = lo + extent
         storage = x.untyped_storage()
         ptr = storage.data_ptr()
         region = self._find(ptr, x, lo, hi)
@@ -390,7 +420,6 @@ class compress_activations:  # noqa: N801  (a context manager used like a functi
             else:
                 stop = storage.nbytes() // x.element_size()
                 start = 0 if stop <= _MAX_STORAGE_PER_VIEW * x.numel() else None
-            place = (StorageWeakRef(storage), start, stop, x.dtype, x.device, x._version)
             if granularity is _BF16 and x.dtype is not torch.float32:
                 granularity = _KEEP  # already 16-bit: holding it as bfloat16 would save nothing
             if granularity is _KEEP:
@@ -398,38 +427,38 @@ class compress_activations:  # noqa: N801  (a context manager used like a functi
                 if start is None:
                     return self._keep(x, reason)
                 kept = self._keep(x, reason, (stop - start) * x.element_size())
-                kept.region = _KeptRegion(*place, reason=reason)
+                kept.region = _KeptRegion(
+                    _StorageRef(storage), start, stop, x.dtype, x.device, x._version, reason
+                )
                 self._register(ptr, kept.region)
                 return kept
             if start is None:  # a sparse view of a large storage: pack a contiguous copy, unshared
                 base = x.contiguous()
-                n = base.numel()
-                place = (StorageWeakRef(base.untyped_storage()), 0, n, x.dtype, x.device, base._version)
-                return self._view_of(self._compress(base, place, granularity, row, label), base)
-            recompute = self._sources and x.grad_fn is not None  # (a compiled graph's save has none)
-            region = self._recompute_region(ptr, x, place) if recompute else None
+                ref = _StorageRef(base.untyped_storage())
+                region = self._compress(base, ref, 0, base.numel(), base._version, granularity, row, label, 0)
+                return self._view_of(region, base)
+            ref = _StorageRef(storage)
+            region = None
+            if self._sources and x.grad_fn is not None:  # (a compiled graph's save has none)
+                region = self._recompute_region(ptr, x, ref, start, stop)
             if region is None:
-                region = self._compress(x, place, granularity, row, label)
+                region = self._compress(x, ref, start, stop, x._version, granularity, row, label, lo)
             self._register(ptr, region)
-            handle = self._view_of(region, x)
-        if source and isinstance(handle, _Handle) and isinstance(handle.region, _Packed):
+            handle = _Handle(region, shape, stride, lo - start)
+        if source and type(handle) is _Handle and type(handle.region) is _Packed:
             self._note_source(handle, ptr)
         return handle
 
     def _view_of(self, region: _Region, x: torch.Tensor):
-        if isinstance(region, _KeptRegion):
+        if type(region) is _KeptRegion:
             return _Kept(x.detach(), x._version, region.reason, region)
-        return _Handle(region, tuple(x.shape), x.stride(), x.storage_offset() - region.start)
-
-    def _use_triton(self, x: torch.Tensor) -> bool:
-        backend = self.policy.backend
-        return backend == "triton" or (backend == "auto" and x.is_cuda)
+        return _Handle(region, x.shape, x.stride(), x.storage_offset() - region.start)
 
     def _compress(
-        self, x: torch.Tensor, place: tuple, granularity: Granularity, row: int, label: str
-    ) -> _Packed:
-        policy = self.policy
-        start, n = place[1], place[2] - place[1]
+        self, x, ref, start: int, stop: int, version: int, granularity, row: int, label: str, off: int
+    ):
+        """A _Packed region of x's elements [start, stop) of its storage (x's own offset is `off`)."""
+        n = stop - start
         stats = self.stats
         stats.packed += 1
         key = _KIND_KEYS.get((label, granularity))
@@ -438,13 +467,13 @@ class compress_activations:  # noqa: N801  (a context manager used like a functi
         stats.packed_by_kind[key] += 1
         stats.bytes_original += n * x.element_size()
         row = row if 0 < row and n % row == 0 else n
-        fmt, group_size = policy.fmt, policy.group_size
-        packed = _Packed(*place, granularity=granularity, row=row, group_size=group_size, fmt=fmt)
+        fmt, group_size = self._fmt, self._group_size
+        packed = _Packed(ref, start, stop, x.dtype, x.device, version, granularity, row, group_size, fmt)
         if granularity is _BF16:
             packed.codes = x.as_strided((n,), (1,), start).to(torch.bfloat16)
-        elif self._use_triton(x):
-            K = _kernels()
-            base = x if x.storage_offset() == start else x.as_strided((n,), (1,), start)
+        elif self._triton or (self._auto and x.is_cuda):
+            K = kernels()
+            base = x if off == start else x.as_strided((n,), (1,), start)
             packed.kernel = True
             if granularity is _TENSOR:
                 amax, packed.scales, packed.slot = self._slot(x.device)
@@ -479,7 +508,7 @@ class compress_activations:  # noqa: N801  (a context manager used like a functi
             del sources[next(iter(sources))]
         sources[(_thread_id(), _next_sequence_nr() - 1)] = (weakref.ref(handle), ptr)
 
-    def _recompute_region(self, ptr: int, x: torch.Tensor, place: tuple) -> _Recomputed | None:
+    def _recompute_region(self, ptr: int, x: torch.Tensor, ref, start: int, stop: int) -> _Recomputed | None:
         """A region that recomputes x in backward, if x is (a reshape of) the whole output of an
         activation function whose contiguous input was saved compressed."""
         node, thread = x.grad_fn, _thread_id()  # (sequence numbers count per thread)
@@ -498,72 +527,17 @@ class compress_activations:  # noqa: N801  (a context manager used like a functi
         if recipe is None or source is None or entry[1] == ptr or not x.is_contiguous():
             return None  # (an in-place activation writes into its input's storage)
         shape = source.shape
-        stride = torch.empty(shape, device="meta").stride()
+        stride = _contiguous_strides(shape)
         if source.stride != stride or x.numel() != math.prod(shape):
             return None
         del self._sources[(thread, node._sequence_nr())]
         func, kwargs = recipe(node)
-        region = _Recomputed(*place, func=func, kwargs=kwargs, source=source, shape=shape, stride=stride)
+        region = _Recomputed(
+            ref, start, stop, x.dtype, x.device, x._version, func, kwargs, source, shape, stride
+        )
         self.stats.recomputed += 1
-        self.stats.bytes_recomputed += (place[2] - place[1]) * x.element_size()
+        self.stats.bytes_recomputed += (stop - start) * x.element_size()
         return region
-
-    # -- unpack ----------------------------------------------------------------------------
-    def _unpack(self, saved):
-        if type(saved) is _Pending:
-            if saved.held is None:
-                self._resolve_pending()
-            saved = saved.held
-        if type(saved) is _Kept:
-            if saved.tensor._version != saved.version:
-                t = saved.tensor
-                raise RuntimeError(
-                    "one of the variables needed for gradient computation has been modified by an "
-                    f"inplace operation: [{t.type()} {list(t.shape)}] is at version {t._version}; "
-                    f"expected version {saved.version} instead. compress_activations kept this tensor "
-                    f"uncompressed ({saved.reason}), and saved-tensor hooks switch off autograd's own "
-                    "check: do not modify it in place before backward (use an out-of-place op or .clone())."
-                )
-            return saved.tensor
-        flat = self._region_values(saved.region)
-        return flat.as_strided(saved.shape, saved.stride, saved.offset)
-
-    def _region_values(self, region: _Region) -> torch.Tensor:
-        """The region's values as a flat tensor (unpacked once while backward holds them)."""
-        if region.shared:
-            flat = region.cached()
-            if flat is not None:
-                return flat
-        if isinstance(region, _Recomputed):
-            with torch.no_grad():
-                out = region.func(self._unpack(region.source), **region.kwargs).to(region.dtype)
-            if out.stride() != region.stride:
-                out = torch.empty_strided(
-                    region.shape, region.stride, dtype=out.dtype, device=out.device
-                ).copy_(out)
-            flat = out.as_strided((out.numel(),), (1,), out.storage_offset())
-        elif region.granularity is _BF16:
-            flat = region.codes.to(region.dtype)
-        elif region.kernel:
-            K = _kernels()
-            if region.granularity is _TENSOR:
-                flat = K.unpack_tensor_flat(
-                    region.codes, region.scales, region.slot, region.fmt, region.dtype
-                )
-            else:
-                n = region.stop - region.start
-                flat = K.unpack_groups_flat(
-                    region.codes, n, region.row, region.group_size, region.fmt, region.dtype
-                )
-        elif region.granularity is _TENSOR:
-            flat = codec.unpack_tensor(region.codes, region.scales, region.dtype)
-        else:
-            flat = codec.unpack_groups(region.codes, region.scales, region.group_size, region.dtype).reshape(
-                -1
-            )
-        if region.shared:
-            region.cache = StorageWeakRef(flat.untyped_storage())
-        return flat
 
 
 _OLD_PYTHON = (

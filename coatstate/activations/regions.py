@@ -1,32 +1,52 @@
 """What compress_activations holds for a saved tensor until backward: regions of storage (packed
 as FP8 or bfloat16, recomputed from another region, or kept) and the handles autograd stores.
 Split from coatstate/activations.py, which creates and reads them.
+
+One of these is made per saved tensor (or per region) in the hot path of every forward, so they are
+plain classes with __slots__ and positional constructors (a dataclass's keyword __init__ and
+__dict__ cost microseconds per save), and storages are referred to by _StorageRef.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from coatstate.activations.policy import Granularity
 
 _TENSOR, _BF16 = Granularity.TENSOR, Granularity.BF16
+_expired = torch.UntypedStorage._expired
 
 
-@dataclasses.dataclass(eq=False)
+class _StorageRef:
+    """A weak reference to a storage: torch.multiprocessing's StorageWeakRef without its detours
+    (its expired() and __del__ go through the legacy TypedStorage classmethods)."""
+
+    __slots__ = ("cdata",)
+
+    def __init__(self, storage: torch.UntypedStorage) -> None:
+        self.cdata = storage._weak_ref()
+
+    def expired(self) -> bool:
+        return _expired(self.cdata)
+
+    def __del__(self, _free=torch.UntypedStorage._free_weak_ref) -> None:  # (bound: safe at exit)
+        _free(self.cdata)
+
+
 class _Region:
     """Elements [start, stop) of one storage, viewed as `dtype`, as they were at `version`."""
 
-    storage: StorageWeakRef
-    start: int
-    stop: int
-    dtype: torch.dtype
-    device: torch.device
-    version: int
-    shared: bool = False  # saved more than once: unpacked values are cached (weakly) for the others
-    cache: StorageWeakRef | None = None  # the last unpacked copy, while backward still holds it
+    __slots__ = ("storage", "start", "stop", "dtype", "device", "version", "shared", "cache", "__weakref__")
+
+    def __init__(self, storage: _StorageRef, start: int, stop: int, dtype, device, version: int) -> None:
+        self.storage = storage
+        self.start = start
+        self.stop = stop
+        self.dtype = dtype
+        self.device = device
+        self.version = version
+        self.shared = False  # saved more than once: unpacked values are cached (weakly) for the others
+        self.cache: _StorageRef | None = None  # the last unpacked copy, while backward still holds it
 
     def holds(self, x: torch.Tensor, lo: int, hi: int) -> bool:
         return (
@@ -34,11 +54,11 @@ class _Region:
             and hi < self.stop
             and x.dtype == self.dtype
             and x._version == self.version
-            and not self.storage.expired()
+            and not _expired(self.storage.cdata)
         )
 
     def cached(self) -> torch.Tensor | None:
-        if self.cache is None or self.cache.expired():
+        if self.cache is None or _expired(self.cache.cdata):
             return None
         storage = torch.UntypedStorage._new_with_weak_ptr(self.cache.cdata)
         if storage is None:
@@ -47,18 +67,21 @@ class _Region:
         return empty.set_(storage, 0, (self.stop - self.start,), (1,))
 
 
-@dataclasses.dataclass(eq=False)
 class _Packed(_Region):
     """A region held as FP8 codes and power-of-two scale bytes (codec in coatstate.formats.activation)."""
 
-    granularity: Granularity = Granularity.TENSOR
-    codes: torch.Tensor | None = None  # kernels: uint8 codes (+ group scale bytes); twin: FP8 codes
-    scales: torch.Tensor | None = None  # kernels: the slot buffer of per-tensor scales; twin: scales
-    slot: int = 0
-    row: int = 1  # elements per row (groups never cross one)
-    group_size: int = 16
-    fmt: object = None
-    kernel: bool = False
+    __slots__ = ("granularity", "codes", "scales", "slot", "row", "group_size", "fmt", "kernel")
+
+    def __init__(self, storage, start, stop, dtype, device, version, granularity, row, group_size, fmt):
+        _Region.__init__(self, storage, start, stop, dtype, device, version)
+        self.granularity: Granularity = granularity
+        self.codes: torch.Tensor | None = None  # kernels: uint8 codes (+ group scale bytes); twin: FP8 codes
+        self.scales: torch.Tensor | None = None  # kernels: the slot buffer of per-tensor scales; twin: scales
+        self.slot = 0
+        self.row = row  # elements per row (groups never cross one)
+        self.group_size = group_size
+        self.fmt = fmt
+        self.kernel = False
 
     @property
     def nbytes(self) -> int:
@@ -69,22 +92,28 @@ class _Packed(_Region):
         return self.codes.numel() + self.scales.numel()
 
 
-@dataclasses.dataclass(eq=False)
 class _Recomputed(_Region):
     """A region that is `func(source, **kwargs)`: recomputed in backward from a held input."""
 
-    func: object = None
-    kwargs: dict | None = None
-    source: _Handle | None = None
-    shape: tuple[int, ...] = ()
-    stride: tuple[int, ...] = ()
+    __slots__ = ("func", "kwargs", "source", "shape", "stride")
+
+    def __init__(self, storage, start, stop, dtype, device, version, func, kwargs, source, shape, stride):
+        _Region.__init__(self, storage, start, stop, dtype, device, version)
+        self.func = func
+        self.kwargs: dict = kwargs
+        self.source: _Handle = source
+        self.shape: tuple[int, ...] = shape
+        self.stride: tuple[int, ...] = stride
 
 
-@dataclasses.dataclass(eq=False)
 class _KeptRegion(_Region):
     """A region the policy keeps uncompressed: later saves inside it are kept without recounting."""
 
-    reason: str = ""
+    __slots__ = ("reason",)
+
+    def __init__(self, storage, start, stop, dtype, device, version, reason: str) -> None:
+        _Region.__init__(self, storage, start, stop, dtype, device, version)
+        self.reason = reason
 
 
 class _Handle:
