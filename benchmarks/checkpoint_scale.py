@@ -13,7 +13,10 @@ rounds, on every rank:
   blocking   coatstate.save(opt, url, model=weights, distributed="per_rank")
   async      coatstate.save(..., blocking=False); the handle's wait() measured apart
   dcp_async  torch.distributed.checkpoint.async_save of the same tensors
-  floor      write + fsync of a raw file as large as the rank's own per-rank file (the disk)
+  floor      write + fsync of a raw file as large as the rank's own per-rank file, from one cache-hot
+             1 MiB block (the disk and the page cache alone)
+  floor_mem  the same from a host buffer as large as the file (the disk, plus reading the bytes from
+             memory as every checkpoint writer must): the floor a save can reach
   load       coatstate.load of the per-rank checkpoint's states into a fresh optimizer (warm page cache)
 "blocked" is the caller's time in the call (what the training loop waits for); "total" includes the
 background write until committed. Times are the slowest rank's (a barrier before, a max after).
@@ -41,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from optimizer_step import gpt_shapes  # noqa: E402 - the GPT-shaped set of the GPU benchmarks
 from report import machine_meta  # noqa: E402
 
-VARIANTS = ("blocking", "async", "dcp_async", "floor", "load")
+VARIANTS = ("blocking", "async", "dcp_async", "floor", "floor_mem", "load")
 
 
 def _free_port() -> int:
@@ -132,7 +135,16 @@ def _floor(path: str, nbytes: int) -> None:
         os.fsync(f.fileno())
 
 
-def _round(opt, model, fresh, args, url: str, rank: int, index: int, results: dict, rank_bytes: int) -> None:
+def _floor_from(path: str, buffer: torch.Tensor) -> None:
+    view, step = memoryview(buffer.numpy()), 64 << 20
+    with open(path, "wb") as f:
+        for at in range(0, len(view), step):
+            f.write(view[at : at + step])
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _round(opt, model, fresh, args, url: str, rank: int, index: int, results: dict, buffer) -> None:
     """One round: every variant once, in an order that rotates with `index`, then a load."""
     import torch.distributed as dist
 
@@ -153,7 +165,8 @@ def _round(opt, model, fresh, args, url: str, rank: int, index: int, results: di
         "blocking": blocking,
         "async": background,
         "dcp_async": dcp_async,
-        "floor": lambda: _floor(floor_file, rank_bytes),
+        "floor": lambda: _floor(floor_file, buffer.numel()),
+        "floor_mem": lambda: _floor_from(floor_file + "-mem", buffer),
     }
     names = list(plan)
     for name in names[index % len(names) :] + names[: index % len(names)]:
@@ -163,6 +176,7 @@ def _round(opt, model, fresh, args, url: str, rank: int, index: int, results: di
     if rank == 0:
         shutil.rmtree(dcp_dir, ignore_errors=True)
     os.unlink(floor_file)
+    os.unlink(floor_file + "-mem")
 
 
 def _sizes(url: str, rank: int) -> tuple[int, int]:
@@ -191,8 +205,9 @@ def _worker(rank: int, world_size: int, port: int, args, out: str) -> None:
     _dcp_async(opt, model, os.path.join(args.dir, "dcp_warmup"))()
     total, mine = _sizes(url, rank)
     results: dict[str, list] = {v: [] for v in VARIANTS}
+    buffer = torch.ones(mine, dtype=torch.uint8)  # floor_mem's source: every page touched, like a snapshot
     for r in range(args.rounds):
-        _round(opt, model, fresh, args, url, rank, r, results, mine)
+        _round(opt, model, fresh, args, url, rank, r, results, buffer)
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"world_size": world_size, "params": numel, "bytes": total, "results": results}, f)

@@ -405,8 +405,10 @@ def section_checkpoint_scale(data: dict, path: Path) -> str:
             f"## Per-rank checkpoints at scale ({meta['device']})",
             f"{meta['machine']}, {meta['date']}: {first['params'] / 1e6:.0f}M parameters, "
             f"{first['bytes'] / 1e6:.0f} MB per checkpoint, {data['args']['rounds']} interleaved rounds, "
-            "median [min-max]. `floor` writes and fsyncs a file of the same size (the disk's bandwidth in "
-            "the same run); `blocked` is the time the training loop waits per save. Source: "
+            "median [min-max]. `floor` writes and fsyncs a file of the same size from one cache-hot 1 MiB "
+            "block (the disk's bandwidth in the same run); `floor_mem` writes it from a host buffer as "
+            "large as the file (runs before this variant was added have none); `blocked` is the time the "
+            "training loop waits per save. Source: "
             "`python benchmarks/checkpoint_scale.py` -> "
             f"`benchmarks/results/{path.name}`.",
             "",

@@ -56,14 +56,18 @@ def test_the_snapshot_is_taken_at_the_call(tmp_path):
     assert _same(_tensors(read(before)), _tensors(read(str(tmp_path / "bg.safetensors"))))
 
 
-def test_a_failed_background_save_is_raised_at_the_next_save(tmp_path):
+@pytest.mark.parametrize("next_blocking", [False, True], ids=["then_async", "then_blocking"])
+def test_a_failed_background_save_is_raised_at_the_next_save(tmp_path, next_blocking):
     model, opt = _trained()
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
-    coatstate.save(opt, str(blocker / "x.safetensors"), blocking=False)  # its parent is a file
+    target = blocker / "x.safetensors"  # its parent is a file
+    coatstate.save(opt, str(target), blocking=False)
+    nxt = str(tmp_path / "next.safetensors")
     with pytest.raises(RuntimeError, match="background save to .*x.safetensors failed"):
-        coatstate.save(opt, str(tmp_path / "next.safetensors"), blocking=False)
+        coatstate.save(opt, nxt, blocking=next_blocking)
     wait_for_saves()  # (raised once: nothing left to raise)
+    assert not (tmp_path / "next.safetensors").exists()  # raised before anything was written
 
 
 def test_the_handle_raises_once_and_then_is_done(tmp_path):

@@ -121,7 +121,7 @@ def test_checkpoint_scale_smoke_writes_every_variant(tmp_path):
     _run("benchmarks/checkpoint_scale.py", "--smoke", "--out", str(out))
     rows = json.loads(out.read_text())["rows"]
     assert {(r["world_size"], r["variant"]) for r in rows} == {
-        (w, v) for w in (1, 2) for v in ("blocking", "async", "dcp_async", "floor", "load")
+        (w, v) for w in (1, 2) for v in ("blocking", "async", "dcp_async", "floor", "floor_mem", "load")
     }
     for r in rows:
         assert len(r["total_s"]["all"]) == 3 and r["blocked_s"]["median"] <= r["total_s"]["median"], r

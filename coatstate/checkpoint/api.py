@@ -265,8 +265,9 @@ def save(
             "file per rank; drop shard_size, or save a single file (distributed='gathered') to shard it"
         )
     url = os.fspath(url)
-    if not blocking:
-        background.wait_for_saves()  # (a failure of the previous save is raised before anything else)
+    # every save waits for the one in flight (whose failure is raised here, before anything else):
+    # two saves of one process never race for a file, nor for the per-rank pinned buffers
+    background.wait_for_saves()
     sd, shapes, names, kind = _source(optimizer_or_state_dict, model, param_names)
     model_sd = model.state_dict() if isinstance(model, torch.nn.Module) else model
     if distributed == "per_rank":

@@ -106,7 +106,9 @@ def save(
     rank, world_size = _world()
     pieces, save_id = _start(url, tensors, rank, world_size)
     if blocking:
-        pieces = {k: (start, _cpu(t)) for k, (start, t) in pieces.items()}
+        pieces, ready = _snapshot(pieces, clone_cpu=False)
+        if ready is not None:
+            ready.synchronize()
         _save_blocking(url, pieces, header, metadata, save_id, rank, world_size)
         return None
     pieces, ready = _snapshot(pieces)
@@ -143,27 +145,26 @@ def _start(url: str, tensors: dict, rank: int, world_size: int) -> tuple[dict, s
     return pieces, gathered[0][1]
 
 
-def _cpu(t):
-    t = t.detach()
-    return t.cpu() if t.device.type != "cpu" else t
-
-
 _pinned: dict[str, torch.Tensor] = {}
-"""Host buffers of the last background save's CUDA pieces, reused by the next one: pinning
-gigabytes (cudaHostAlloc) takes longer than copying them. Free once the previous save is done,
-which save() has waited for before it snapshots."""
+"""Host buffers of the last per-rank save's CUDA pieces, reused by the next one (blocking or
+not): pinning gigabytes (cudaHostAlloc) takes longer than copying them, and a fresh pageable
+copy pays a page fault per 4 KiB. Free once the previous save is done, which save() has waited
+for before it snapshots."""
 
 
-def _snapshot(pieces: dict) -> tuple[dict, Any]:
-    """A copy of this rank's pieces the training loop may not touch: CUDA pieces into (reused)
-    pinned host memory, queued on the current stream; CPU pieces cloned (background.snapshot)."""
+def _snapshot(pieces: dict, clone_cpu: bool = True) -> tuple[dict, Any]:
+    """This rank's pieces on the CPU: CUDA pieces copied into (reused) pinned host memory, queued
+    on the current stream (the event returned marks their end); CPU pieces cloned, so that the
+    training loop may change them at once, unless not `clone_cpu` (a blocking save)."""
     on_gpu = {k for k, (_, t) in pieces.items() if t.is_cuda}
     if not on_gpu:
+        if not clone_cpu:
+            return {k: (start, t.detach()) for k, (start, t) in pieces.items()}, None
         return background.snapshot(pieces)
     out = {}
     for key, (start, t) in pieces.items():
         if key not in on_gpu:
-            out[key] = (start, t.detach().clone())
+            out[key] = (start, t.detach().clone() if clone_cpu else t.detach())
             continue
         buf = _pinned.get(key)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
