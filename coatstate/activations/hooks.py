@@ -73,6 +73,7 @@ import torch
 from coatstate.activations.op_kinds import OpKind, kind_of_call_site, kind_on_stack
 from coatstate.activations.policy import RECOMPUTABLE, ActivationPolicy, Granularity
 from coatstate.activations.regions import (
+    _expired,
     _Handle,
     _Kept,
     _KeptRegion,
@@ -132,14 +133,15 @@ def _node_name(node) -> str:
     return name
 
 
-def _derived_from_parameter(x: torch.Tensor) -> bool:
-    """True if x is a chain of views/dtype casts of a leaf that requires grad (autocast's weights)."""
+def _derived_from_parameter(x: torch.Tensor, node=None) -> bool:
+    """True if x is a chain of views/dtype casts of a leaf that requires grad (autocast's weights).
+    `node`: x.grad_fn where the caller has it."""
     if x._is_view():  # the common cases in one step: an activation's view, weight.t()
         base = x._base
-        if base.grad_fn is None:
-            return base.requires_grad
         node = base.grad_fn
-    else:
+        if node is None:
+            return base.requires_grad
+    elif node is None:
         node = x.grad_fn
     for _ in range(6):
         if node is None:
@@ -264,7 +266,7 @@ class compress_activations(_Unpacker):  # noqa: N801  (a context manager used li
         stats = self.stats
         stats.kept += 1
         stats.kept_reasons[reason] += 1
-        stats.bytes_kept[reason] += x.numel() * x.element_size() if count_bytes is None else count_bytes
+        stats.bytes_kept[reason] += x.nbytes if count_bytes is None else count_bytes
         return _Kept(x.detach() if x.requires_grad else x, x._version, reason)
 
     def _always_kept(self, x: torch.Tensor) -> str | None:
@@ -300,7 +302,7 @@ class compress_activations(_Unpacker):  # noqa: N801  (a context manager used li
             return self._keep(x, self._small)
         if node._sequence_nr() < self._first_seq and _thread_id() == self._thread:
             return self._keep(x, _BEFORE_CONTEXT)
-        if _derived_from_parameter(x):
+        if _derived_from_parameter(x, node):
             return self._keep(x, _PARAMETER_CAST)
         kind = kind_of_call_site(frame.f_code, frame.f_lasti)
         if kind is _OTHER:
@@ -379,12 +381,26 @@ class compress_activations(_Unpacker):  # noqa: N801  (a context manager used li
             self._settle(p, "attention_v_out")
 
     def _find(self, ptr: int, x: torch.Tensor, lo: int, hi: int) -> _Region | None:
+        """The first live region at `ptr` that holds x's elements [lo, hi]. Regions of freed storages
+        that once lived there are dropped on the way (the CPU allocator reuses addresses within a
+        forward, and each would be checked again at every later save there)."""
         refs = self._regions.get(ptr)
-        if refs:
-            for ref in refs:
-                region = ref()
-                if region is not None and region.holds(x, lo, hi):
-                    return region
+        if not refs:
+            return None
+        dtype, version, stale = x.dtype, x._version, False
+        for ref in refs:
+            region = ref()
+            if region is None or _expired(region.storage.cdata):
+                stale = True
+            elif (
+                region.start <= lo
+                and hi < region.stop
+                and dtype == region.dtype
+                and version == region.version
+            ):
+                return region
+        if stale:
+            refs[:] = [r for r in refs if r() is not None and not r().storage.expired()]
         return None
 
     def _register(self, ptr: int, region: _Region) -> None:
@@ -471,21 +487,25 @@ class compress_activations(_Unpacker):  # noqa: N801  (a context manager used li
         packed = _Packed(ref, start, stop, x.dtype, x.device, version, granularity, row, group_size, fmt)
         if granularity is _BF16:
             packed.codes = x.as_strided((n,), (1,), start).to(torch.bfloat16)
+            stats.bytes_packed += 2 * n
         elif self._triton or (self._auto and x.is_cuda):
             K = kernels()
             base = x if off == start else x.as_strided((n,), (1,), start)
             packed.kernel = True
-            if granularity is _TENSOR:
+            if granularity is _TENSOR:  # codes, and a byte in the slot buffer
                 amax, packed.scales, packed.slot = self._slot(x.device)
                 packed.codes = K.pack_tensor_flat(base, n, fmt, amax, packed.scales, packed.slot)
-            else:
+                stats.bytes_packed += n + 1
+            else:  # codes and scale bytes in one buffer
                 packed.codes = K.pack_groups_flat(base, n, row, group_size, fmt)
-        elif granularity is _TENSOR:
-            packed.codes, packed.scales = codec.pack_tensor(x.as_strided((n,), (1,), start), fmt)
+                stats.bytes_packed += packed.codes.numel()
         else:
-            rows2d = x.as_strided((n // row, row), (row, 1), start)
-            packed.codes, packed.scales = codec.pack_groups(rows2d, group_size, fmt)
-        stats.bytes_packed += packed.nbytes
+            if granularity is _TENSOR:
+                packed.codes, packed.scales = codec.pack_tensor(x.as_strided((n,), (1,), start), fmt)
+            else:
+                rows2d = x.as_strided((n // row, row), (row, 1), start)
+                packed.codes, packed.scales = codec.pack_groups(rows2d, group_size, fmt)
+            stats.bytes_packed += packed.codes.numel() + packed.scales.numel()
         return packed
 
     def _slot(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:

@@ -13,7 +13,6 @@ import torch
 
 from coatstate.activations.policy import Granularity
 
-_TENSOR, _BF16 = Granularity.TENSOR, Granularity.BF16
 _expired = torch.UntypedStorage._expired
 
 
@@ -48,15 +47,6 @@ class _Region:
         self.shared = False  # saved more than once: unpacked values are cached (weakly) for the others
         self.cache: _StorageRef | None = None  # the last unpacked copy, while backward still holds it
 
-    def holds(self, x: torch.Tensor, lo: int, hi: int) -> bool:
-        return (
-            self.start <= lo
-            and hi < self.stop
-            and x.dtype == self.dtype
-            and x._version == self.version
-            and not _expired(self.storage.cdata)
-        )
-
     def cached(self) -> torch.Tensor | None:
         if self.cache is None or _expired(self.cache.cdata):
             return None
@@ -82,14 +72,6 @@ class _Packed(_Region):
         self.group_size = group_size
         self.fmt = fmt
         self.kernel = False
-
-    @property
-    def nbytes(self) -> int:
-        if self.granularity is _BF16:
-            return self.codes.numel() * 2
-        if self.kernel:
-            return self.codes.numel() + (self.granularity is _TENSOR)
-        return self.codes.numel() + self.scales.numel()
 
 
 class _Recomputed(_Region):
