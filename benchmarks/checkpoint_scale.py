@@ -20,7 +20,8 @@ rounds, on every rank:
   load       coatstate.load of the per-rank checkpoint's states into a fresh optimizer (warm page cache)
 "blocked" is the caller's time in the call (what the training loop waits for); "total" includes the
 background write until committed. Times are the slowest rank's (a barrier before, a max after).
-GB/s = bytes of the checkpoint / total. Prints a table (median and min-max over rounds) and writes
+GB/s = bytes of the checkpoint / total. For blocking and async saves rank 0 also records where
+its time goes (PHASES: staging, its rank file, the root, the cleanup). Prints a table (median and min-max over rounds) and writes
 JSON to --out. Needs no network (the process group runs on 127.0.0.1).
 """
 
@@ -103,6 +104,34 @@ def _slowest(seconds: float) -> float:
     return float(t)
 
 
+PHASES = (  # (name, module, function): where a per-rank save's time goes (wall s per save)
+    ("stage", "coatstate.checkpoint.rank_commit", "_snapshot"),  # queue copies (waits: in `other`)
+    ("rank_file", "coatstate.checkpoint.rank_files", "write_rank_file"),  # hash + write + fsync
+    ("root", "coatstate.checkpoint.rank_commit", "_commit"),  # the root, cleanup included
+    ("cleanup", "coatstate.checkpoint.rank_cleanup", "after_commit"),  # old files removed
+)
+_phase_s: dict[str, float] = {}
+
+
+def _time_phases() -> None:
+    """Wrap PHASES' functions so that each call adds its wall time to _phase_s (they are looked
+    up by module attribute at call time, also from the background thread)."""
+    import importlib
+
+    for name, module, function in PHASES:
+        mod = importlib.import_module(module)
+        inner = getattr(mod, function)
+
+        def timed(*a, _inner=inner, _name=name, **k):
+            t0 = time.perf_counter()
+            try:
+                return _inner(*a, **k)
+            finally:
+                _phase_s[_name] = _phase_s.get(_name, 0.0) + time.perf_counter() - t0
+
+        setattr(mod, function, timed)
+
+
 def _timed(fn) -> tuple[float, float]:
     """(blocked, total) seconds of the slowest rank; fn returns a wait callable or None."""
     import torch.distributed as dist
@@ -170,7 +199,10 @@ def _round(opt, model, fresh, args, url: str, rank: int, index: int, results: di
     }
     names = list(plan)
     for name in names[index % len(names) :] + names[: index % len(names)]:
+        _phase_s.clear()
         results[name].append(_timed(plan[name]))
+        if name in ("blocking", "async"):
+            results.setdefault(f"phases/{name}", []).append(dict(_phase_s))
     results["load"].append(_timed(lambda: coatstate.load(fresh, url) and None))
     dist.barrier()
     if rank == 0:
@@ -198,6 +230,7 @@ def _worker(rank: int, world_size: int, port: int, args, out: str) -> None:
     mesh = _setup(rank, world_size, port, args.device, args.threads)
     opt, model, numel = _optimizer(args, mesh)
     fresh, _, _ = _optimizer(args, mesh)  # loaded into, built outside the timings
+    _time_phases()
     url = os.path.join(args.dir, "ckpt.safetensors")
     # warm-up, not measured: imports, thread pools, the first files, pinned buffers, DCP's planner
     coatstate.save(opt, url, model=model or None, distributed="per_rank")
@@ -222,21 +255,38 @@ def _stats(values: list[float]) -> dict[str, float]:
 
 def summarize(run: dict) -> list[dict]:
     """One row per variant: blocked and total seconds, GB/s (checkpoint bytes / total)."""
-    rows = []
-    for variant, pairs in run["results"].items():
+    rows, results = [], run["results"]
+    for variant, pairs in results.items():
+        if variant.startswith("phases/"):
+            continue
         blocked, total = [b for b, _ in pairs], [t for _, t in pairs]
-        rows.append(
-            {
-                "world_size": run["world_size"],
-                "variant": variant,
-                "blocked_s": _stats(blocked),
-                "total_s": _stats(total),
-                "gbps": _stats([run["bytes"] / t / 1e9 for t in total]),
-                "bytes": run["bytes"],
-                "params": run["params"],
-            }
-        )
+        row = {
+            "world_size": run["world_size"],
+            "variant": variant,
+            "blocked_s": _stats(blocked),
+            "total_s": _stats(total),
+            "gbps": _stats([run["bytes"] / t / 1e9 for t in total]),
+            "bytes": run["bytes"],
+            "params": run["params"],
+        }
+        phases = results.get(f"phases/{variant}")
+        if phases:  # rank 0's, median per phase over rounds
+            row["phases_s"] = {n: statistics.median(p.get(n, 0.0) for p in phases) for n, *_ in PHASES}
+        rows.append(row)
     return rows
+
+
+def print_phases(rows: list[dict]) -> None:
+    timed = [r for r in rows if "phases_s" in r]
+    if not timed:
+        return
+    print(
+        f"\nwhere rank 0's time goes, median s per save ({', '.join(n for n, *_ in PHASES)}; 'root' includes"
+    )
+    print("'cleanup'; the rest of 'total' is waiting: for the device-to-host copies, the other ranks, ...)")
+    for r in timed:
+        cells = "  ".join(f"{n} {r['phases_s'][n]:.3f}" for n, *_ in PHASES)
+        print(f"{r['world_size']:>5} {r['variant']:<10} {cells}  total {r['total_s']['median']:.3f}")
 
 
 def _cell(s: dict, scale: float = 1.0, fmt: str = "{:.3f}") -> str:
@@ -297,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             shutil.rmtree(args.dir, ignore_errors=True)
     print_table(rows)
+    print_phases(rows)
     params, nbytes = rows[0]["params"], rows[0]["bytes"]
     print(
         f"{params / 1e6:.1f}M params, checkpoint {nbytes / 1e6:.1f} MB; rounds {args.rounds}; "
