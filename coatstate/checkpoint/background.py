@@ -32,7 +32,9 @@ class SaveHandle:
         self.url = url
         self.error: BaseException | None = None
         self._ready = ready
-        self._thread = threading.Thread(target=self._run, args=(write,), name=f"coatstate save {url}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, args=(write,), name=f"coatstate save {url}", daemon=True
+        )
         self._thread.start()
 
     def _run(self, write: Callable[[], None]) -> None:

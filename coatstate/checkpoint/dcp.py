@@ -244,7 +244,9 @@ def _check_path(fqn: str, path: Any, fail) -> None:
     if not (
         isinstance(path, (tuple, list))
         and 0 < len(path) <= MAX_PATH_DEPTH
-        and all(isinstance(k, str) or (isinstance(k, int) and not isinstance(k, bool) and k >= 0) for k in path)
+        and all(
+            isinstance(k, str) or (isinstance(k, int) and not isinstance(k, bool) and k >= 0) for k in path
+        )
     ):
         fail(f"planner_data path of {fqn!r} must be a short list of str keys and list indices")
 

@@ -442,25 +442,6 @@ def _regex(text: str) -> str:
     return text
 
 
-# ------------------------------------------------------------------------------------- clean
-def cmd_clean(args: argparse.Namespace) -> int:
-    from coatstate.checkpoint import rank_cleanup
-
-    url = args.file
-    found = rank_cleanup.sweep(url, dry_run=not args.yes)
-    total = sum(size for _, size in found.removed)
-    if not found.removed:
-        print(f"{url}: nothing to remove")
-    else:
-        what = "removed" if args.yes else "would remove (a dry run; --yes removes them)"
-        print(f"{url}: {what} {len(found.removed)} files no root names, {_mb(total)}:")
-        for name, size in found.removed:
-            print(f"  {_mb(size):>12}  {name}")
-    for name, why in found.kept:
-        print(f"  kept          {name} ({why})")
-    return 0
-
-
 # -------------------------------------------------------------------------------------- main
 class _Parser(argparse.ArgumentParser):
     """argparse whose errors are one line on stderr and exit code 2 (subparsers inherit it)."""
@@ -560,21 +541,10 @@ def _parser() -> argparse.ArgumentParser:
         help="with --master-bits: parameters whose names match stay float32 (default: norms, as cast_model)",
     )
     c.set_defaults(run=cmd_convert)
-    k = sub.add_parser(
-        "clean",
-        help="list (--yes: remove) the files next to a checkpoint that its root does not name",
-        description="Remove what killed saves left next to a checkpoint: rank files of other save ids, "
-        "orphan shards, temp files and markers of its stem that the root does not name; never the root, "
-        "a file it names, or another checkpoint's file. Lists them with their sizes unless --yes. Run it "
-        "only while no save to URL is running: on s3 and other object stores nothing tells a killed "
-        "save's files from a running one's (locally, files whose writer holds its lock are kept). "
-        "Without a readable root it removes nothing (exit 1).",
-    )
-    k.add_argument("file", metavar="URL", help="the checkpoint's root .safetensors (path or fsspec URL)")
-    k.add_argument("--yes", action="store_true", help="remove the files (default: only list them)")
-    k.set_defaults(run=cmd_clean)
+    from coatstate.cli.clean import add_clean_parser
     from coatstate.cli.plan import add_plan_parser
 
+    add_clean_parser(sub)
     add_plan_parser(sub)
     return p
 

@@ -137,7 +137,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         except (KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"{model}: not a usable model config ({type(e).__name__}: {e})") from None
         model = spec_from_shape(shape, os.path.basename(model))
-    shape = {k: getattr(args, k) for k in ("arch", "params", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab")}
+    shape = {
+        k: getattr(args, k)
+        for k in ("arch", "params", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab")
+    }
     # (a model built from numbers takes any length)
     spec = planner.resolve_model(model, max_seq=args.seq or 2048, loss_chunks=args.loss_chunks, **shape)
     setup = {k: getattr(args, k) for k in ("seq", "batch", "gpus", "sharding", "gpu_memory", "param_dtype")}
