@@ -537,3 +537,55 @@ def test_eager_activation_before_a_compiled_block():
     )
     print(ctx.stats.summary(), f"min cosine {worst:.6f}")
     assert ctx.stats.packed_by_kind.get("compiled_fp32/group", 0) > 0 and worst > 0.999
+
+
+def test_stats_read_inside_the_context_count_each_save_once():
+    """Saves are logged and counted when ctx.stats is read: read mid-forward (as the planner's trace
+    does), twice, and after the context, the counts are those of counting as they happen."""
+    lin = nn.Linear(64, 64)
+    x = torch.randn(8, 64, requires_grad=True)
+    with compress_activations(min_numel=0) as ctx:
+        h = lin(x)  # keeps x (a leaf) and the weight's transpose
+        first = (ctx.stats.kept, ctx.stats.packed, dict(ctx.stats.kept_reasons))
+        assert (ctx.stats.kept, ctx.stats.packed) == first[:2] == (2, 0), ctx.stats.summary()
+        loss = torch.sin(h).sum()  # packs h
+    loss.backward()
+    stats = ctx.stats
+    assert (stats.kept, stats.packed, dict(stats.kept_reasons)) == (2, 1, first[2]), stats.summary()
+    assert stats.bytes_original == h.numel() * 4 and stats.packed_by_kind == {"other/group": 1}
+    assert stats.bytes_kept == {
+        "parameter or other leaf requiring grad": x.numel() * 4,
+        "parameter cast or view": 64 * 64 * 4,
+    }
+
+
+def test_kernel_launch_keys_are_the_launchers_own():
+    """The flat launchers build each launch's specialization key from per-shape plans; it must be
+    what _Launcher.key derives from the arguments (else a kernel compiled for one specialization
+    would be reused for another)."""
+    from coatstate.formats.fp8 import FP8Format
+    from coatstate.kernels import activation as K
+
+    keys = []
+    real = K._Launcher.run
+
+    def run(self, key, grid, args, constexprs):
+        keys.append((key, K._Launcher.key(args, constexprs)))
+        return real(self, key, grid, args, constexprs)
+
+    amax, scales = torch.zeros(32, dtype=torch.int32), torch.empty(32, dtype=torch.uint8)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(K._Launcher, "run", run)
+        for fmt, dtype, (n, cols), slot in [
+            (FP8Format.E4M3, torch.float32, (48, 16), 0),
+            (FP8Format.E5M2, torch.bfloat16, (17, 17), 1),
+            (FP8Format.E4M3, torch.bfloat16, (96, 3), 16),
+        ]:
+            x = torch.randn(n, dtype=dtype)
+            codes = K.pack_tensor_flat(x, n, fmt, amax, scales, slot)
+            K.unpack_tensor_flat(codes, scales, slot, fmt, dtype)
+            buf = K.pack_groups_flat(x, n, cols, 16, fmt)
+            K.unpack_groups_flat(buf, n, cols, 16, fmt, dtype)
+    assert len(keys) == 3 * 5
+    for fast, general in keys:
+        assert fast == general

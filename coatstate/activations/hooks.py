@@ -96,7 +96,6 @@ _VIEW_OR_COPY_NODES = frozenset(
     "AsStridedBackward0 UnsafeViewBackward0 ReshapeAliasBackward0 AliasBackward0".split()
 )
 _RESHAPE_NODES = frozenset("ViewBackward0 UnsafeViewBackward0 ReshapeAliasBackward0 AliasBackward0".split())
-_KIND_KEYS: dict = {}  # (label, granularity) -> "label/granularity" of stats.packed_by_kind
 _POLICY_KEEPS: dict = {}  # label -> KeepReason.by_policy(label): one f-string per label, not per save
 _NODE_NAMES: dict = {}  # autograd node class -> its name()
 _SLOTS = 4096  # per-tensor scale slots per device buffer (kernel path)
@@ -115,6 +114,7 @@ _NOT_FLOAT, _LEAF, _NO_GRAD_FN = KeepReason.NOT_FLOAT, KeepReason.LEAF, KeepReas
 _BEFORE_CONTEXT, _PARAMETER_CAST = KeepReason.BEFORE_CONTEXT, KeepReason.PARAMETER_CAST
 _LAYOUTS: dict = {}  # (shape, stride) -> _layout's answer: a model saves the same few layouts every step
 _CONTIGUOUS_STRIDES: dict = {}  # shape -> the strides of a contiguous tensor of that shape
+_MAX_LOG = 1 << 16  # saves logged before they are counted into stats (see compress_activations.stats)
 _MAX_CACHED = 4096  # entries of each of the two caches above (a run of ever new shapes starts over)
 
 
@@ -199,7 +199,9 @@ class compress_activations(_Unpacker):  # noqa: N801  (a context manager used li
 
     def __init__(self, policy: ActivationPolicy | None = None, **overrides) -> None:
         self.policy = ActivationPolicy.resolve(policy, overrides)
-        self.stats = ActivationStats()
+        self._stats = ActivationStats()
+        self._kept_log: list[tuple] = []  # per save, not yet in _stats: see ActivationStats.add_logged
+        self._packed_log: list[tuple] = []
         self._granularity = {kind: (self.policy.granularity(kind), kind.value) for kind in OpKind}
         self._min_numel = max(self.policy.min_numel, 1)
         self._small = KeepReason.small(self.policy.min_numel)  # (built once: it is a key per save)
@@ -207,9 +209,7 @@ class compress_activations(_Unpacker):  # noqa: N801  (a context manager used li
         self._fmt, self._group_size = self.policy.fmt, self.policy.group_size
         self._triton, self._auto = self.policy.backend == "triton", self.policy.backend == "auto"
         self._regions: dict[int, list[weakref.ref]] = {}  # storage pointer -> held regions in it
-        self._sources: dict[
-            tuple, tuple
-        ] = {}  # (thread, node sequence nr) -> (weak handle, ptr) of its input
+        self._sources: dict = {}  # (thread, node sequence nr) -> (weak handle, ptr) of its input
         self._pending: list[_Pending] = []  # attention inputs waiting for their op's output
         self._pending_seq = (0, -1)  # (thread, sequence number) of the attention node they belong to
         self._first_seq = 0  # autograd nodes numbered below this existed before __enter__
@@ -243,6 +243,17 @@ class compress_activations(_Unpacker):  # noqa: N801  (a context manager used li
         if exc[0] is None:
             self._warn_if_only_small()
 
+    @property
+    def stats(self) -> ActivationStats:
+        """What was packed and kept so far (saves are logged, and counted when this is read)."""
+        self._count_logged()
+        return self._stats
+
+    def _count_logged(self) -> None:
+        kept, self._kept_log = self._kept_log, []
+        packed, self._packed_log = self._packed_log, []
+        self._stats.add_logged(kept, packed)
+
     def _warn_if_only_small(self) -> None:
         """A model whose saves are all below min_numel (a small one) would otherwise compress
         nothing without a word; a policy that keeps everything on purpose is not warned about."""
@@ -263,10 +274,10 @@ class compress_activations(_Unpacker):  # noqa: N801  (a context manager used li
 
     # -- pack ------------------------------------------------------------------------------
     def _keep(self, x: torch.Tensor, reason: str, count_bytes: int | None = None) -> _Kept:
-        stats = self.stats
-        stats.kept += 1
-        stats.kept_reasons[reason] += 1
-        stats.bytes_kept[reason] += x.nbytes if count_bytes is None else count_bytes
+        log = self._kept_log
+        log.append((reason, x.nbytes if count_bytes is None else count_bytes))
+        if len(log) > _MAX_LOG:  # (one context around many steps: count as it goes)
+            self._count_logged()
         return _Kept(x.detach() if x.requires_grad else x, x._version, reason)
 
     def _always_kept(self, x: torch.Tensor) -> str | None:
@@ -427,7 +438,7 @@ class compress_activations(_Unpacker):  # noqa: N801  (a context manager used li
         ptr = storage.data_ptr()
         region = self._find(ptr, x, lo, hi)
         if region is not None:
-            self.stats.shared += 1
+            self._stats.shared += 1
             region.shared = True
             handle = self._view_of(region, x)
         else:
@@ -475,19 +486,12 @@ class compress_activations(_Unpacker):  # noqa: N801  (a context manager used li
     ):
         """A _Packed region of x's elements [start, stop) of its storage (x's own offset is `off`)."""
         n = stop - start
-        stats = self.stats
-        stats.packed += 1
-        key = _KIND_KEYS.get((label, granularity))
-        if key is None:
-            key = _KIND_KEYS[(label, granularity)] = f"{label}/{granularity.value}"
-        stats.packed_by_kind[key] += 1
-        stats.bytes_original += n * x.element_size()
         row = row if 0 < row and n % row == 0 else n
         fmt, group_size = self._fmt, self._group_size
         packed = _Packed(ref, start, stop, x.dtype, x.device, version, granularity, row, group_size, fmt)
         if granularity is _BF16:
             packed.codes = x.as_strided((n,), (1,), start).to(torch.bfloat16)
-            stats.bytes_packed += 2 * n
+            nbytes = 2 * n
         elif self._triton or (self._auto and x.is_cuda):
             K = kernels()
             base = x if off == start else x.as_strided((n,), (1,), start)
@@ -495,17 +499,18 @@ class compress_activations(_Unpacker):  # noqa: N801  (a context manager used li
             if granularity is _TENSOR:  # codes, and a byte in the slot buffer
                 amax, packed.scales, packed.slot = self._slot(x.device)
                 packed.codes = K.pack_tensor_flat(base, n, fmt, amax, packed.scales, packed.slot)
-                stats.bytes_packed += n + 1
+                nbytes = n + 1
             else:  # codes and scale bytes in one buffer
                 packed.codes = K.pack_groups_flat(base, n, row, group_size, fmt)
-                stats.bytes_packed += packed.codes.numel()
+                nbytes = packed.codes.numel()
         else:
             if granularity is _TENSOR:
                 packed.codes, packed.scales = codec.pack_tensor(x.as_strided((n,), (1,), start), fmt)
             else:
                 rows2d = x.as_strided((n // row, row), (row, 1), start)
                 packed.codes, packed.scales = codec.pack_groups(rows2d, group_size, fmt)
-            stats.bytes_packed += packed.codes.numel() + packed.scales.numel()
+            nbytes = packed.codes.numel() + packed.scales.numel()
+        self._packed_log.append((label, granularity, n * x.element_size(), nbytes))
         return packed
 
     def _slot(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -555,8 +560,8 @@ class compress_activations(_Unpacker):  # noqa: N801  (a context manager used li
         region = _Recomputed(
             ref, start, stop, x.dtype, x.device, x._version, func, kwargs, source, shape, stride
         )
-        self.stats.recomputed += 1
-        self.stats.bytes_recomputed += (stop - start) * x.element_size()
+        self._stats.recomputed += 1
+        self._stats.bytes_recomputed += (stop - start) * x.element_size()
         return region
 
 
