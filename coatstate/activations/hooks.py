@@ -73,10 +73,12 @@ import torch
 from coatstate.activations.op_kinds import OpKind, kind_of_call_site, kind_on_stack
 from coatstate.activations.policy import RECOMPUTABLE, ActivationPolicy, Granularity
 from coatstate.activations.regions import (
+    _contiguous_strides,
     _expired,
     _Handle,
     _Kept,
     _KeptRegion,
+    _layout,
     _Packed,
     _Pending,
     _Recomputed,
@@ -112,10 +114,7 @@ _OTHER, _ATTENTION, _ACTIVATION = OpKind.OTHER, OpKind.ATTENTION, OpKind.ACTIVAT
 _KEEP, _TENSOR, _BF16 = Granularity.KEEP, Granularity.TENSOR, Granularity.BF16
 _NOT_FLOAT, _LEAF, _NO_GRAD_FN = KeepReason.NOT_FLOAT, KeepReason.LEAF, KeepReason.NO_GRAD_FN
 _BEFORE_CONTEXT, _PARAMETER_CAST = KeepReason.BEFORE_CONTEXT, KeepReason.PARAMETER_CAST
-_LAYOUTS: dict = {}  # (shape, stride) -> _layout's answer: a model saves the same few layouts every step
-_CONTIGUOUS_STRIDES: dict = {}  # shape -> the strides of a contiguous tensor of that shape
 _MAX_LOG = 1 << 16  # saves logged before they are counted into stats (see compress_activations.stats)
-_MAX_CACHED = 4096  # entries of each of the two caches above (a run of ever new shapes starts over)
 
 
 def _policy_keeps(label: str) -> str:
@@ -156,36 +155,6 @@ def _derived_from_parameter(x: torch.Tensor, node=None) -> bool:
             return False
         node = nexts[0]
     return False
-
-
-def _layout(shape: torch.Size, stride: tuple) -> tuple[int, bool, int, bool]:
-    """(extent, dense, row, expanded) of a view with this shape and stride: its last element's
-    offset from its first, whether it covers that span densely (a permutation of a contiguous
-    block), its row length (the size of its stride-1 dim, 1 if it has none), and whether it is an
-    expanded (stride-0) view. Cached per layout (a sort and a few generators otherwise, per save)."""
-    entry = _LAYOUTS.get((shape, stride))
-    if entry is not None:
-        return entry
-    dims = sorted((st, size) for size, st in zip(shape, stride, strict=True) if size > 1)
-    row = dims[0][1] if dims and dims[0][0] == 1 else 1
-    expected, dense = 1, True
-    for st, size in dims:
-        dense &= st == expected
-        expected *= size
-    expanded = not dense and any(st == 0 for st, _ in dims)
-    if len(_LAYOUTS) >= _MAX_CACHED:
-        _LAYOUTS.clear()
-    entry = _LAYOUTS[(shape, stride)] = (sum((size - 1) * st for st, size in dims), dense, row, expanded)
-    return entry
-
-
-def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
-    strides = _CONTIGUOUS_STRIDES.get(shape)
-    if strides is None:
-        if len(_CONTIGUOUS_STRIDES) >= _MAX_CACHED:
-            _CONTIGUOUS_STRIDES.clear()
-        strides = _CONTIGUOUS_STRIDES[shape] = torch.empty(shape, device="meta").stride()
-    return strides
 
 
 class compress_activations(_Unpacker):  # noqa: N801  (a context manager used like a function)
@@ -440,7 +409,7 @@ class compress_activations(_Unpacker):  # noqa: N801  (a context manager used li
         if region is not None:
             self._stats.shared += 1
             region.shared = True
-            handle = self._view_of(region, x)
+            handle = self._view_of(region, x, shape, stride, lo)
         else:
             if dense:
                 start, stop = lo, hi + 1
@@ -463,7 +432,7 @@ class compress_activations(_Unpacker):  # noqa: N801  (a context manager used li
                 base = x.contiguous()
                 ref = _StorageRef(base.untyped_storage())
                 region = self._compress(base, ref, 0, base.numel(), base._version, granularity, row, label, 0)
-                return self._view_of(region, base)
+                return self._view_of(region, base, base.shape, base.stride(), base.storage_offset())
             ref = _StorageRef(storage)
             region = None
             if self._sources and x.grad_fn is not None:  # (a compiled graph's save has none)
@@ -471,15 +440,16 @@ class compress_activations(_Unpacker):  # noqa: N801  (a context manager used li
             if region is None:
                 region = self._compress(x, ref, start, stop, x._version, granularity, row, label, lo)
             self._register(ptr, region)
-            handle = _Handle(region, shape, stride, lo - start)
+            handle = _Handle(region, tuple(shape), stride, lo - start)  # (a tuple: GC untracks it)
         if source and type(handle) is _Handle and type(handle.region) is _Packed:
             self._note_source(handle, ptr)
         return handle
 
-    def _view_of(self, region: _Region, x: torch.Tensor):
+    def _view_of(self, region: _Region, x: torch.Tensor, shape, stride, off: int):
+        """What autograd holds for a save of x (shape, stride and storage offset) inside region."""
         if type(region) is _KeptRegion:
             return _Kept(x.detach(), x._version, region.reason, region)
-        return _Handle(region, x.shape, x.stride(), x.storage_offset() - region.start)
+        return _Handle(region, tuple(shape), stride, off - region.start)
 
     def _compress(
         self, x, ref, start: int, stop: int, version: int, granularity, row: int, label: str, off: int

@@ -4,7 +4,8 @@ Split from coatstate/activations.py, which creates and reads them.
 
 One of these is made per saved tensor (or per region) in the hot path of every forward, so they are
 plain classes with __slots__ and positional constructors (a dataclass's keyword __init__ and
-__dict__ cost microseconds per save), and storages are referred to by _StorageRef.
+__dict__ cost microseconds per save), and storages are referred to by _StorageRef. `_layout` (what
+a view covers of its storage) is cached per shape and stride.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ import torch
 from coatstate.activations.policy import Granularity
 
 _expired = torch.UntypedStorage._expired
+_LAYOUTS: dict = {}  # (shape, stride) -> _layout's answer: a model saves the same few layouts every step
+_CONTIGUOUS_STRIDES: dict = {}  # shape -> the strides of a contiguous tensor of that shape
+_MAX_CACHED = 4096  # entries of each of the two caches above (a run of ever new shapes starts over)
 
 
 class _StorageRef:
@@ -132,3 +136,33 @@ class _Kept:
         self.version = version
         self.reason = reason
         self.region = region  # keeps the region's entry alive for later saves inside it
+
+
+def _layout(shape: torch.Size, stride: tuple) -> tuple[int, bool, int, bool]:
+    """(extent, dense, row, expanded) of a view with this shape and stride: its last element's
+    offset from its first, whether it covers that span densely (a permutation of a contiguous
+    block), its row length (the size of its stride-1 dim, 1 if it has none), and whether it is an
+    expanded (stride-0) view. Cached per layout (a sort and a few generators otherwise, per save)."""
+    entry = _LAYOUTS.get((shape, stride))
+    if entry is not None:
+        return entry
+    dims = sorted((st, size) for size, st in zip(shape, stride, strict=True) if size > 1)
+    row = dims[0][1] if dims and dims[0][0] == 1 else 1
+    expected, dense = 1, True
+    for st, size in dims:
+        dense &= st == expected
+        expected *= size
+    expanded = not dense and any(st == 0 for st, _ in dims)
+    if len(_LAYOUTS) >= _MAX_CACHED:
+        _LAYOUTS.clear()
+    entry = _LAYOUTS[(shape, stride)] = (sum((size - 1) * st for st, size in dims), dense, row, expanded)
+    return entry
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides = _CONTIGUOUS_STRIDES.get(shape)
+    if strides is None:
+        if len(_CONTIGUOUS_STRIDES) >= _MAX_CACHED:
+            _CONTIGUOUS_STRIDES.clear()
+        strides = _CONTIGUOUS_STRIDES[shape] = torch.empty(shape, device="meta").stride()
+    return strides
