@@ -97,6 +97,7 @@ _VIEW_OR_COPY_NODES = frozenset(
     "SliceBackward0 SelectBackward0 UnsqueezeBackward0 SqueezeBackward0 SqueezeBackward1 "
     "AsStridedBackward0 UnsafeViewBackward0 ReshapeAliasBackward0 AliasBackward0".split()
 )
+_CAST_OR_LEAF = _VIEW_OR_COPY_NODES | {"torch::autograd::AccumulateGrad"}  # nodes it does not stop at
 _RESHAPE_NODES = frozenset("ViewBackward0 UnsafeViewBackward0 ReshapeAliasBackward0 AliasBackward0".split())
 _POLICY_KEEPS: dict = {}  # label -> KeepReason.by_policy(label): one f-string per label, not per save
 _NODE_NAMES: dict = {}  # autograd node class -> its name()
@@ -282,13 +283,15 @@ class compress_activations(_Unpacker):  # noqa: N801  (a context manager used li
             return self._keep(x, self._small)
         if node._sequence_nr() < self._first_seq and _thread_id() == self._thread:
             return self._keep(x, _BEFORE_CONTEXT)
-        if _derived_from_parameter(x, node):
+        if (x._is_view() or (_NODE_NAMES.get(type(node)) or _node_name(node)) in _CAST_OR_LEAF) and (
+            _derived_from_parameter(x, node)  # (only views and casts can be: most saves skip the call)
+        ):
             return self._keep(x, _PARAMETER_CAST)
         kind = kind_of_call_site(frame.f_code, frame.f_lasti)
         if kind is _OTHER:
             kind = kind_on_stack(frame)
         if kind is _ATTENTION:
-            return self._attention(x)
+            return self._attention(x, node)
         granularity, label = self._granularity[kind]
         return self._hold(x, granularity, label, kind is _ACTIVATION and self._recompute)
 
@@ -324,11 +327,10 @@ class compress_activations(_Unpacker):  # noqa: N801  (a context manager used li
             return self._hold(x, self.policy.compiled_fp32, "compiled_fp32")
         return self._hold(x, self.policy.compiled, "compiled")
 
-    def _attention(self, x: torch.Tensor):
-        """q, k, v wait for the op's output, whose grad_fn lists the op's inputs in order."""
+    def _attention(self, x: torch.Tensor, node):
+        """q, k, v wait for the op's output, whose grad_fn (`node`) lists the op's inputs in order."""
         seq = _next_sequence_nr() - 1  # the attention op's node: made before it saves anything
         # (sequence numbers count per thread)
-        node = x.grad_fn
         if node._sequence_nr() != seq:  # an input
             pending = _Pending(x)
             self._pending.append(pending)
