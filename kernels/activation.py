@@ -388,13 +388,17 @@ def pack_tensor_flat(x, n: int, fmt: FP8Format, amax, scales, slot: int) -> torc
     return codes
 
 
-def unpack_tensor_flat(codes, scales, slot: int, fmt: FP8Format, dtype: torch.dtype) -> torch.Tensor:
-    """The (n,) tensor in `dtype` from pack_tensor_flat's codes and scales[slot]."""
+def unpack_tensor_flat(
+    codes, scales, slot: int, fmt: FP8Format, dtype: torch.dtype, out=None
+) -> torch.Tensor:
+    """The (n,) tensor in `dtype` from pack_tensor_flat's codes and scales[slot]; or written into
+    `out`, a tensor in `dtype` whose n elements are dense from its data pointer on (any shape)."""
     n = codes.numel()
     plan = _PLANS.get(("tensor", n, fmt, dtype))
     if plan is None:
         plan = _plan(("tensor", n, fmt, dtype))
-    out = codes.new_empty(n, dtype=dtype)
+    if out is None:
+        out = codes.new_empty(n, dtype=dtype)
     key = (codes.get_device(), *plan.values, _U8, codes.data_ptr() % 16 == 0, scales.dtype,
            scales.data_ptr() % 16 == 0, dtype, out.data_ptr() % 16 == 0,
            slot == 1, slot % 16 == 0, slot >= 2**31, *plan.ints)  # fmt: skip
@@ -430,12 +434,13 @@ def pack_groups_flat(x, n: int, cols: int, group_size: int, fmt: FP8Format) -> t
     return buf
 
 
-def unpack_groups_flat(buf, n: int, cols: int, group_size: int, fmt: FP8Format, dtype: torch.dtype):
-    """The (n,) tensor in `dtype` from pack_groups_flat's buffer."""
+def unpack_groups_flat(buf, n: int, cols: int, group_size: int, fmt: FP8Format, dtype: torch.dtype, out=None):
+    """The (n,) tensor in `dtype` from pack_groups_flat's buffer (or into `out`, as unpack_tensor_flat)."""
     plan = _PLANS.get(("groups", n, fmt, cols, group_size, dtype))
     if plan is None:
         plan = _plan(("groups", n, fmt, cols, group_size, dtype))
-    out = buf.new_empty(n, dtype=dtype)
+    if out is None:
+        out = buf.new_empty(n, dtype=dtype)
     if plan.n_groups:
         key = (buf.get_device(), *plan.values, _U8, buf.data_ptr() % 16 == 0, dtype, out.data_ptr() % 16 == 0,
                *plan.ints)  # fmt: skip

@@ -441,6 +441,8 @@ class compress_activations(_Unpacker):  # noqa: N801  (a context manager used li
                 region = self._recompute_region(ptr, x, ref, start, stop)
             if region is None:
                 region = self._compress(x, ref, start, stop, x._version, granularity, row, label, lo)
+                if dense and region.kernel:  # its one handle covers it: backward unpacks into that layout
+                    region.layout = (tuple(shape), stride)
             self._register(ptr, region)
             handle = _Handle(region, tuple(shape), stride, lo - start)  # (a tuple: GC untracks it)
         if source and type(handle) is _Handle and type(handle.region) is _Packed:

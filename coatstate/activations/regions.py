@@ -51,6 +51,8 @@ class _Region:
         self.shared = False  # saved more than once: unpacked values are cached (weakly) for the others
         self.cache: _StorageRef | None = None  # the last unpacked copy, while backward still holds it
 
+    layout: tuple | None = None  # (a _Packed's slot; None for the other regions)
+
     def cached(self) -> torch.Tensor | None:
         if self.cache is None or _expired(self.cache.cdata):
             return None
@@ -64,7 +66,7 @@ class _Region:
 class _Packed(_Region):
     """A region held as FP8 codes and power-of-two scale bytes (codec in coatstate.formats.activation)."""
 
-    __slots__ = ("granularity", "codes", "scales", "slot", "row", "group_size", "fmt", "kernel")
+    __slots__ = ("granularity", "codes", "scales", "slot", "row", "group_size", "fmt", "kernel", "layout")
 
     def __init__(self, storage, start, stop, dtype, device, version, granularity, row, group_size, fmt):
         _Region.__init__(self, storage, start, stop, dtype, device, version)
@@ -76,6 +78,7 @@ class _Packed(_Region):
         self.group_size = group_size
         self.fmt = fmt
         self.kernel = False
+        self.layout: tuple | None = None  # (shape, stride) of the one dense save covering it, if kernel
 
 
 class _Recomputed(_Region):

@@ -40,11 +40,16 @@ class _Unpacker:
             if saved.tensor._version != saved.version:
                 _raise_modified(saved)
             return saved.tensor
-        flat = self._region_values(saved.region)
+        region = saved.region
+        flat = self._region_values(region)
+        if region.layout is not None and not region.shared:  # unpacked in the save's own layout
+            return flat
         return flat.as_strided(saved.shape, saved.stride, saved.offset)
 
     def _region_values(self, region: _Region) -> torch.Tensor:
-        """The region's values as a flat tensor (unpacked once while backward holds them)."""
+        """The region's values as a flat tensor (unpacked once while backward holds them), or for an
+        unshared kernel region with a `layout`, as the one save that covers it (one allocation in
+        that layout instead of a flat one and a view of it)."""
         shared = region.shared
         if shared:
             flat = region.cached()
@@ -59,14 +64,17 @@ class _Unpacker:
         elif region.granularity is _BF16:
             flat = region.codes.to(region.dtype)
         elif region.kernel:
+            out = None
+            if region.layout is not None and not shared:
+                out = region.codes.new_empty_strided(*region.layout, dtype=region.dtype)
             if region.granularity is _TENSOR:
                 flat = (_K or kernels()).unpack_tensor_flat(
-                    region.codes, region.scales, region.slot, region.fmt, region.dtype
+                    region.codes, region.scales, region.slot, region.fmt, region.dtype, out
                 )
             else:
                 n = region.stop - region.start
                 flat = (_K or kernels()).unpack_groups_flat(
-                    region.codes, n, region.row, region.group_size, region.fmt, region.dtype
+                    region.codes, n, region.row, region.group_size, region.fmt, region.dtype, out
                 )
         elif region.granularity is _TENSOR:
             flat = codec.unpack_tensor(region.codes, region.scales, region.dtype)
