@@ -464,7 +464,12 @@ class compress_activations(_Unpacker):  # noqa: N801  (a context manager used li
         fmt, group_size = self._fmt, self._group_size
         packed = _Packed(ref, start, stop, x.dtype, x.device, version, granularity, row, group_size, fmt)
         if granularity is _BF16:
-            packed.codes = x.as_strided((n,), (1,), start).to(torch.bfloat16)
+            if off == start and x.is_contiguous():  # x is the whole region: no flat view of it first
+                packed.codes = x.to(torch.bfloat16)
+                if packed.codes.stride() == x.stride():  # (backward's .to() gives that layout back)
+                    packed.layout = (tuple(x.shape), x.stride())
+            else:
+                packed.codes = x.as_strided((n,), (1,), start).to(torch.bfloat16)
             nbytes = 2 * n
         elif self._triton or (self._auto and x.is_cuda):
             K = kernels()

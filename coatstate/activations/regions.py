@@ -78,7 +78,7 @@ class _Packed(_Region):
         self.group_size = group_size
         self.fmt = fmt
         self.kernel = False
-        self.layout: tuple | None = None  # (shape, stride) of the one dense save covering it, if kernel
+        self.layout: tuple | None = None  # (shape, stride) of the save covering it: see hooks._compress
 
 
 class _Recomputed(_Region):

@@ -48,8 +48,8 @@ class _Unpacker:
 
     def _region_values(self, region: _Region) -> torch.Tensor:
         """The region's values as a flat tensor (unpacked once while backward holds them), or for an
-        unshared kernel region with a `layout`, as the one save that covers it (one allocation in
-        that layout instead of a flat one and a view of it)."""
+        unshared region with a `layout`, in the layout of the one save that covers it (no flat
+        tensor and view of it per unpack)."""
         shared = region.shared
         if shared:
             flat = region.cached()
