@@ -85,6 +85,12 @@ def _parse(argv=None) -> argparse.Namespace:
         help="also each block torch.compile'd (or, 'model', the whole model as one graph)",
     )
     p.add_argument("--cudagraphs", action="store_true", help="also compiled variants with CUDA graphs")
+    p.add_argument(
+        "--inductor",
+        default="",
+        help="inductor options for every compiled variant, uncompressed ones too: "
+        "'coordinate_descent_tuning=1,max_autotune_pointwise=1'",
+    )
     p.add_argument("--smoke", action="store_true", help="a tiny model on CPU, 2 rounds (test)")
     args = p.parse_args(argv)
     if args.smoke:
@@ -118,10 +124,21 @@ def _base_of(name: str, names) -> str:
     return "none"
 
 
-def _compile(model, mode: str, policy, cudagraphs: bool):
+def _inductor_options(text: str) -> dict:
+    """'a=1,b=0' -> {'a': True, 'b': False} (integers other than 0/1 stay ints)."""
+    out = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        key, _, value = item.partition("=")
+        number = int(value) if value.lstrip("-").isdigit() else None
+        out[key] = value if number is None else bool(number) if number in (0, 1) else number
+    return out
+
+
+def _compile(model, mode: str, policy, cudagraphs: bool, extra: dict):
     """(callable to run the model with, its blocks or None, the CompiledActivations or None)."""
     fp8 = CompiledActivations(**policy, cudagraphs=cudagraphs) if policy is not None else None
     options = fp8.options if fp8 is not None else {"triton.cudagraphs": True} if cudagraphs else {}
+    options = {**options, **extra}
     if mode == "model":
         return torch.compile(model, options=options or None), None, fp8
     blocks = torch.nn.ModuleList(torch.compile(b, options=options or None) for b in model.blocks)
@@ -159,7 +176,9 @@ def _variants(model, opt, batches, args, table: dict):
             before = None
         else:
             make_ctx, policy, cudagraphs = spec
-            run, blocks, fp8 = _compile(model, args.compiled, policy, cudagraphs)
+            run, blocks, fp8 = _compile(
+                model, args.compiled, policy, cudagraphs, _inductor_options(args.inductor)
+            )
             runner = _Runner(model, opt, batches, make_ctx, autocast, device, run, blocks or eager_blocks)
             before = torch.compiler.cudagraph_mark_step_begin if cudagraphs else None
             if fp8 is not None:
