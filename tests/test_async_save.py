@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import requires_cuda
 
 import coatstate
 from coatstate.checkpoint import SaveHandle, read, wait_for_saves
@@ -79,3 +80,38 @@ def test_the_handle_raises_once_and_then_is_done(tmp_path):
         handle.wait()
     assert handle.done()
     handle.wait()
+
+
+def _step(model, opt):
+    device = next(model.parameters()).device
+    model(torch.randn(8, 64, device=device)).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, requires_cuda])])
+@pytest.mark.parametrize("distributed", ["gathered", "per_rank"])
+def test_saves_snapshot_at_the_call_and_equal_blocking_ones(tmp_path, distributed, device):
+    """Async saves snapshot at the call (training goes on while they write; from CUDA into pinned
+    memory), blocking per-rank saves reuse the async saves' pinned buffers, and every file holds
+    what a blocking single-file save of the same state holds, bit for bit."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 32)).to(
+        device
+    )
+    opt = coatstate.CompressedAdamW(model.parameters(), lr=1e-2, min_numel=1)
+    for _ in range(3):
+        _step(model, opt)
+    urls = {n: str(tmp_path / f"{n}.safetensors") for n in ("ref0", "bg0", "ref1", "block1", "bg1")}
+    coatstate.save(opt, urls["ref0"], model=model)  # gathered, blocking: the reference
+    handle = coatstate.save(opt, urls["bg0"], model=model, blocking=False, distributed=distributed)
+    _step(model, opt)  # changes the state while bg0 is written
+    handle.wait()
+    coatstate.save(opt, urls["ref1"], model=model)
+    coatstate.save(opt, urls["block1"], model=model, distributed=distributed)  # the pinned buffers again
+    handle = coatstate.save(opt, urls["bg1"], model=model, blocking=False, distributed=distributed)
+    _step(model, opt)
+    handle.wait()
+    for got, want in (("bg0", "ref0"), ("block1", "ref1"), ("bg1", "ref1")):
+        assert _same(_tensors(read(urls[got])), _tensors(read(urls[want]))), got
+    assert not _same(_tensors(read(urls["ref0"])), _tensors(read(urls["ref1"])))  # (the steps did change it)
