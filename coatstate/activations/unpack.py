@@ -47,9 +47,9 @@ class _Unpacker:
         return flat.as_strided(saved.shape, saved.stride, saved.offset)
 
     def _region_values(self, region: _Region) -> torch.Tensor:
-        """The region's values as a flat tensor (unpacked once while backward holds them), or for an
-        unshared region with a `layout`, in the layout of the one save that covers it (no flat
-        tensor and view of it per unpack)."""
+        """A tensor whose storage holds the region's values (unpacked once while backward holds them):
+        flat, or recomputed in the activation's shape, or for an unshared region with a `layout` in
+        the layout of the one save that covers it (then _unpack returns it as it is)."""
         shared = region.shared
         if shared:
             flat = region.cached()
@@ -86,12 +86,15 @@ class _Unpacker:
         return flat
 
     def _recomputed_values(self, region: _Recomputed) -> torch.Tensor:
-        """The activation function applied again to its unpacked input, in the region's layout."""
-        out = region.func(self._unpack(region.source), **region.kwargs).to(region.dtype)
+        """The activation function applied again to its unpacked input, in the region's layout (a
+        fresh tensor: _unpack's as_strided and the cache work on its storage, no flat view needed)."""
+        out = region.func(self._unpack(region.source), **region.kwargs)
+        if out.dtype != region.dtype:
+            out = out.to(region.dtype)
         if out.stride() != region.stride:
             like = torch.empty_strided(region.shape, region.stride, dtype=out.dtype, device=out.device)
             out = like.copy_(out)
-        return out.as_strided((out.numel(),), (1,), out.storage_offset())
+        return out
 
 
 def _raise_modified(saved: _Kept) -> None:
