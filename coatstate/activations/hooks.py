@@ -83,7 +83,6 @@ from coatstate.activations.regions import (
     _Pending,
     _Recomputed,
     _Region,
-    _StorageRef,
 )
 from coatstate.activations.stats import ActivationStats, KeepReason
 from coatstate.activations.unpack import _Unpacker, kernels
@@ -372,7 +371,7 @@ class compress_activations(_Unpacker):  # noqa: N801  (a context manager used li
         dtype, version, stale = x.dtype, x._version, False
         for ref in refs:
             region = ref()
-            if region is None or _expired(region.storage.cdata):
+            if region is None or _expired(region.cdata):
                 stale = True
             elif (
                 region.start <= lo
@@ -382,7 +381,7 @@ class compress_activations(_Unpacker):  # noqa: N801  (a context manager used li
             ):
                 return region
         if stale:
-            refs[:] = [r for r in refs if r() is not None and not r().storage.expired()]
+            refs[:] = [r for r in refs if r() is not None and not r().expired()]
         return None
 
     def _register(self, ptr: int, region: _Region) -> None:
@@ -391,7 +390,7 @@ class compress_activations(_Unpacker):  # noqa: N801  (a context manager used li
             self._regions[ptr] = [weakref.ref(region)]
             return
         if len(refs) > 8:  # drop regions of freed storages that once lived at this address
-            refs[:] = [r for r in refs if r() is not None and not r().storage.expired()]
+            refs[:] = [r for r in refs if r() is not None and not r().expired()]
         refs.append(weakref.ref(region))
 
     def _hold(self, x: torch.Tensor, granularity: Granularity, label: str, source: bool = False):
@@ -425,22 +424,20 @@ class compress_activations(_Unpacker):  # noqa: N801  (a context manager used li
                 if start is None:
                     return self._keep(x, reason)
                 kept = self._keep(x, reason, (stop - start) * x.element_size())
-                kept.region = _KeptRegion(
-                    _StorageRef(storage), start, stop, x.dtype, x.device, x._version, reason
-                )
+                kept.region = _KeptRegion(storage, start, stop, x.dtype, x.device, x._version, reason)
                 self._register(ptr, kept.region)
                 return kept
             if start is None:  # a sparse view of a large storage: pack a contiguous copy, unshared
                 base = x.contiguous()
-                ref = _StorageRef(base.untyped_storage())
-                region = self._compress(base, ref, 0, base.numel(), base._version, granularity, row, label, 0)
+                region = self._compress(
+                    base, base.untyped_storage(), 0, base.numel(), base._version, granularity, row, label, 0
+                )
                 return self._view_of(region, base, base.shape, base.stride(), base.storage_offset())
-            ref = _StorageRef(storage)
             region = None
             if self._sources and x.grad_fn is not None:  # (a compiled graph's save has none)
-                region = self._recompute_region(ptr, x, ref, start, stop)
+                region = self._recompute_region(ptr, x, storage, start, stop)
             if region is None:
-                region = self._compress(x, ref, start, stop, x._version, granularity, row, label, lo)
+                region = self._compress(x, storage, start, stop, x._version, granularity, row, label, lo)
                 if dense and region.kernel:  # its one handle covers it: backward unpacks into that layout
                     region.layout = (tuple(shape), stride)
             self._register(ptr, region)
@@ -456,13 +453,13 @@ class compress_activations(_Unpacker):  # noqa: N801  (a context manager used li
         return _Handle(region, tuple(shape), stride, off - region.start)
 
     def _compress(
-        self, x, ref, start: int, stop: int, version: int, granularity, row: int, label: str, off: int
+        self, x, storage, start: int, stop: int, version: int, granularity, row: int, label: str, off: int
     ):
         """A _Packed region of x's elements [start, stop) of its storage (x's own offset is `off`)."""
         n = stop - start
         row = row if 0 < row and n % row == 0 else n
         fmt, group_size = self._fmt, self._group_size
-        packed = _Packed(ref, start, stop, x.dtype, x.device, version, granularity, row, group_size, fmt)
+        packed = _Packed(storage, start, stop, x.dtype, x.device, version, granularity, row, group_size, fmt)
         if granularity is _BF16:
             if off == start and x.is_contiguous():  # x is the whole region: no flat view of it first
                 packed.codes = x.to(torch.bfloat16)
@@ -512,7 +509,9 @@ class compress_activations(_Unpacker):  # noqa: N801  (a context manager used li
             del sources[next(iter(sources))]
         sources[(_thread_id(), _next_sequence_nr() - 1)] = (weakref.ref(handle), ptr)
 
-    def _recompute_region(self, ptr: int, x: torch.Tensor, ref, start: int, stop: int) -> _Recomputed | None:
+    def _recompute_region(
+        self, ptr: int, x: torch.Tensor, storage, start: int, stop: int
+    ) -> _Recomputed | None:
         """A region that recomputes x in backward, if x is (a reshape of) the whole output of an
         activation function whose contiguous input was saved compressed."""
         node, thread = x.grad_fn, _thread_id()  # (sequence numbers count per thread)
@@ -537,7 +536,7 @@ class compress_activations(_Unpacker):  # noqa: N801  (a context manager used li
         del self._sources[(thread, node._sequence_nr())]
         func, kwargs = recipe(node)
         region = _Recomputed(
-            ref, start, stop, x.dtype, x.device, x._version, func, kwargs, source, shape, stride
+            storage, start, stop, x.dtype, x.device, x._version, func, kwargs, source, shape, stride
         )
         self._stats.recomputed += 1
         self._stats.bytes_recomputed += (stop - start) * x.element_size()

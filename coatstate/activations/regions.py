@@ -4,8 +4,8 @@ Split from coatstate/activations.py, which creates and reads them.
 
 One of these is made per saved tensor (or per region) in the hot path of every forward, so they are
 plain classes with __slots__ and positional constructors (a dataclass's keyword __init__ and
-__dict__ cost microseconds per save), and storages are referred to by _StorageRef. `_layout` (what
-a view covers of its storage) is cached per shape and stride.
+__dict__ cost microseconds per save), and storages are referred to by weak references held as
+ints (cdata). `_layout` (what a view covers of its storage) is cached per shape and stride.
 """
 
 from __future__ import annotations
@@ -37,12 +37,15 @@ class _StorageRef:
 
 
 class _Region:
-    """Elements [start, stop) of one storage, viewed as `dtype`, as they were at `version`."""
+    """Elements [start, stop) of one storage, viewed as `dtype`, as they were at `version`. The
+    storage is referred to weakly by `cdata` (as _StorageRef does, without an object per region)."""
 
-    __slots__ = ("storage", "start", "stop", "dtype", "device", "version", "shared", "cache", "__weakref__")
+    __slots__ = ("cdata", "start", "stop", "dtype", "device", "version", "shared", "cache", "__weakref__")
 
-    def __init__(self, storage: _StorageRef, start: int, stop: int, dtype, device, version: int) -> None:
-        self.storage = storage
+    def __init__(
+        self, storage: torch.UntypedStorage, start: int, stop: int, dtype, device, version: int
+    ) -> None:
+        self.cdata = storage._weak_ref()
         self.start = start
         self.stop = stop
         self.dtype = dtype
@@ -52,6 +55,13 @@ class _Region:
         self.cache: _StorageRef | None = None  # the last unpacked copy, while backward still holds it
 
     layout: tuple | None = None  # (a _Packed's slot; None for the other regions)
+
+    def expired(self) -> bool:
+        """True once the storage has been freed (its address may then hold another)."""
+        return _expired(self.cdata)
+
+    def __del__(self, _free=torch.UntypedStorage._free_weak_ref) -> None:
+        _free(self.cdata)
 
     def cached(self) -> torch.Tensor | None:
         if self.cache is None or _expired(self.cache.cdata):
