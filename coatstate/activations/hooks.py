@@ -114,7 +114,7 @@ _OTHER, _ATTENTION, _ACTIVATION = OpKind.OTHER, OpKind.ATTENTION, OpKind.ACTIVAT
 _KEEP, _TENSOR, _BF16 = Granularity.KEEP, Granularity.TENSOR, Granularity.BF16
 _NOT_FLOAT, _LEAF, _NO_GRAD_FN = KeepReason.NOT_FLOAT, KeepReason.LEAF, KeepReason.NO_GRAD_FN
 _BEFORE_CONTEXT, _PARAMETER_CAST = KeepReason.BEFORE_CONTEXT, KeepReason.PARAMETER_CAST
-_MAX_LOG = 1 << 16  # saves logged before they are counted into stats (see compress_activations.stats)
+_MAX_LOG = 1 << 16  # log entries before they are counted into stats (see compress_activations.stats)
 
 
 def _policy_keeps(label: str) -> str:
@@ -169,7 +169,7 @@ class compress_activations(_Unpacker):  # noqa: N801  (a context manager used li
     def __init__(self, policy: ActivationPolicy | None = None, **overrides) -> None:
         self.policy = ActivationPolicy.resolve(policy, overrides)
         self._stats = ActivationStats()
-        self._kept_log: list[tuple] = []  # per save, not yet in _stats: see ActivationStats.add_logged
+        self._kept_log: list = []  # per save, not yet in _stats: see ActivationStats.add_logged
         self._packed_log: list[tuple] = []
         self._granularity = {kind: (self.policy.granularity(kind), kind.value) for kind in OpKind}
         self._min_numel = max(self.policy.min_numel, 1)
@@ -244,7 +244,8 @@ class compress_activations(_Unpacker):  # noqa: N801  (a context manager used li
     # -- pack ------------------------------------------------------------------------------
     def _keep(self, x: torch.Tensor, reason: str, count_bytes: int | None = None) -> _Kept:
         log = self._kept_log
-        log.append((reason, x.nbytes if count_bytes is None else count_bytes))
+        log.append(reason)  # (two appends, no tuple: nothing for the GC to track)
+        log.append(x.nbytes if count_bytes is None else count_bytes)
         if len(log) > _MAX_LOG:  # (one context around many steps: count as it goes)
             self._count_logged()
         return _Kept(x.detach() if x.requires_grad else x, x._version, reason)

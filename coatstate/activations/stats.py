@@ -67,14 +67,14 @@ class ActivationStats:
     """Count of compressed tensors, by 'kind/granularity'."""
 
     def add_logged(self, kept: list[tuple], packed: list[tuple]) -> None:
-        """Count saves logged as (reason, bytes) per kept tensor and (label, granularity, bytes,
-        packed bytes) per compressed one: compress_activations logs each save with one append (a
-        third of what the counter updates cost per save) and counts them when its stats are read."""
+        """Count saves logged as reason, bytes (two items) per kept tensor and (label, granularity,
+        bytes, packed bytes) per compressed one: compress_activations logs each save with appends (a
+        fraction of what the counter updates cost per save) and counts them when its stats are read."""
         kept_reasons, bytes_kept = self.kept_reasons, self.bytes_kept
-        for reason, nbytes in kept:
+        for reason, nbytes in zip(kept[::2], kept[1::2], strict=True):
             kept_reasons[reason] += 1
             bytes_kept[reason] += nbytes
-        self.kept += len(kept)
+        self.kept += len(kept) // 2
         for label, granularity, nbytes, packed_bytes in packed:
             key = _KIND_KEYS.get((label, granularity))
             if key is None:
