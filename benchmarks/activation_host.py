@@ -17,6 +17,9 @@ do not add to it; one torch thread, and the CPU autograd engine runs on the call
 Variants, each timed for forward and backward separately (median over --rounds rounds, the
 variants interleaved in each round so machine load affects all alike):
 - none: no hooks;
+- identity hooks: a saved_tensors_hooks pair that returns what it gets (the cost of the hook
+  mechanism itself, the floor under any hook-based variant; its per-save figures use the saves
+  that `hooks only` counts);
 - hooks only: compress_activations with every kind kept (its bookkeeping, no packing);
 - compress (torch twin): the default policy on the pure-torch codec (the CPU path: its cost is
   the codec's dozen torch ops per tensor, not what the GPU path runs);
@@ -106,6 +109,7 @@ def _variants(device: str) -> dict:
     """name -> (context factory, whether the kernel launches are stubbed out)."""
     out = {
         "none": (contextlib.nullcontext, False),
+        "identity hooks": (lambda: torch.autograd.graph.saved_tensors_hooks(_same, _same), False),
         "hooks only (all kept)": (lambda: compress_activations(min_numel=0, **KEEP_ALL), False),
     }
     if device == "cuda":
@@ -121,6 +125,10 @@ def _variants(device: str) -> dict:
         True,
     )
     return out
+
+
+def _same(x):
+    return x
 
 
 class _CountOps(TorchFunctionMode):
@@ -202,6 +210,8 @@ def main() -> None:
                 stats[name] = getattr(steps[-1][2], "stats", None)
     rows = []
     base = None
+    hooks_saves = stats["hooks only (all kept)"]
+    hooks_saves = hooks_saves.packed + hooks_saves.kept + hooks_saves.shared + hooks_saves.recomputed
     for name, t in times.items():
         fwd = statistics.median(x[0] for x in t)
         bwd = statistics.median(x[1] for x in t)
@@ -220,16 +230,16 @@ def main() -> None:
         else:
             row["fwd_overhead_ms"] = fwd - base["fwd_ms"]
             row["bwd_overhead_ms"] = bwd - base["bwd_ms"]
-            row["fwd_us_per_save"] = 1e3 * row["fwd_overhead_ms"] / row["saves"]
+            row["fwd_us_per_save"] = 1e3 * row["fwd_overhead_ms"] / row.get("saves", hooks_saves)
             row["fwd_us_per_op"] = 1e3 * row["fwd_overhead_ms"] / counter.calls
         rows.append(row)
-    hooks = rows[1]
-    for row in rows[2:]:
+    hooks = next(r for r in rows if r["variant"] == "hooks only (all kept)")
+    for row in rows[rows.index(hooks) + 1 :]:
         row["fwd_us_per_packed_over_hooks"] = 1e3 * (row["fwd_ms"] - hooks["fwd_ms"]) / max(1, row["packed"])
         row["bwd_us_per_packed_over_hooks"] = 1e3 * (row["bwd_ms"] - hooks["bwd_ms"]) / max(1, row["packed"])
     print(
         f"GPT {args.layers} layers, d={args.dim}, seq {args.seq}, batch 1, {args.device}, 1 CPU thread; "
-        f"{counter.calls} torch calls and {rows[1]['saves']} saved tensors per forward; median of "
+        f"{counter.calls} torch calls and {hooks['saves']} saved tensors per forward; median of "
         f"{args.rounds} rounds"
     )
     head = f"{'variant':<36} {'fwd ms':>8} {'bwd ms':>8} {'+fwd ms':>8} {'us/save':>8} {'us/op':>7}"
@@ -250,13 +260,18 @@ def main() -> None:
         baseline = json.loads(Path(args.baseline).read_text())
         result["baseline"] = baseline
         before = {r["variant"]: r for r in baseline["rows"]}
+        none_before = before["none"]
         for r in rows[1:]:
             b = before.get(r["variant"])
             if b is not None:
                 ratio = r["fwd_overhead_ms"] / b["fwd_overhead_ms"]
+                # (also as multiples of `none` in the same run: machine speed drifts between runs)
+                was = [b[k] / none_before[k] for k in ("fwd_ms", "bwd_ms")]
+                now = [r[k] / base[k] for k in ("fwd_ms", "bwd_ms")]
                 print(
                     f"{r['variant']:<36} forward overhead {b['fwd_overhead_ms']:.2f} -> "
-                    f"{r['fwd_overhead_ms']:.2f} ms ({ratio:.2f}x) vs baseline"
+                    f"{r['fwd_overhead_ms']:.2f} ms ({ratio:.2f}x) vs baseline; fwd x{was[0]:.2f} -> "
+                    f"x{now[0]:.2f}, bwd x{was[1]:.2f} -> x{now[1]:.2f} of none"
                 )
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")
