@@ -589,3 +589,25 @@ def test_kernel_launch_keys_are_the_launchers_own():
     assert len(keys) == 3 * 5
     for fast, general in keys:
         assert fast == general
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_unpacked_saves_keep_their_own_layout(backend):
+    """Backward gets each save back in its own shape and stride, whichever way its region is
+    unpacked: into the layout of the one save covering it, as a view of a flat tensor, or as a
+    bfloat16 cast of a float32 norm input."""
+    from coatstate.activations import Granularity
+
+    torch.manual_seed(0)
+    lin = nn.Linear(32, 48)
+    x = torch.randn(6, 32)
+    with compress_activations(min_numel=0, backend=backend) as ctx:
+        h = lin(x)
+        saves = [h * 1.0, (h * 1.0).t(), (h * 1.0).view(2, 3, 48).transpose(0, 1), (h * 1.0)[:, 8:40]]
+        held = [ctx._pack(t) for t in saves]  # (each in a storage of its own)
+        saves.append(h * 1.0)
+        held.append(ctx._hold(saves[-1], Granularity.BF16, "norm"))
+    for t, kept in zip(saves, held, strict=True):
+        out = ctx._unpack(kept)
+        assert out.shape == t.shape and out.stride() == t.stride(), (t.shape, t.stride(), out.stride())
+        assert (out - t).abs().max() <= 0.07 * t.abs().max()
