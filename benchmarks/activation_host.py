@@ -183,6 +183,23 @@ def _cprofile(model, idx, variants, args) -> None:
     print(f"wrote {args.cprofile}")
 
 
+def _compare(baseline: dict, rows: list[dict]) -> None:
+    """Print each variant's forward overhead against an earlier run's, and both runs' times as
+    multiples of their own `none` (this machine's speed drifts between runs)."""
+    before = {r["variant"]: r for r in baseline["rows"]}
+    for r in rows[1:]:
+        b = before.get(r["variant"])
+        if b is not None:
+            ratio = r["fwd_overhead_ms"] / b["fwd_overhead_ms"]
+            was = [b[k] / before["none"][k] for k in ("fwd_ms", "bwd_ms")]
+            now = [r[k] / rows[0][k] for k in ("fwd_ms", "bwd_ms")]
+            print(
+                f"{r['variant']:<36} forward overhead {b['fwd_overhead_ms']:.2f} -> "
+                f"{r['fwd_overhead_ms']:.2f} ms ({ratio:.2f}x) vs baseline; fwd x{was[0]:.2f} -> "
+                f"x{now[0]:.2f}, bwd x{was[1]:.2f} -> x{now[1]:.2f} of none"
+            )
+
+
 def main() -> None:
     args = _parse()
     torch.set_num_threads(1)
@@ -257,22 +274,8 @@ def main() -> None:
     result = {"args": vars(args), "torch": torch.__version__, "python": sys.version.split()[0]}
     result.update(ops_per_forward=counter.calls, rows=rows)
     if args.baseline:
-        baseline = json.loads(Path(args.baseline).read_text())
-        result["baseline"] = baseline
-        before = {r["variant"]: r for r in baseline["rows"]}
-        none_before = before["none"]
-        for r in rows[1:]:
-            b = before.get(r["variant"])
-            if b is not None:
-                ratio = r["fwd_overhead_ms"] / b["fwd_overhead_ms"]
-                # (also as multiples of `none` in the same run: machine speed drifts between runs)
-                was = [b[k] / none_before[k] for k in ("fwd_ms", "bwd_ms")]
-                now = [r[k] / base[k] for k in ("fwd_ms", "bwd_ms")]
-                print(
-                    f"{r['variant']:<36} forward overhead {b['fwd_overhead_ms']:.2f} -> "
-                    f"{r['fwd_overhead_ms']:.2f} ms ({ratio:.2f}x) vs baseline; fwd x{was[0]:.2f} -> "
-                    f"x{now[0]:.2f}, bwd x{was[1]:.2f} -> x{now[1]:.2f} of none"
-                )
+        result["baseline"] = json.loads(Path(args.baseline).read_text())
+        _compare(result["baseline"], rows)
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")
 
