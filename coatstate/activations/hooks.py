@@ -339,7 +339,7 @@ class compress_activations(_Unpacker):  # noqa: N801  (a context manager used li
         nexts = node.next_functions
         q, k = nexts[0][0], nexts[1][0] if len(nexts) > 1 else None  # q's and k's grad_fns
         pending, self._pending = self._pending, []
-        is_qk = [p.tensor.grad_fn is not None and p.tensor.grad_fn in (q, k) for p in pending]
+        is_qk = [fn is not None and fn in (q, k) for fn in [p.tensor.grad_fn for p in pending]]
         for p, qk in zip(pending, is_qk, strict=True):  # q and k first: a shared qkv storage is theirs
             if qk:
                 self._settle(p, "attention")
