@@ -21,8 +21,10 @@ rounds, on every rank:
 "blocked" is the caller's time in the call (what the training loop waits for); "total" includes the
 background write until committed. Times are the slowest rank's (a barrier before, a max after).
 GB/s = bytes of the checkpoint / total. For blocking and async saves rank 0 also records where
-its time goes (PHASES: staging, its rank file, the root, the cleanup). Prints a table (median and min-max over rounds) and writes
-JSON to --out. Needs no network (the process group runs on 127.0.0.1).
+its time goes (PHASES: staging, its rank file, the root, and the removal of the replaced files,
+which runs after the commit: outside `total`, as DCP's directories are removed outside its).
+Prints a table (median and min-max over rounds) and writes JSON to --out. Needs no network (the
+process group runs on 127.0.0.1).
 """
 
 from __future__ import annotations
@@ -107,8 +109,8 @@ def _slowest(seconds: float) -> float:
 PHASES = (  # (name, module, function): where a per-rank save's time goes (wall s per save)
     ("stage", "coatstate.checkpoint.rank_commit", "_snapshot"),  # queue copies (waits: in `other`)
     ("rank_file", "coatstate.checkpoint.rank_files", "write_rank_file"),  # hash + write + fsync
-    ("root", "coatstate.checkpoint.rank_commit", "_commit"),  # the root, cleanup included
-    ("cleanup", "coatstate.checkpoint.rank_cleanup", "after_commit"),  # old files removed
+    ("root", "coatstate.checkpoint.rank_commit", "_commit"),  # the root (the commit)
+    ("cleanup", "coatstate.checkpoint.rank_cleanup", "after_commit"),  # old files, after the commit
 )
 _phase_s: dict[str, float] = {}
 
@@ -178,6 +180,7 @@ def _round(opt, model, fresh, args, url: str, rank: int, index: int, results: di
     import torch.distributed as dist
 
     import coatstate
+    from coatstate.checkpoint import wait_for_saves
 
     dcp_dir, floor_file = os.path.join(args.dir, f"dcp{index}"), os.path.join(args.dir, f"floor-{rank}")
 
@@ -201,6 +204,7 @@ def _round(opt, model, fresh, args, url: str, rank: int, index: int, results: di
     for name in names[index % len(names) :] + names[: index % len(names)]:
         _phase_s.clear()
         results[name].append(_timed(plan[name]))
+        wait_for_saves()  # the replaced files' removal, after the commit: timed as a phase only
         if name in ("blocking", "async"):
             results.setdefault(f"phases/{name}", []).append(dict(_phase_s))
     results["load"].append(_timed(lambda: coatstate.load(fresh, url) and None))
@@ -281,9 +285,10 @@ def print_phases(rows: list[dict]) -> None:
     if not timed:
         return
     print(
-        f"\nwhere rank 0's time goes, median s per save ({', '.join(n for n, *_ in PHASES)}; 'root' includes"
+        f"\nwhere rank 0's time goes, median s per save ({', '.join(n for n, *_ in PHASES)}; 'cleanup' runs"
     )
-    print("'cleanup'; the rest of 'total' is waiting: for the device-to-host copies, the other ranks, ...)")
+    print("after the commit, outside 'total'; the rest of 'total' is waiting: for the device-to-host")
+    print("copies, the other ranks, ...)")
     for r in timed:
         cells = "  ".join(f"{n} {r['phases_s'][n]:.3f}" for n, *_ in PHASES)
         print(f"{r['world_size']:>5} {r['variant']:<10} {cells}  total {r['total_s']['median']:.3f}")

@@ -35,7 +35,7 @@ from test_distributed import (
 )
 
 import coatstate
-from coatstate.checkpoint import rank_commit, rank_files, read_header, storage
+from coatstate.checkpoint import rank_commit, rank_files, read_header, storage, wait_for_saves
 from coatstate.cli import main as cli_main
 
 pytestmark = pytest.mark.skipif(
@@ -316,6 +316,7 @@ def test_sigkill_of_a_rank_mid_save_leaves_the_previous_checkpoint(tmp_path):
     assert leftovers, "the killed save left nothing behind (did it run?)"
     # the next commit removes the killed save's files (its ranks' locks died with them)
     coatstate.save(ckpt.optimizer, url, model=ckpt.model, distributed="per_rank")
+    wait_for_saves()  # (the removal runs on its own thread after the commit)
     new_id = read_header(url)["per_rank"]["save_id"]
     rest = sorted(n for n in os.listdir(tmp_path) if n.startswith(("run-", ".run-")))
     assert rest == [f"run-{new_id}-rank00000-of-00001.safetensors"], rest

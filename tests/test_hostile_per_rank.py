@@ -581,6 +581,7 @@ def test_a_reader_rereads_a_per_rank_root_replaced_mid_read(tmp_path, monkeypatc
         if not raced:
             raced.append(True)
             ck.save(second, url, distributed="per_rank")
+            ck.wait_for_saves()  # (the old rank files go on a thread after the commit)
         return real(*args)
 
     monkeypatch.setattr(rank_read, "_read_into", racing)

@@ -91,7 +91,7 @@ def _commit(url: str, header: dict, reports: list, save_id: str, world_size: int
     previous = rank_cleanup.current_root(url)
     meta = metadata(root_header(header, reports, save_id, world_size))
     storage.atomic_write(url, lambda f: container.write_safetensors(f, {}, meta))
-    rank_cleanup.after_commit(url, save_id, previous)
+    background.after(lambda: rank_cleanup.after_commit(url, save_id, previous))
 
 
 # ------------------------------------------------------------------------------ entry point
