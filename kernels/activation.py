@@ -227,9 +227,10 @@ class _Launcher:
     through triton's full launch (`mode` 0): a mismatch raises TypeError (triton's launcher checks
     its argument count) and moves every launcher one mode down.
 
-    The `*_flat` functions below call `run` with the key built from precomputed parts (`_Plan`: the
-    integers' specialization is known per shape), in the format `key` gives: a loop over the
-    arguments is microseconds per launch."""
+    The `*_flat` functions below call `run` with keys of their own, built without a loop over the
+    arguments (microseconds per launch): a `_Plan` per shape fixes the constexprs and the integer
+    arguments, so its interned `_Spec` stands for them, next to the tensors' dtypes and alignment
+    (and the slot's specialization). Such a key determines what `key` would give for the launch."""
 
     mode = 2
 
@@ -251,7 +252,8 @@ class _Launcher:
         self.run(self.key(args, constexprs), grid, args, constexprs)
 
     def run(self, key: tuple, grid: tuple[int, ...], args: tuple, constexprs: dict) -> None:
-        """Launch with `key` (what `key(args, constexprs)` returns; its first item is the device)."""
+        """Launch with `key`: `key(args, constexprs)` or one that determines it (see the class
+        docstring); its first item is the device."""
         compiled = self.compiled.get(key) if _Launcher.mode else None
         if compiled is not None:
             try:
@@ -293,9 +295,9 @@ _pack_groups = _Launcher(_pack_groups_kernel)
 _unpack_groups = _Launcher(_unpack_groups_kernel)
 _CONSTANTS: dict = {}
 _AMAX_CONSTANTS = {"BLOCK": _BLOCK, "ITERS": _AMAX_ITERS}
-_AMAX_VALUES = tuple(_AMAX_CONSTANTS.values())
 _U8 = torch.uint8
 _PLANS: dict = {}  # (what, n, ...) -> _Plan: one per shape and format seen
+_SPECS: dict = {}  # items -> _Spec: one per specialization seen (few: they differ by format, dtype, ...)
 _MAX_PLANS = 4096  # (a run with ever new shapes starts over rather than grow without bound)
 
 
@@ -328,16 +330,34 @@ def _decode_constants(fmt: FP8Format, dtype: torch.dtype, **extra) -> dict:
     return const
 
 
+class _Spec:
+    """The constexpr values and integer specializations a _Plan fixes, interned: in a launch key it
+    hashes and compares as one object instead of some twenty items."""
+
+    __slots__ = ("items",)
+
+    def __init__(self, items: tuple) -> None:
+        self.items = items
+
+
+def _spec(const: dict, *ints: int) -> _Spec:
+    items = (*const.values(), *(b for a in ints for b in _int_spec(a)))
+    spec = _SPECS.get(items)
+    if spec is None:
+        spec = _SPECS[items] = _Spec(items)
+    return spec
+
+
 class _Plan:
     """What a flat launch derives from its sizes and formats alone, worked out once per shape:
-    grid, integer arguments, constexprs, and their parts of the launcher's key (`ints`: the
-    specialization of the integer arguments that follow the tensors)."""
+    grids, integer arguments, constexprs, and the _Spec of the latter two (`spec2`: of the amax
+    launch of a per-tensor pack)."""
 
-    __slots__ = ("grid", "grid2", "n_groups", "cols", "per_row", "const", "values", "ints")
+    __slots__ = ("grid", "grid2", "n_groups", "cols", "per_row", "const", "spec", "spec2")
 
-    def __init__(self, grid, const, ints, grid2=None, n_groups=0, cols=0, per_row=0) -> None:
-        self.grid, self.grid2, self.const, self.values = grid, grid2, const, tuple(const.values())
-        self.ints, self.n_groups, self.cols, self.per_row = ints, n_groups, cols, per_row
+    def __init__(self, grid, const, spec, grid2=None, spec2=None, n_groups=0, cols=0, per_row=0) -> None:
+        self.grid, self.grid2, self.const, self.spec, self.spec2 = grid, grid2, const, spec, spec2
+        self.n_groups, self.cols, self.per_row = n_groups, cols, per_row
 
 
 def _plan(key: tuple) -> _Plan:
@@ -354,8 +374,8 @@ def _plan(key: tuple) -> _Plan:
             const = _encode_constants(fmt, BLOCK=_BLOCK)
         else:
             const = _decode_constants(fmt, dtype, BLOCK=_BLOCK)
-        grid = (max(1, cdiv(n, _BLOCK)),)
-        plan = _Plan(grid, const, _int_spec(n), grid2=(max(1, cdiv(n, _BLOCK * _AMAX_ITERS)),))
+        grid, grid2 = (max(1, cdiv(n, _BLOCK)),), (max(1, cdiv(n, _BLOCK * _AMAX_ITERS)),)
+        plan = _Plan(grid, const, _spec(const, n), grid2=grid2, spec2=_spec(_AMAX_CONSTANTS, n))
     else:  # "groups": (n, fmt, cols, group_size, dtype or None)
         cols, group_size, dtype = key[3:]
         n_groups, cols, per_row, even, block = _group_layout(n, cols, group_size)
@@ -363,8 +383,8 @@ def _plan(key: tuple) -> _Plan:
             const = _encode_constants(fmt, G=group_size, EVEN=even, BLOCK_GROUPS=block)
         else:
             const = _decode_constants(fmt, dtype, G=group_size, EVEN=even, BLOCK_GROUPS=block)
-        ints = (*_int_spec(n), *_int_spec(n_groups), *_int_spec(cols), *_int_spec(per_row))
-        plan = _Plan((cdiv(n_groups, block),), const, ints, n_groups=n_groups, cols=cols, per_row=per_row)
+        spec = _spec(const, n, n_groups, cols, per_row)
+        plan = _Plan((cdiv(n_groups, block),), const, spec, n_groups=n_groups, cols=cols, per_row=per_row)
     _PLANS[key] = plan
     return plan
 
@@ -377,13 +397,10 @@ def pack_tensor_flat(x, n: int, fmt: FP8Format, amax, scales, slot: int) -> torc
         plan = _plan(("tensor", n, fmt, None))
     codes = x.new_empty(n, dtype=_U8)
     device = x.get_device()
-    xk = (x.dtype, x.data_ptr() % 16 == 0)
-    ak = (amax.dtype, amax.data_ptr() % 16 == 0)
-    sk = (slot == 1, slot % 16 == 0, slot >= 2**31)
-    key = (device, *_AMAX_VALUES, *xk, *ak, *sk, *plan.ints)
-    _amax.run(key, plan.grid2, (x, amax, slot, n), _AMAX_CONSTANTS)
-    key = (device, *plan.values, *xk, *ak, _U8, codes.data_ptr() % 16 == 0, scales.dtype,
-           scales.data_ptr() % 16 == 0, *sk, *plan.ints)  # fmt: skip
+    xa = (x.dtype, x.data_ptr() % 16 == 0, amax.dtype, amax.data_ptr() % 16 == 0, slot == 1, slot % 16 == 0,
+          slot >= 2**31)  # fmt: skip
+    _amax.run((device, plan.spec2, *xa), plan.grid2, (x, amax, slot, n), _AMAX_CONSTANTS)
+    key = (device, plan.spec, *xa, codes.data_ptr() % 16 == 0, scales.dtype, scales.data_ptr() % 16 == 0)
     _pack_tensor.run(key, plan.grid, (x, amax, codes, scales, slot, n), plan.const)
     return codes
 
@@ -399,9 +416,9 @@ def unpack_tensor_flat(
         plan = _plan(("tensor", n, fmt, dtype))
     if out is None:
         out = codes.new_empty(n, dtype=dtype)
-    key = (codes.get_device(), *plan.values, _U8, codes.data_ptr() % 16 == 0, scales.dtype,
-           scales.data_ptr() % 16 == 0, dtype, out.data_ptr() % 16 == 0,
-           slot == 1, slot % 16 == 0, slot >= 2**31, *plan.ints)  # fmt: skip
+    key = (codes.get_device(), plan.spec, codes.dtype, codes.data_ptr() % 16 == 0, scales.dtype,
+           scales.data_ptr() % 16 == 0, out.dtype, out.data_ptr() % 16 == 0,
+           slot == 1, slot % 16 == 0, slot >= 2**31)  # fmt: skip
     _unpack_tensor.run(key, plan.grid, (codes, scales, out, slot, n), plan.const)
     return out
 
@@ -428,8 +445,7 @@ def pack_groups_flat(x, n: int, cols: int, group_size: int, fmt: FP8Format) -> t
         plan = _plan(("groups", n, fmt, cols, group_size, None))
     buf = x.new_empty(n + plan.n_groups, dtype=_U8)
     if plan.n_groups:
-        key = (x.get_device(), *plan.values, x.dtype, x.data_ptr() % 16 == 0, _U8, buf.data_ptr() % 16 == 0,
-               *plan.ints)  # fmt: skip
+        key = (x.get_device(), plan.spec, x.dtype, x.data_ptr() % 16 == 0, buf.data_ptr() % 16 == 0)
         _pack_groups.run(key, plan.grid, (x, buf, n, plan.n_groups, plan.cols, plan.per_row), plan.const)
     return buf
 
@@ -442,8 +458,8 @@ def unpack_groups_flat(buf, n: int, cols: int, group_size: int, fmt: FP8Format, 
     if out is None:
         out = buf.new_empty(n, dtype=dtype)
     if plan.n_groups:
-        key = (buf.get_device(), *plan.values, _U8, buf.data_ptr() % 16 == 0, dtype, out.data_ptr() % 16 == 0,
-               *plan.ints)  # fmt: skip
+        key = (buf.get_device(), plan.spec, buf.dtype, buf.data_ptr() % 16 == 0, out.dtype,
+               out.data_ptr() % 16 == 0)  # fmt: skip
         _unpack_groups.run(key, plan.grid, (buf, out, n, plan.n_groups, plan.cols, plan.per_row), plan.const)
     return out
 

@@ -559,36 +559,39 @@ def test_stats_read_inside_the_context_count_each_save_once():
     }
 
 
-def test_kernel_launch_keys_are_the_launchers_own():
-    """The flat launchers build each launch's specialization key from per-shape plans; it must be
-    what _Launcher.key derives from the arguments (else a kernel compiled for one specialization
-    would be reused for another)."""
+def test_kernel_launch_keys_determine_the_launchers_own():
+    """The flat launchers key each launch by its shape's interned _Spec, the tensors' dtypes and
+    alignment and the slot; such a key must determine what _Launcher.key derives from the arguments
+    (else a kernel compiled for one specialization would be reused for another)."""
     from coatstate.formats.fp8 import FP8Format
     from coatstate.kernels import activation as K
 
-    keys = []
+    general = {}  # (launcher, its key) -> the key _Launcher.key gives
     real = K._Launcher.run
 
     def run(self, key, grid, args, constexprs):
-        keys.append((key, K._Launcher.key(args, constexprs)))
+        full = K._Launcher.key(args, constexprs)
+        assert general.setdefault((self.kernel, key), full) == full, (key, full)
         return real(self, key, grid, args, constexprs)
 
-    amax, scales = torch.zeros(32, dtype=torch.int32), torch.empty(32, dtype=torch.uint8)
+    amax, scales = torch.zeros(64, dtype=torch.int32), torch.empty(64, dtype=torch.uint8)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(K._Launcher, "run", run)
         for fmt, dtype, (n, cols), slot in [
             (FP8Format.E4M3, torch.float32, (48, 16), 0),
+            (FP8Format.E4M3, torch.float32, (48, 16), 1),
+            (FP8Format.E4M3, torch.float32, (48, 16), 17),
             (FP8Format.E5M2, torch.bfloat16, (17, 17), 1),
             (FP8Format.E4M3, torch.bfloat16, (96, 3), 16),
+            (FP8Format.E4M3, torch.bfloat16, (96, 3), 32),
         ]:
-            x = torch.randn(n, dtype=dtype)
-            codes = K.pack_tensor_flat(x, n, fmt, amax, scales, slot)
-            K.unpack_tensor_flat(codes, scales, slot, fmt, dtype)
-            buf = K.pack_groups_flat(x, n, cols, 16, fmt)
-            K.unpack_groups_flat(buf, n, cols, 16, fmt, dtype)
-    assert len(keys) == 3 * 5
-    for fast, general in keys:
-        assert fast == general
+            for offset in (0, 1):  # (an unaligned pointer specializes differently)
+                x = torch.randn(n + offset, dtype=dtype)[offset:]
+                codes = K.pack_tensor_flat(x, n, fmt, amax, scales, slot)
+                K.unpack_tensor_flat(codes, scales, slot, fmt, dtype)
+                buf = K.pack_groups_flat(x, n, cols, 16, fmt)
+                K.unpack_groups_flat(buf, n, cols, 16, fmt, dtype)
+    assert len(general) > 12 and len(set(general.values())) > 12
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
