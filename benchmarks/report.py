@@ -77,6 +77,16 @@ def section_optimizer_cpu(data: dict, path: Path) -> str:
     )
 
 
+def _flags(args: dict) -> str:
+    """The activation_memory.py flags a rounds JSON was made with (those that change what ran)."""
+    out = " --arch llama" if args.get("arch") == "llama" else ""
+    if args.get("compiled") and not args.get("cudagraphs"):
+        out += " --compiled" + (" model" if args["compiled"] == "model" else "")
+    out += " --cudagraphs" if args.get("cudagraphs") else ""
+    out += f" --rounds {args['rounds']} --steps {args['steps']}" if args.get("rounds") else ""
+    return out + (f' --variants "{args["variants"]}"' if args.get("variants") else "")
+
+
 def _section_activation_rounds(data: dict, path: Path) -> str:
     """activation_memory.py's interleaved-rounds JSON (benchmarks/rounds.py): medians with min-max
     over rounds, paired ratios, kernel time and GPU busy fraction."""
@@ -100,15 +110,15 @@ def _section_activation_rounds(data: dict, path: Path) -> str:
     header = "variant|activation GB|vs base|wall ms|vs base (wall)|kernel ms|vs base (GPU)|GPU busy"
     return "\n".join(
         [
-            f"## Activation memory and step time, {shape} (interleaved rounds)",
+            f"## Activation memory and step time, {shape} "
+            f"({'' if args.get('compiled') or args.get('cudagraphs') else 'eager only, '}interleaved rounds)",
             f"{machine}, {date}. {args.get('rounds')} rounds x {args.get('steps')} steps, the variants "
             "interleaved in one process, order rotated per round: median [min-max over rounds]; ratios "
             "are the median [min-max] of per-round ratios to the row's base (eager `none`, `compiled: "
             "none` or `cudagraphs: none`). Kernel ms = GPU busy time of one profiled step per round; "
             "GPU busy = kernel / wall (below 0.9: host-bound). Activation memory = peak minus what is "
-            "allocated before a warm-up step. Source: `python benchmarks/activation_memory.py "
-            f"{'--arch llama ' if args.get('arch') == 'llama' else ''}--compiled --cudagraphs` -> "
-            f"`benchmarks/results/{path.name}`.",
+            "allocated before a warm-up step. Source: "
+            f"`python benchmarks/activation_memory.py{_flags(args)}` -> `benchmarks/results/{path.name}`.",
             "",
             _md_table(header.split("|"), rows),
             "",
@@ -445,6 +455,7 @@ SECTIONS = {
     "activation_memory_linear_group": section_activation_memory,
     "activation_memory_llama_linear_group": section_activation_memory,
     "activation_memory_whole_model_compile": section_activation_memory,
+    "activation_memory_eager": section_activation_memory,
     "checkpoint_io": section_checkpoint_io,
     "training_parity": section_training_parity,
     **{f"training_parity_seed{n}": section_training_parity for n in range(1, 8)},
@@ -467,6 +478,7 @@ SECTIONS = {
     "master_train": section_master_train,
     "checkpoint_scale_cuda": section_checkpoint_scale,
     "checkpoint_scale_cpu": section_checkpoint_scale,
+    "checkpoint_scale_cpu16": section_checkpoint_scale,
 }
 COVERED = {"activation_host_cuda"}  # shown in another file's section
 

@@ -414,5 +414,32 @@ def section_checkpoint_scale(data: dict, path: Path) -> str:
             "",
             _md_table(["ranks", "variant", "blocked s", "total s", "GB/s"], table),
             "",
+            *_checkpoint_phases(rows),
         ]
     )
+
+
+def _checkpoint_phases(rows: list[dict]) -> list[str]:
+    """Rank 0's time per save by phase (runs that recorded them), as checkpoint_scale.py prints it."""
+    timed = [r for r in rows if "phases_s" in r]
+    if not timed:
+        return []
+    names = list(timed[0]["phases_s"])
+    table = [
+        [
+            str(r["world_size"]),
+            r["variant"],
+            *(f"{r['phases_s'][n]:.3f}" for n in names),
+            f"{r['total_s']['median']:.3f}",
+        ]
+        for r in timed
+    ]
+    return [
+        "Where rank 0's time goes, median s per save: `stage` queues the copies to host memory, "
+        "`rank_file` hashes and writes this rank's file, `root` writes the root (the commit); "
+        "`cleanup` removes the replaced checkpoint's files on a thread after the commit, outside "
+        "`total`; the rest of `total` waits (for the device-to-host copies, for the other ranks).",
+        "",
+        _md_table(["ranks", "variant", *names, "total"], table),
+        "",
+    ]
