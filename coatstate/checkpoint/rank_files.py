@@ -194,7 +194,7 @@ def _write_hashing(f, tensors: dict, manifest_of) -> tuple[int, dict]:
         def hash_blocks(key: str, data: memoryview) -> None:
             futures[key] = [pool.submit(_sha256, data[a:e]) for a, e in layouts[key][1]]
 
-        meta = {"format": "pt", MANIFEST_KEY: json.dumps(manifest_of(placeholder), separators=(",", ":"))}
+        meta = {"format": "pt", MANIFEST_KEY: _text(manifest_of(placeholder))}
         written = container.write_safetensors(f, tensors, meta, before_each=hash_blocks)
         sums = {
             k: {"block_rows": layouts[k][0], "checksums": [x.result() for x in futures[k]]} for k in tensors
