@@ -40,6 +40,7 @@ from report_common import (  # machine_meta: the CPU benchmarks import it from h
 )
 from report_gpu import (
     section_activation_host,
+    section_checkpoint_load,
     section_checkpoint_scale,
     section_fp8_linear_train,
     section_fsdp_train,
@@ -479,6 +480,7 @@ SECTIONS = {
     "checkpoint_scale_cuda": section_checkpoint_scale,
     "checkpoint_scale_cpu": section_checkpoint_scale,
     "checkpoint_scale_cpu16": section_checkpoint_scale,
+    "checkpoint_load": section_checkpoint_load,
 }
 COVERED = {"activation_host_cuda"}  # shown in another file's section
 

@@ -6,6 +6,7 @@ compression (CPU and CUDA in one table). benchmarks/report.py imports them into 
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 from report_common import _f, _figure, _md_table, _save, _spread, provenance
@@ -443,3 +444,30 @@ def _checkpoint_phases(rows: list[dict]) -> list[str]:
         _md_table(["ranks", "variant", *names, "total"], table),
         "",
     ]
+
+
+def section_checkpoint_load(data: dict, path: Path) -> str:
+    """benchmarks/checkpoint_load.py: load time per layout, this tree (and an older one)."""
+    meta, rows = data["meta"], data["rows"]
+
+    def cell(values: list[float]) -> str:
+        return _spread({"median": statistics.median(values), "min": min(values), "max": max(values)}, ".3f")
+
+    table = [
+        [r["tree"], r["layout"], cell(r["load_s"]), cell(r["floor_s"]), f"{r['bytes'] / 1e6:.1f}"]
+        for r in rows
+    ]
+    old = f" against `--old` ({data['args']['old']})" if data["args"].get("old") else ""
+    return "\n".join(
+        [
+            "## Loading a checkpoint",
+            f"{meta['machine']}, {meta['date']}: a CompressedAdamW state (gpt_shapes scale "
+            f"{data['args']['scale']}) loaded into an optimizer of the same format{old}, "
+            f"{data['args']['rounds']} rounds of one process per tree, interleaved; median [min-max] over "
+            "rounds of each process's median of 3 loads. `floor` = reading the files' bytes (from a RAM "
+            f"disk). Source: `python benchmarks/checkpoint_load.py` -> `benchmarks/results/{path.name}`.",
+            "",
+            _md_table(["tree", "layout", "load s", "floor s", "MB"], table),
+            "",
+        ]
+    )

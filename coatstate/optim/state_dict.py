@@ -158,10 +158,9 @@ def convert_param_state(saved: dict, p: torch.Tensor, group: dict) -> dict:
                 f"state {name}_codes has shape {tuple(src[name + CODES].shape)} but its parameter has "
                 f"shape {tuple(local.shape)}"
             )
-        value = read_moment(src, name, saved_group_size).float()
         init_moment(out, name, local, formats[name])
         if formats[name] is None:
-            out[name].copy_(value)
+            out[name].copy_(read_moment(src, name, saved_group_size).float())
         else:
             same = (
                 is_compressed(src, name)
@@ -173,8 +172,8 @@ def convert_param_state(saved: dict, p: torch.Tensor, group: dict) -> dict:
                 for k in (name + CODES, name + SCALES, name + EXPONENTS):
                     if k in src:
                         out[k].copy_(src[k])
-            else:
-                write_moment(out, name, value, formats[name])
+            else:  # (decoded only here: a load in the same format moves no float32 copy)
+                write_moment(out, name, read_moment(src, name, saved_group_size).float(), formats[name])
     _convert_master_correction(saved, out, p, group, local)
     if "step" not in out:
         raise ValueError("parameter state has no 'step'")
