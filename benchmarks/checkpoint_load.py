@@ -29,23 +29,12 @@ HERE = Path(__file__).resolve().parent
 
 def _child(args) -> None:
     sys.path.insert(0, str(HERE))
-    import torch
-    from optimizer_step import gpt_shapes
+    from checkpoint_scale import _optimizer  # (the same GPT-shaped state, one process, no weights)
 
     import coatstate
 
-    def optimizer():
-        torch.manual_seed(0)
-        params = [
-            torch.nn.Parameter(torch.randn(s) * 0.02) for s in gpt_shapes(vocab=50304, scale=args.scale)
-        ]
-        opt = coatstate.CompressedAdamW(params, lr=1e-3, weight_decay=0.1)
-        for p in params:
-            p.grad = torch.randn_like(p)
-        opt.step()
-        return opt
-
-    opt, fresh = optimizer(), optimizer()
+    setup = argparse.Namespace(device="cpu", vocab=50304, scale=args.scale, no_model=True)
+    (opt, _, _), (fresh, _, _) = _optimizer(setup, None), _optimizer(setup, None)
     from coatstate.optim import state_dict  # (where the load's conversion came from: which tree)
 
     out = {"tree": str(Path(state_dict.__file__).parents[2])}
@@ -88,10 +77,6 @@ def _run(tree: Path, args) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _cell(values: list[float]) -> str:
-    return f"{statistics.median(values):.3f} [{min(values):.3f}-{max(values):.3f}]"
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--old", default=None, help="an older checkout (its coatstate is imported from there)")
@@ -104,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         _child(args)
         return 0
+    sys.path.insert(0, str(HERE))
+    from checkpoint_scale import _cell, _stats
+    from report_common import machine_meta
+
     trees = {"this tree": HERE.parent} | ({"old": Path(args.old).resolve()} if args.old else {})
     runs: dict[str, list[dict]] = {name: [] for name in trees}
     for r in range(args.rounds):
@@ -114,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name, results in runs.items():
         for layout in ("gathered", "per_rank"):
-            load = [x[layout]["load_s"] for x in results]
-            floor = [x[layout]["floor_s"] for x in results]
+            load = _stats([x[layout]["load_s"] for x in results])
+            floor = _stats([x[layout]["floor_s"] for x in results])
             nbytes = results[0][layout]["bytes"]
             print(f"{name:<10} {layout:<9} {_cell(load):>22} {_cell(floor):>22} {nbytes / 1e6:8.1f}")
             rows.append(
@@ -128,9 +117,6 @@ def main(argv: list[str] | None = None) -> int:
                     "bytes": nbytes,
                 }
             )
-    sys.path.insert(0, str(HERE))
-    from report_common import machine_meta
-
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(
         json.dumps({"meta": machine_meta("cpu"), "args": vars(args), "rows": rows}, indent=1)

@@ -6,7 +6,6 @@ compression (CPU and CUDA in one table). benchmarks/report.py imports them into 
 from __future__ import annotations
 
 import json
-import statistics
 from pathlib import Path
 
 from report_common import _f, _figure, _md_table, _save, _spread, provenance
@@ -449,12 +448,14 @@ def _checkpoint_phases(rows: list[dict]) -> list[str]:
 def section_checkpoint_load(data: dict, path: Path) -> str:
     """benchmarks/checkpoint_load.py: load time per layout, this tree (and an older one)."""
     meta, rows = data["meta"], data["rows"]
-
-    def cell(values: list[float]) -> str:
-        return _spread({"median": statistics.median(values), "min": min(values), "max": max(values)}, ".3f")
-
     table = [
-        [r["tree"], r["layout"], cell(r["load_s"]), cell(r["floor_s"]), f"{r['bytes'] / 1e6:.1f}"]
+        [
+            r["tree"],
+            r["layout"],
+            _spread(r["load_s"], ".3f"),
+            _spread(r["floor_s"], ".3f"),
+            f"{r['bytes'] / 1e6:.1f}",
+        ]
         for r in rows
     ]
     old = f" against `--old` ({data['args']['old']})" if data["args"].get("old") else ""
