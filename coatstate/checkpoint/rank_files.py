@@ -163,7 +163,7 @@ def block_checksums(pieces: dict[str, torch.Tensor]) -> dict[str, dict[str, Any]
     return {k: {"block_rows": s, "checksums": digests[i : i + n]} for k, (s, i, n) in layout.items()}
 
 
-_PLACEHOLDER = schema.checksum(b"").split(":")[0] + ":" + "0" * 64
+_PLACEHOLDER = f"{schema.CHECKSUM_ALGORITHM}:{'0' * 64}"
 """Stands for a block checksum in the header written first (a checksum has the same length)."""
 
 
