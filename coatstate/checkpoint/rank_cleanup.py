@@ -146,7 +146,7 @@ def _own_leftovers(fs, path: str, own_id: str) -> list[str]:
     patterns = _Patterns(stem, root_name)
     return [
         name
-        for name in _listing(fs, path)
+        for name in storage.sibling_sizes(fs, path)
         if (owner := patterns.owner(name)) and owner[1] == own_id and owner[0] in ("temp", "marker")
     ]
 
@@ -189,21 +189,6 @@ class _Patterns:
         return None
 
 
-def _listing(fs, path: str) -> dict[str, int]:
-    """{name: bytes} of the files in the directory of `path` ({} when there is no directory)."""
-    parent = path.rsplit("/", 1)[0] if "/" in path else ""
-    fs.invalidate_cache(parent)  # (s3fs caches listings; another process may have written since)
-    try:
-        entries = fs.ls(parent, detail=True)
-    except FileNotFoundError:
-        return {}
-    return {
-        e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0)
-        for e in entries
-        if e.get("type") == "file"
-    }
-
-
 @dataclass
 class Sweep:
     """What remove_unreferenced found next to a root: `removed` (name, bytes), removed or, in a
@@ -240,7 +225,7 @@ def sweep(url: str, *, dry_run: bool) -> Sweep:
     """remove_unreferenced, with the sizes of the files and the ones kept (for the CLI)."""
     fs, path = storage.url_to_fs(url)
     patterns = _Patterns(stem_of(url), os.path.basename(path))
-    listing = _listing(fs, path)
+    listing = storage.sibling_sizes(fs, path)
     found = {n: owner for n in sorted(listing) if (owner := patterns.owner(n))}
     held: list[int] = []
     try:

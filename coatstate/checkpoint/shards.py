@@ -193,10 +193,8 @@ def remove_orphans(url: str, own_id: str | None, replaced: list[str]) -> None:
 
 
 def _listing(url: str) -> list[str]:
-    fs, path = storage.url_to_fs(url)
-    parent = path.rsplit("/", 1)[0] if "/" in path else ""
     try:
-        return [p.rsplit("/", 1)[-1] for p in fs.ls(parent, detail=False)]
+        return list(storage.sibling_sizes(*storage.url_to_fs(url)))
     except Exception:  # noqa: BLE001
         return []
 

@@ -230,6 +230,22 @@ def atomic_write(url: str, write: Callable[[BinaryIO], Any], total_hint: int = 0
         raise
 
 
+def sibling_sizes(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, int]:
+    """{name: bytes} of the files in the directory of `path` ({} when there is no directory);
+    listed afresh (s3fs caches listings, and another process may have written since)."""
+    parent = path.rsplit("/", 1)[0] if "/" in path else ""
+    fs.invalidate_cache(parent)
+    try:
+        entries = fs.ls(parent, detail=True)
+    except FileNotFoundError:
+        return {}
+    return {
+        e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0)
+        for e in entries
+        if e.get("type") == "file"
+    }
+
+
 def remove_quietly(url: str, names: Iterable[str]) -> None:
     """Best-effort removal of files next to `url` (old shards)."""
     fs, path = url_to_fs(url)
