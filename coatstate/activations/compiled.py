@@ -51,6 +51,7 @@ import torch.fx as fx
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files  # (torch >= 2.9)
 
+from coatstate.activations import aten_ops as ops
 from coatstate.activations.graph import Boundary, LayoutError, copy_nodes, inline, is_tensor
 from coatstate.activations.op_kinds import OpKind
 from coatstate.activations.policy import ActivationPolicy, Granularity
@@ -60,47 +61,6 @@ from coatstate.formats import fp8 as fp8_format
 from coatstate.formats.fp8 import FLOAT_DTYPES
 
 __all__ = ["CompiledActivations"]
-
-_aten = torch.ops.aten
-
-
-def _ops(names: str) -> frozenset:
-    """aten overloads by 'name.overload', skipping those this torch version lacks."""
-    found = []
-    for name in names.split():
-        packet, overload = name.split(".")
-        op = getattr(getattr(_aten, packet, None), overload, None)
-        if op is not None:
-            found.append(op)
-    return frozenset(found)
-
-
-_VIEWS = _ops(
-    "view.default _unsafe_view.default reshape.default permute.default transpose.int t.default "
-    "expand.default slice.Tensor select.int unsqueeze.default squeeze.dim squeeze.dims alias.default"
-) | {torch.ops.prims.convert_element_type.default}
-_MATMULS = _ops(
-    "mm.default addmm.default bmm.default baddbmm.default _scaled_mm.default convolution.default "
-    "_int_mm.default"
-)
-_ATTENTION = _ops(
-    "_scaled_dot_product_flash_attention.default _scaled_dot_product_efficient_attention.default "
-    "_scaled_dot_product_cudnn_attention.default _scaled_dot_product_flash_attention_for_cpu.default "
-    "_flash_attention_forward.default _efficient_attention_forward.default"
-)
-_SPLITS = _ops("split.Tensor split_with_sizes.default unbind.int chunk.default")
-_REDUCTIONS = _ops(
-    "var_mean.correction mean.dim var.correction sum.dim_IntList amax.default amin.default "
-    "logsumexp.default max.dim min.dim"
-)
-_NORM_REDUCTIONS = _ops("var_mean.correction mean.dim var.correction native_layer_norm.default")
-_ACTIVATIONS = _ops("erf.default tanh.default sigmoid.default gelu.default silu.default relu.default")
-_LOSSES = _ops("gather.default nll_loss_forward.default nll_loss2d_forward.default")
-# one step between a norm's input and its reduction: x*x, x - mean, residual + x
-_POINTWISE_TO_REDUCTION = _ops("pow.Tensor_Scalar mul.Tensor sub.Tensor add.Tensor")
-_STATISTIC_STEPS = _ops(
-    "add.Tensor add.Scalar sub.Tensor rsqrt.default sqrt.default reciprocal.default div.Tensor"
-)
 
 
 class CompiledActivations(CustomPartitionerFn):
@@ -323,25 +283,26 @@ class _Rewrite:
 
     def _kind(self, node: fx.Node) -> tuple[str, Granularity]:
         policy = self.policy
-        if node.target is operator.getitem and getattr(node.args[0], "target", None) in _ATTENTION:
+        if node.target is operator.getitem and getattr(node.args[0], "target", None) in ops.ATTENTION:
             if node.args[1] == 0:  # the attention op's output; its other outputs are statistics
                 return "attention_v_out", policy.attention_v_out
             return KeepReason.ATTENTION_STATISTICS, Granularity.KEEP
         users = _users_through_views(node)
         for user, arg in users:
-            if user.target in _ATTENTION:
+            if user.target in ops.ATTENTION:
                 if arg in (0, 1):
                     return OpKind.ATTENTION.value, policy.attention
                 return "attention_v_out", policy.attention_v_out
         targets = {user.target for user, _ in users}
-        if targets & _LOSSES:
+        if targets & ops.LOSSES:
             return OpKind.LOSS.value, policy.loss
-        if targets & _MATMULS:
+        if targets & ops.MATMULS:
             return OpKind.LINEAR.value, policy.linear
-        second = {u.target for user, _ in users if user.target in _POINTWISE_TO_REDUCTION for u in user.users}
-        if (targets | second) & _NORM_REDUCTIONS:
+        steps = [user for user, _ in users if user.target in ops.POINTWISE_TO_REDUCTION]
+        second = {u.target for user in steps for u in user.users}
+        if (targets | second) & ops.NORM_REDUCTIONS:
             return OpKind.NORM.value, policy.norm
-        if (targets | second) & _ACTIVATIONS or _feeds(node, _ACTIVATIONS, depth=3):
+        if (targets | second) & ops.ACTIVATIONS or _feeds(node, ops.ACTIVATIONS, depth=3):
             return OpKind.ACTIVATION.value, policy.activation
         return OpKind.OTHER.value, policy.other
 
@@ -417,7 +378,7 @@ def _pointwise_closure(node: fx.Node, leaves: set, limit: int = 48):
             return True
         if n in seen:
             return True
-        if n.op != "call_function" or not _is_pointwise(n) or len(seen) >= limit:
+        if n.op != "call_function" or not ops.is_pointwise(n) or len(seen) >= limit:
             return False
         seen.add(n)
         if not all(visit(a) for a in n.all_input_nodes):
@@ -428,22 +389,14 @@ def _pointwise_closure(node: fx.Node, leaves: set, limit: int = 48):
     return (order, used) if visit(node) and used else None
 
 
-def _is_pointwise(node: fx.Node) -> bool:
-    target = node.target
-    if target in _VIEWS:
-        return True
-    tags = getattr(target, "tags", ())  # (a split's pieces are not followed: splits have no tag)
-    return torch.Tag.pointwise in tags and torch.Tag.nondeterministic_seeded not in tags
-
-
 def _view_root(node: fx.Node, casts: bool = True) -> tuple[fx.Node, bool]:
     """(the node a chain of views (and dtype casts if `casts`) starts from, whether it has a cast)."""
     cast = False
     while node.op == "call_function":
-        if node.target is operator.getitem and getattr(node.args[0], "target", None) in _SPLITS:
+        if node.target is operator.getitem and getattr(node.args[0], "target", None) in ops.SPLITS:
             node = node.args[0].args[0]  # one piece of a split: a view of the split tensor
             continue
-        if node.target not in _VIEWS:
+        if node.target not in ops.VIEWS:
             break
         is_cast = node.target is torch.ops.prims.convert_element_type.default
         if is_cast and not casts:
@@ -460,9 +413,9 @@ def _is_statistic(node: fx.Node, depth: int = 3) -> bool:
             return False
         if node.target is operator.getitem:
             node = node.args[0]
-        if node.target in _REDUCTIONS:
+        if node.target in ops.REDUCTIONS:
             return True
-        if node.target not in _STATISTIC_STEPS and node.target not in _VIEWS:
+        if node.target not in ops.STATISTIC_STEPS and node.target not in ops.VIEWS:
             return False
         node = node.args[0]
     return False
@@ -484,7 +437,7 @@ def _users_through_views(node: fx.Node, depth: int = 4) -> list[tuple[fx.Node, i
     for user in node.users:
         if user.op != "call_function":
             continue
-        if user.target in _VIEWS and depth > 0:
+        if user.target in ops.VIEWS and depth > 0:
             found += _users_through_views(user, depth - 1)
         else:
             arg = next((i for i, a in enumerate(user.args) if a is node), None)
