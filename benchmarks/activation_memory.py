@@ -58,10 +58,12 @@ COMPILED = {  # name -> (context factory, CompiledActivations policy or None, CU
     "compiled: compress": (compress_activations, None, False),
     "compiled: compress, fp32 bf16": (lambda: compress_activations(compiled_fp32="bf16"), None, False),
     "compiled: CompiledActivations": (contextlib.nullcontext, {}, False),
+    "compiled: CompiledActivations unfused": (contextlib.nullcontext, {"fuse_consumers": False}, False),
 }
 CUDAGRAPHS = {
     "cudagraphs: none": (contextlib.nullcontext, None, True),
     "cudagraphs: CompiledActivations": (contextlib.nullcontext, {}, True),
+    "cudagraphs: CompiledActivations unfused": (contextlib.nullcontext, {"fuse_consumers": False}, True),
 }
 
 

@@ -303,3 +303,36 @@ def test_cudagraphs_option_on_gpu():
     counters.clear()
     test_cudagraphs_option_turns_cuda_graphs_on_and_changes_nothing_else(device="cuda", steps=4)
     assert counters["inductor"]["cudagraph_skips"] == 0, "a graph ran without CUDA graphs (see the log)"
+
+
+def test_fused_consumers_change_nothing_but_kernels(device="cpu"):
+    """fuse_consumers (activations/consumer_fusion.py) routes GPT's GELU output and Llama's
+    SiLU * up through their packs' scale bytes so that inductor fuses each pack into that kernel.
+    The route is an always-true `where`: loss and every gradient equal those with it off, bit for
+    bit where the plain path repeats itself (CPU), else within its own run-to-run noise."""
+    cfg = ModelConfig(vocab=128, layers=1, dim=128, heads=4, seq=64, loss_chunks=1)
+    for arch in ("gpt", "llama"):
+        model = {"gpt": GPT, "llama": Llama}[arch](cfg).to(device)
+        idx = torch.randint(0, cfg.vocab, (2, cfg.seq), device=device)
+        runs = []
+        again = (False,) if device == "cuda" else ()  # (CPU repeats itself bit for bit)
+        for fuse in (False, True, *again):
+            torch._dynamo.reset()
+            fp8 = CompiledActivations(min_numel=1024, fuse_consumers=fuse)
+            runs.append((_grads(_compiled_blocks(model, fp8.options), idx, idx, True), fp8))
+        (loss, plain), off = runs[0]
+        (loss_fused, fused), on = runs[1]
+        repeat = runs[2][0][1] if again else plain
+        assert on.consumers_fused == 1 and off.consumers_fused == 0, arch  # (one MLP per block)
+        assert on.report == off.report  # the same tensors held the same way
+        assert loss_fused == loss
+        for name in plain:
+            noise = (plain[name] - repeat[name]).abs().max()
+            diff = (plain[name] - fused[name]).abs().max()
+            assert diff <= 2 * noise, f"{arch} {name}: {diff} (plain run to run: {noise})"
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_fused_consumers_on_gpu():
+    test_fused_consumers_change_nothing_but_kernels(device="cuda")

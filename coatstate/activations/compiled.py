@@ -52,6 +52,8 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files  # (torch >= 2.9)
 
 from coatstate.activations import aten_ops as ops
+from coatstate.activations import consumer_fusion
+from coatstate.activations.consumer_fusion import guard_consumers
 from coatstate.activations.graph import Boundary, LayoutError, copy_nodes, inline, is_tensor
 from coatstate.activations.op_kinds import OpKind
 from coatstate.activations.policy import ActivationPolicy, Granularity
@@ -83,6 +85,9 @@ class CompiledActivations(CustomPartitionerFn):
             other saved tensor. Call torch.compiler.cudagraph_mark_step_begin() before each
             training step and let `.grad` be None (zero_grad's default) or allocated before the
             first compiled backward (cudagraph trees' rule for gradients). Ignored off CUDA.
+        fuse_consumers: let inductor fuse a per-group pack into the pointwise kernel (GELU,
+            SiLU * up) that reads the same matmul output, instead of a second pass over it
+            (activations/consumer_fusion.py; no numerical effect). Off only to measure it.
     Pass `options` to torch.compile. `stats` accumulates over every graph partitioned with it (one
     per distinct compiled block, at compile time, not per step) and `report` lists what each
     saved tensor became.
@@ -94,11 +99,16 @@ class CompiledActivations(CustomPartitionerFn):
         *,
         cache: bool = False,
         cudagraphs: bool = False,
+        fuse_consumers: bool = True,
         **overrides,
     ) -> None:
         self.policy = ActivationPolicy.resolve(policy, overrides)
         self.cache = bool(cache)
         self.cudagraphs = bool(cudagraphs)
+        self.fuse_consumers = bool(fuse_consumers)
+        self.consumers_fused = 0
+        """Pointwise chains that read a per-group packed tensor, routed so that inductor fuses
+        the pack into their kernel (consumer_fusion; counted at compile time)."""
         self.stats = ActivationStats()
         self.graphs = 0
         """Forward/backward pairs partitioned (blocks of one class usually share one graph)."""
@@ -122,7 +132,8 @@ class CompiledActivations(CustomPartitionerFn):
     def uuid(self):
         """Inductor's cache key: this file, the codec it traces, and the policy. (Never None:
         inductor would then key the graph as if no partitioner were installed.)"""
-        return (get_hash_for_files((__file__, codec.__file__, fp8_format.__file__)), repr(self.policy))
+        files = (__file__, ops.__file__, consumer_fusion.__file__, codec.__file__, fp8_format.__file__)
+        return (get_hash_for_files(files), repr(self.policy), self.fuse_consumers)
 
     def __call__(self, gm: fx.GraphModule, joint_inputs, **kwargs) -> tuple[fx.GraphModule, fx.GraphModule]:
         kwargs.setdefault("compiler", "inductor")
@@ -164,7 +175,8 @@ class _Rewrite:
     """One forward/backward pair: decide what becomes of each saved tensor, then edit the graphs."""
 
     def __init__(self, owner: CompiledActivations, fw, bw, kwargs, needs_grad: set[str]) -> None:
-        self.policy, self.stats, self.report = owner.policy, owner.stats, owner.report
+        self.owner, self.policy, self.stats, self.report = owner, owner.policy, owner.stats, owner.report
+        self.fuse_consumers = owner.fuse_consumers
         self.boundary = Boundary(fw, bw, kwargs["num_fwd_outputs"])
         placeholders = fw.graph.find_nodes(op="placeholder")
         static = kwargs.get("static_lifetime_input_indices")
@@ -311,11 +323,16 @@ class _Rewrite:
         b = self.boundary
         fw_graph, bw_graph = b.fw.graph, b.bw.graph
         jobs = []  # (forward node, unpack, its backward arguments, the placeholder's users)
+        group_packs, pack_nodes = [], set()  # (_Pack, its scale bytes); every node the packs added
         for p in packs:
             x = p.node
             pack, unpack = _codec_functions(p, self.policy, x.meta["val"])
+            before = set(fw_graph.nodes)
             with fw_graph.inserting_before(x.next):  # (inserting_after would reverse the nodes)
                 packed = inline(fw_graph, pack, [x])
+            pack_nodes |= set(fw_graph.nodes) - before
+            if p.granularity is Granularity.GROUP:
+                group_packs.append((p, packed[1]))
             self._count(p, x.meta["val"], packed)
             users = list(b.input_of(x).users)
             placeholder = b.replace(p.position, packed[0])  # it receives the codes now
@@ -349,7 +366,19 @@ class _Rewrite:
                 val = r.node.meta["val"]
                 self.stats.recomputed += 1
                 self.stats.bytes_recomputed += val.numel() * val.element_size()
+        if self.fuse_consumers:
+            self._fuse_into_consumers(group_packs, pack_nodes)
         b.finish()
+
+    def _fuse_into_consumers(self, group_packs: list, pack_nodes: set) -> None:
+        """consumer_fusion.guard_consumers for every per-group pack, after all edits of the
+        saved tensors (so that a tensor no longer saved, now recomputed, may be a chain end)."""
+        b = self.boundary
+        saved = {n for i, n in enumerate(b.outputs) if i not in b.removed} | set(b.extra)
+        for p, scales in group_packs:
+            self.owner.consumers_fused += guard_consumers(
+                b.fw.graph, p.node, scales, p.perm, self.policy.group_size, pack_nodes, saved
+            )
 
     def _count(self, p: _Pack, val: torch.Tensor, packed: list) -> None:
         stats = self.stats
