@@ -308,8 +308,11 @@ def test_cudagraphs_option_on_gpu():
 def test_fused_consumers_change_nothing_but_kernels(device="cpu"):
     """fuse_consumers (activations/consumer_fusion.py) routes GPT's GELU output and Llama's
     SiLU * up through their packs' scale bytes so that inductor fuses each pack into that kernel.
-    The route is an always-true `where`: loss and every gradient equal those with it off, bit for
-    bit where the plain path repeats itself (CPU), else within its own run-to-run noise."""
+    The route is an always-true `where`: on CPU loss and every gradient equal those with it off,
+    bit for bit. On CUDA the fused kernel is a different kernel (its compiler may contract a
+    multiply-add differently), so there a bfloat16 rounding of the forward may differ: the loss
+    agrees to 1e-3 and each gradient within its own run-to-run noise plus 2**-7 of its largest
+    value (one bfloat16 step)."""
     cfg = ModelConfig(vocab=128, layers=1, dim=128, heads=4, seq=64, loss_chunks=1)
     for arch in ("gpt", "llama"):
         model = {"gpt": GPT, "llama": Llama}[arch](cfg).to(device)
@@ -325,11 +328,13 @@ def test_fused_consumers_change_nothing_but_kernels(device="cpu"):
         repeat = runs[2][0][1] if again else plain
         assert on.consumers_fused == 1 and off.consumers_fused == 0, arch  # (one MLP per block)
         assert on.report == off.report  # the same tensors held the same way
-        assert loss_fused == loss
+        cuda = device == "cuda"
+        assert loss_fused == pytest.approx(loss, rel=1e-3) if cuda else loss_fused == loss
         for name in plain:
             noise = (plain[name] - repeat[name]).abs().max()
             diff = (plain[name] - fused[name]).abs().max()
-            assert diff <= 2 * noise, f"{arch} {name}: {diff} (plain run to run: {noise})"
+            allowed = 2 * noise + (2**-7 * plain[name].abs().max() if cuda else 0)
+            assert diff <= allowed, f"{arch} {name}: {diff} (plain run to run: {noise})"
 
 
 @pytest.mark.gpu
