@@ -13,6 +13,7 @@ from coatstate.formats import activation as codec
 from conftest import requires_cuda
 from torch import nn
 
+from coatstate.activations import compiled as compiled_module
 from coatstate.activations.compiled import CompiledActivations
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -306,13 +307,14 @@ def test_cudagraphs_option_on_gpu():
 
 
 def test_fused_consumers_change_nothing_but_kernels(device="cpu"):
-    """fuse_consumers (activations/consumer_fusion.py) routes GPT's GELU output and Llama's
-    SiLU * up through their packs' scale bytes so that inductor fuses each pack into that kernel.
-    The route is an always-true `where`: on CPU loss and every gradient equal those with it off,
-    bit for bit. On CUDA the fused kernel is a different kernel (its compiler may contract a
-    multiply-add differently), so there a bfloat16 rounding of the forward may differ: the loss
-    agrees to 1e-3 and each gradient within its own run-to-run noise plus 2**-7 of its largest
-    value (one bfloat16 step)."""
+    """Two edits that only change kernels: fuse_consumers (activations/consumer_fusion.py) routes
+    GPT's GELU output and Llama's SiLU * up through their packs' scale bytes so that inductor
+    fuses each pack into that kernel, and GPT's q, k and v, views that tile one qkv buffer, are
+    packed as that buffer, once (the same groups of 16). With both on, against both off: on CPU
+    loss and every gradient are equal, bit for bit. On CUDA the fused kernel is a different
+    kernel (its compiler may contract a multiply-add differently), so there a bfloat16 rounding
+    of the forward may differ: the loss agrees to 1e-3 and each gradient within its own
+    run-to-run noise plus 2**-7 of its largest value (one bfloat16 step)."""
     cfg = ModelConfig(vocab=128, layers=1, dim=128, heads=4, seq=64, loss_chunks=1)
     for arch in ("gpt", "llama"):
         model = {"gpt": GPT, "llama": Llama}[arch](cfg).to(device)
@@ -322,11 +324,15 @@ def test_fused_consumers_change_nothing_but_kernels(device="cpu"):
         for fuse in (False, True, *again):
             torch._dynamo.reset()
             fp8 = CompiledActivations(min_numel=1024, fuse_consumers=fuse)
-            runs.append((_grads(_compiled_blocks(model, fp8.options), idx, idx, True), fp8))
+            with pytest.MonkeyPatch.context() as mp:
+                if not fuse:  # (views packed one by one, as before the shared pack)
+                    mp.setattr(compiled_module._Rewrite, "_merge_shared", lambda self, packs: packs)
+                runs.append((_grads(_compiled_blocks(model, fp8.options), idx, idx, True), fp8))
         (loss, plain), off = runs[0]
         (loss_fused, fused), on = runs[1]
         repeat = runs[2][0][1] if again else plain
         assert on.consumers_fused == 1 and off.consumers_fused == 0, arch  # (one MLP per block)
+        assert on.buffers_shared == (arch == "gpt") and off.buffers_shared == 0, arch  # (qkv)
         assert on.report == off.report  # the same tensors held the same way
         cuda = device == "cuda"
         assert loss_fused == pytest.approx(loss, rel=1e-3) if cuda else loss_fused == loss

@@ -109,6 +109,8 @@ class CompiledActivations(CustomPartitionerFn):
         self.consumers_fused = 0
         """Pointwise chains that read a per-group packed tensor, routed so that inductor fuses
         the pack into their kernel (consumer_fusion; counted at compile time)."""
+        self.buffers_shared = 0
+        """Buffers packed once for the saved views that tile them (q, k, v of one qkv projection)."""
         self.stats = ActivationStats()
         self.graphs = 0
         """Forward/backward pairs partitioned (blocks of one class usually share one graph)."""
@@ -158,6 +160,8 @@ class _Pack:
     granularity: Granularity
     label: str  # stats key: op kind, or attention_v_out
     perm: tuple[int, ...]  # dims in memory order (by stride): packed as x.permute(perm)
+    members: list[_Pack] = dataclasses.field(default_factory=list)
+    """If not empty, `node` is the dense buffer that these saved views (q, k, v) tile, packed once."""
 
 
 @dataclasses.dataclass
@@ -216,7 +220,37 @@ class _Rewrite:
                 packs.append(_Pack(node, i, *decision, perm=_memory_order(val)))
                 self.report.append((node.name, shape, val.dtype, f"{decision[1]}/{decision[0].value}"))
         if packs or recompute:
-            self._edit(packs, recompute)
+            self._edit(self._merge_shared(packs), recompute)
+
+    def _merge_shared(self, packs: list[_Pack]) -> list[_Pack]:
+        """Saved per-group views that tile one dense buffer (q, k and v split from one qkv
+        projection) become one pack of that buffer, decoded once in backward and viewed again:
+        one pass over the buffer each way instead of one per view, as compress_activations packs a
+        shared storage once."""
+        by_root: dict[fx.Node, list[_Pack]] = {}
+        for p in packs:
+            if p.granularity is Granularity.GROUP:
+                by_root.setdefault(_view_root(p.node, casts=False)[0], []).append(p)
+        saved = set(self.boundary.outputs)
+        merged = {}
+        for root, members in by_root.items():
+            val = root.meta.get("val")
+            if (
+                len(members) < 2
+                or root in saved
+                or root in self.parameters
+                or not isinstance(val, torch.Tensor)
+                or not val.is_contiguous()
+                or val.dtype != members[0].node.meta["val"].dtype
+                or val.numel() != sum(m.node.meta["val"].numel() for m in members)
+                or any(_view_chain(m.node, root) is None for m in members)
+            ):
+                continue
+            perm = tuple(range(val.dim()))
+            merged[root] = _Pack(root, -1, Granularity.GROUP, members[0].label, perm, members=members)
+        inside = {id(m) for p in merged.values() for m in p.members}
+        self.owner.buffers_shared += len(merged)
+        return [p for p in packs if id(p) not in inside] + list(merged.values())
 
     def _keep(self, val: torch.Tensor, reason: str) -> None:
         self.stats.kept += 1
@@ -334,24 +368,33 @@ class _Rewrite:
             if p.granularity is Granularity.GROUP:
                 group_packs.append((p, packed[1]))
             self._count(p, x.meta["val"], packed)
-            users = list(b.input_of(x).users)
-            placeholder = b.replace(p.position, packed[0])  # it receives the codes now
-            args = [placeholder] + [b.add(scale, f"{x.name}_fp8_scale") for scale in packed[1:]]
-            jobs.append((x, unpack, args, users))
+            members = []  # (saved node, its backward input, that input's users, views from x to it)
+            for k, m in enumerate(p.members or [p]):
+                placeholder = b.input_of(m.node)
+                members.append((m.node, placeholder, list(placeholder.users), _view_chain(m.node, x)))
+                if k == 0:
+                    b.replace(m.position, packed[0])  # it receives the codes now
+                else:
+                    b.remove(m.position)  # (its users read a view of the decoded buffer)
+            args = [members[0][1]] + [b.add(scale, f"{x.name}_fp8_scale") for scale in packed[1:]]
+            jobs.append((x, unpack, args, members))
         removed = {i: b.remove(i) for i in recompute}
         readers = {}  # saved node -> users of the removed inputs recomputed from it
         for i, r in recompute.items():
             for leaf in r.leaves:
                 readers.setdefault(leaf, []).extend(removed[i].users)
         values = {}  # forward node -> its value in the backward
-        for x, unpack, args, users in jobs:  # decoded right before the first read
-            first = b.first(users + readers.get(x, []))
+        for x, unpack, args, members in jobs:  # decoded right before the first read
+            first = b.first([u for m, _, users, _ in members for u in users + readers.get(m, [])])
             if first is None:
                 continue
             with bw_graph.inserting_before(first):
-                (values[x],) = inline(bw_graph, unpack, args)
-            for user in users:
-                user.replace_input_with(args[0], values[x])
+                (decoded,) = inline(bw_graph, unpack, args)
+                for m, _, _, chain in members:
+                    values[m] = copy_nodes(bw_graph, chain, {x: decoded}) if chain else decoded
+            for m, placeholder, users, _ in members:
+                for user in users:
+                    user.replace_input_with(placeholder, values[m])
         for i, r in recompute.items():
             users = list(removed[i].users)
             first = b.first(users)
@@ -382,9 +425,11 @@ class _Rewrite:
 
     def _count(self, p: _Pack, val: torch.Tensor, packed: list) -> None:
         stats = self.stats
-        stats.packed += 1
-        stats.packed_by_kind[f"{p.label}/{p.granularity.value}"] += 1
-        stats.bytes_original += val.numel() * val.element_size()
+        for m in p.members or [p]:  # (a shared buffer counts as the saves it stands for)
+            v = m.node.meta["val"]
+            stats.packed += 1
+            stats.packed_by_kind[f"{m.label}/{m.granularity.value}"] += 1
+            stats.bytes_original += v.numel() * v.element_size()
         stats.bytes_packed += sum(n.meta["val"].numel() * n.meta["val"].element_size() for n in packed)
 
 
@@ -433,6 +478,24 @@ def _view_root(node: fx.Node, casts: bool = True) -> tuple[fx.Node, bool]:
         cast |= is_cast
         node = node.args[0]
     return node, cast
+
+
+def _view_chain(node: fx.Node, root: fx.Node) -> list[fx.Node] | None:
+    """The nodes (in order, node last) that make node a view of root through views and split pieces
+    (no dtype casts); [] for root itself, None if node is not such a view."""
+    chain = []
+    while node is not root:
+        if node.op != "call_function":
+            return None
+        chain.append(node)
+        if node.target is operator.getitem and getattr(node.args[0], "target", None) in ops.SPLITS:
+            chain.append(node.args[0])
+            node = node.args[0].args[0]
+        elif node.target in ops.VIEWS and node.target is not torch.ops.prims.convert_element_type.default:
+            node = node.args[0]
+        else:
+            return None
+    return chain[::-1]
 
 
 def _is_statistic(node: fx.Node, depth: int = 3) -> bool:
