@@ -467,6 +467,7 @@ SECTIONS = {
     "fp8_linear_train": section_fp8_linear_train,
     "fp8_linear_train_graphs": section_fp8_linear_train,
     "fp8_linear_train_graphs_all": section_fp8_linear_train,
+    "fp8_linear_train_rounds": section_fp8_linear_train,
     "plan_check": section_plan_check,
     "activation_host": section_activation_host,
     "fp8_linear_parity": section_fp8_linear_parity,

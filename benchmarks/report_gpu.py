@@ -158,11 +158,12 @@ def section_fp8_linear_train(data: dict, path: Path) -> str:
             why = r.get("largest_batch_skipped") or r.get("largest_batch_error") or "same batch only"
             mine.append(f"no largest batch ({why})")
         notes += [f"{method}: {', '.join(mine)}"] if mine else []
+        spread = m.get("speedup_vs_bf16_spread")  # (--rounds: paired per round, median [min-max])
         rows.append(
             [
                 method,
                 f"{s['tokens_per_s']:,.0f}",
-                _f(m.get("speedup_vs_bf16")) + "x",
+                _spread(spread, suffix="x") if spread else _f(m.get("speedup_vs_bf16")) + "x",
                 f"{s['peak_allocated_gib']:.2f}",
                 _f(m.get("own_peak_gib")),  # (fp8_linear_train.own_peak_gib, in its summary)
             ]
@@ -188,7 +189,15 @@ def section_fp8_linear_train(data: dict, path: Path) -> str:
         "them around compiled blocks); coatstate_fp8_only = convert_to_fp8 + fused AdamW (the FP8 "
         "GEMMs alone). "
         "Speedups are against eager bf16, as the issue asks. "
-        f"Tokens/s = median of {data.get('steps', '?')} synchronized "
+        + (
+            f"Interleaved rounds (benchmarks/rounds.py): {data['rounds']} rounds of {data.get('steps')} "
+            "steps, every method built at once; tokens/s = median over rounds, speedup = median "
+            "[min-max] of the per-round ratios; own peak = what a warm-up step adds plus the method's "
+            "own parameters and optimizer state; no batch search. "
+            if data.get("method") == "rounds"
+            else ""
+        )
+        + f"Tokens/s = median of {data.get('steps', '?')} synchronized "
         f"steps at batch {data.get('batch', '?')}; own peak = peak allocated minus what earlier methods "
         "left allocated when the method started (on the H200, torch 2.11, each compiled method left "
         "~3.5 GiB alive after dynamo's reset: its blocks' fp32 parameters by size; not reproduced on "
