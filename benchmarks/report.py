@@ -448,6 +448,43 @@ def section_compare_trees(data: dict, path: Path) -> str:
     return "\n".join(out + [""])
 
 
+def section_activation_policy_cosine(data: dict, path: Path) -> str:
+    date, machine = provenance(data, path)
+    groups: dict = {}
+    for r in data["rows"]:
+        groups.setdefault((r["arch"], r["policy"]), []).append(r)
+    rows = [
+        [arch, policy, f"{min(r['compiled_cosine'] for r in rs):.6f}", f"{rs[0]['compiled_ratio']:.2f}x",
+         f"{min(r['eager_cosine'] for r in rs):.6f}", f"{rs[0]['eager_ratio']:.2f}x", rs[0]["compiled_worst"]]
+        for (arch, policy), rs in groups.items()
+    ]  # fmt: skip
+    m, seeds = data["model"], len(next(iter(groups.values())))
+    return "\n".join(
+        [
+            "## Gradient cosine of the activation policies (CPU)",
+            f"{machine}, {date}, torch {data.get('torch', '?')}. benchmarks/models.py blocks, {m['layers']} "
+            f"layers x {m['dim']}, seq {m['seq']}, batch {m['batch']}, bf16 autocast; the worst cosine over "
+            f"all parameters between compressed and uncompressed gradients, lowest of {seeds} seeds "
+            "(compiled: CompiledActivations against the same compiled blocks; eager: compress_activations). "
+            f"Source: `python benchmarks/activation_policy_cosine.py` -> `benchmarks/results/{path.name}`.",
+            "",
+            _md_table(
+                [
+                    "model",
+                    "policy",
+                    "compiled cosine",
+                    "compiled smaller",
+                    "eager cosine",
+                    "eager smaller",
+                    "worst parameter (compiled)",
+                ],
+                rows,
+            ),  # fmt: skip
+            "",
+        ]
+    )
+
+
 SECTIONS = {
     "optimizer_step": section_optimizer_step,
     "optimizer_cpu": section_optimizer_cpu,
@@ -457,6 +494,7 @@ SECTIONS = {
     "activation_memory_llama_linear_group": section_activation_memory,
     "activation_memory_whole_model_compile": section_activation_memory,
     "activation_memory_eager": section_activation_memory,
+    "activation_policy_cosine": section_activation_policy_cosine,
     "checkpoint_io": section_checkpoint_io,
     "training_parity": section_training_parity,
     **{f"training_parity_seed{n}": section_training_parity for n in range(1, 8)},
