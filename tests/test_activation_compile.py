@@ -347,3 +347,43 @@ def test_fused_consumers_change_nothing_but_kernels(device="cpu"):
 @requires_cuda
 def test_fused_consumers_on_gpu():
     test_fused_consumers_change_nothing_but_kernels(device="cuda")
+
+
+class _SplitInTwo(nn.Module):
+    """A projection split along its last dim into two pieces, each the input of its own linear
+    (per-group policy): `widths` decides whether the pieces are whole groups of 16 wide."""
+
+    def __init__(self, widths) -> None:
+        super().__init__()
+        self.widths = widths
+        self.proj = nn.Linear(32, 32, bias=False)
+        self.a, self.b = nn.Linear(widths[0], 8, bias=False), nn.Linear(widths[1], 8, bias=False)
+
+    def forward(self, x):
+        pa, pb = self.proj(x).split(list(self.widths), dim=-1)
+        return self.a(pa) + self.b(pb)
+
+
+@pytest.mark.parametrize("widths,shared", [((16, 16), 1), ((8, 24), 0)])
+def test_a_split_buffer_is_packed_once_only_where_groups_stay_its_pieces(widths, shared):
+    """The pieces of one split are packed as the buffer they tile, once, only where no group of
+    16 spans two pieces: with pieces 8 and 24 wide a large value in one would set the other's
+    scale. Either way the gradients are those of the pieces packed one by one, bit for bit."""
+    torch.manual_seed(0)
+    model = _SplitInTwo(widths)
+    x = torch.randn(64, 32)
+    x[0, 0] = 2.0**12  # (a large value: with shared groups it would show)
+    runs = []
+    for merge in (True, False):
+        torch._dynamo.reset()
+        fp8 = CompiledActivations(min_numel=0, linear="group")
+        compiled = torch.compile(copy.deepcopy(model), options=fp8.options)
+        with pytest.MonkeyPatch.context() as mp:
+            if not merge:
+                mp.setattr(compiled_module._Rewrite, "_merge_shared", lambda self, packs: packs)
+            compiled(x).square().sum().backward()
+        runs.append(({n: p.grad for n, p in compiled.named_parameters()}, fp8.buffers_shared))
+    (merged, count), (one_by_one, _) = runs
+    assert count == shared
+    for name in merged:
+        assert torch.equal(merged[name], one_by_one[name]), name

@@ -52,17 +52,24 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.custom_graph_pass import CustomPartitionerFn, get_hash_for_files  # (torch >= 2.9)
 
 from coatstate.activations import aten_ops as ops
-from coatstate.activations import consumer_fusion
+from coatstate.activations import consumer_fusion, shared_buffers
+from coatstate.activations import graph as graph_edits
+from coatstate.activations import policy as policy_module
+from coatstate.activations import stats as stats_module
 from coatstate.activations.consumer_fusion import guard_consumers
 from coatstate.activations.graph import Boundary, LayoutError, copy_nodes, inline, is_tensor
 from coatstate.activations.op_kinds import OpKind
 from coatstate.activations.policy import ActivationPolicy, Granularity
+from coatstate.activations.shared_buffers import pieces_of_one_split, view_chain
 from coatstate.activations.stats import ActivationStats, KeepReason
 from coatstate.formats import activation as codec
 from coatstate.formats import fp8 as fp8_format
 from coatstate.formats.fp8 import FLOAT_DTYPES
 
 __all__ = ["CompiledActivations"]
+
+_KEY_MODULES = (ops, consumer_fusion, graph_edits, policy_module, shared_buffers, stats_module)
+_KEY_FILES = (__file__, *(m.__file__ for m in (*_KEY_MODULES, codec, fp8_format)))  # (they shape the graphs)
 
 
 class CompiledActivations(CustomPartitionerFn):
@@ -132,10 +139,10 @@ class CompiledActivations(CustomPartitionerFn):
         return options
 
     def uuid(self):
-        """Inductor's cache key: this file, the codec it traces, and the policy. (Never None:
-        inductor would then key the graph as if no partitioner were installed.)"""
-        files = (__file__, ops.__file__, consumer_fusion.__file__, codec.__file__, fp8_format.__file__)
-        return (get_hash_for_files(files), repr(self.policy), self.fuse_consumers)
+        """Inductor's cache key: the files that shape the rewritten graphs (this one, the graph
+        editing, the op sets, the codec it traces) and the options. (Never None: inductor would
+        then key the graph as if no partitioner were installed.)"""
+        return (get_hash_for_files(_KEY_FILES), repr(self.policy), self.fuse_consumers)
 
     def __call__(self, gm: fx.GraphModule, joint_inputs, **kwargs) -> tuple[fx.GraphModule, fx.GraphModule]:
         kwargs.setdefault("compiler", "inductor")
@@ -223,10 +230,11 @@ class _Rewrite:
             self._edit(self._merge_shared(packs), recompute)
 
     def _merge_shared(self, packs: list[_Pack]) -> list[_Pack]:
-        """Saved per-group views that tile one dense buffer (q, k and v split from one qkv
-        projection) become one pack of that buffer, decoded once in backward and viewed again:
-        one pass over the buffer each way instead of one per view, as compress_activations packs a
-        shared storage once."""
+        """Saved per-group views that are all the pieces of one split of a dense buffer (q, k and
+        v of one qkv projection) become one pack of that buffer, decoded once in backward and
+        viewed again: one pass over the buffer each way instead of one per view, as
+        compress_activations packs a shared storage once. Pieces split along the last dim must be
+        a whole number of groups wide, so that the buffer's groups are the pieces' own."""
         by_root: dict[fx.Node, list[_Pack]] = {}
         for p in packs:
             if p.granularity is Granularity.GROUP:
@@ -243,7 +251,7 @@ class _Rewrite:
                 or not val.is_contiguous()
                 or val.dtype != members[0].node.meta["val"].dtype
                 or val.numel() != sum(m.node.meta["val"].numel() for m in members)
-                or any(_view_chain(m.node, root) is None for m in members)
+                or not pieces_of_one_split(root, [m.node for m in members], self.policy.group_size)
             ):
                 continue
             perm = tuple(range(val.dim()))
@@ -371,7 +379,7 @@ class _Rewrite:
             members = []  # (saved node, its backward input, that input's users, views from x to it)
             for k, m in enumerate(p.members or [p]):
                 placeholder = b.input_of(m.node)
-                members.append((m.node, placeholder, list(placeholder.users), _view_chain(m.node, x)))
+                members.append((m.node, placeholder, list(placeholder.users), view_chain(m.node, x)))
                 if k == 0:
                     b.replace(m.position, packed[0])  # it receives the codes now
                 else:
@@ -478,24 +486,6 @@ def _view_root(node: fx.Node, casts: bool = True) -> tuple[fx.Node, bool]:
         cast |= is_cast
         node = node.args[0]
     return node, cast
-
-
-def _view_chain(node: fx.Node, root: fx.Node) -> list[fx.Node] | None:
-    """The nodes (in order, node last) that make node a view of root through views and split pieces
-    (no dtype casts); [] for root itself, None if node is not such a view."""
-    chain = []
-    while node is not root:
-        if node.op != "call_function":
-            return None
-        chain.append(node)
-        if node.target is operator.getitem and getattr(node.args[0], "target", None) in ops.SPLITS:
-            chain.append(node.args[0])
-            node = node.args[0].args[0]
-        elif node.target in ops.VIEWS and node.target is not torch.ops.prims.convert_element_type.default:
-            node = node.args[0]
-        else:
-            return None
-    return chain[::-1]
 
 
 def _is_statistic(node: fx.Node, depth: int = 3) -> bool:
