@@ -364,7 +364,7 @@ class _Rewrite:
     def _edit(self, packs: list[_Pack], recompute: dict[int, _Recompute]) -> None:
         b = self.boundary
         fw_graph, bw_graph = b.fw.graph, b.bw.graph
-        jobs = []  # (forward node, unpack, its backward arguments, the placeholder's users)
+        jobs = []  # (packed forward node, unpack, its backward arguments, the saved tensors it stands for)
         group_packs, pack_nodes = [], set()  # (_Pack, its scale bytes); every node the packs added
         for p in packs:
             x = p.node

@@ -19,8 +19,8 @@ Only chain ends that inductor realizes anyway are edited: pointwise results that
 attention op reads and that are not saved for backward, computed elementwise from tensors of h's
 size (not from a norm's statistics, whose row reduction wants a loop split of its own), dense,
 with h's (rows, cols) in memory order and a row length that is a whole number of groups. Anything
-else stays as it was. (A chain end whose elements do not line up with h's in memory, say through a transpose,
-would still get y's values: the guard can only cost fusion, never change a result.)
+else stays as it was. (A chain end whose elements do not line up with h's in memory, say through
+a transpose, would still get y's values: the guard can only cost fusion, never change a result.)
 """
 
 from __future__ import annotations
