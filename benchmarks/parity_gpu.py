@@ -512,9 +512,11 @@ def report(args) -> None:
 
 
 # -- smoke -----------------------------------------------------------------------------------------
-RESUME_CHECKED = "adamw:0,compressed:0,compressed_ca:0"
+RESUME_CHECKED = "adamw:0,compressed:0"
 """The smoke runs these again, cut at step 15 and resumed by a second process: each must match
-its uninterrupted run; compressed:0 bit for bit (losses, validation points, final parameters)."""
+its uninterrupted run; compressed:0 bit for bit (losses, validation points, final parameters).
+(compressed_ca:0 is not among them: its activations hold no state across steps, so its resume is
+compressed:0's, and compiling it twice more took half the smoke's time on a 2-core CI machine.)"""
 
 
 def smoke_checks(args, corpus: dict, val: torch.Tensor, header: dict) -> list[str]:

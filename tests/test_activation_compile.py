@@ -204,8 +204,9 @@ def test_an_unrecognised_graph_layout_is_left_alone_with_a_warning(monkeypatch):
 def test_whole_model_as_one_graph(device="cpu"):
     """One graph for the whole GPT (embeddings, blocks, the checkpointed chunked loss): the codes
     are made inside the forward and decoded next to their use, so unlike hooks around a compiled
-    call nothing waits until the graph returns; gradients stay as close as per block."""
-    cfg = ModelConfig(vocab=128, layers=2, dim=128, heads=4, seq=64, loss_chunks=2)
+    call nothing waits until the graph returns; gradients stay as close as per block. (One layer:
+    the graph's size, not the layer count, is what this checks, and compiling it is slow on CPU.)"""
+    cfg = ModelConfig(vocab=128, layers=1, dim=128, heads=4, seq=64, loss_chunks=2)
     model = GPT(cfg).to(device)
     idx = torch.randint(0, cfg.vocab, (4, cfg.seq), device=device)
     _, ref = _grads(torch.compile(copy.deepcopy(model)), idx, idx, True)
@@ -267,9 +268,12 @@ def test_cudagraphs_option_turns_cuda_graphs_on_and_changes_nothing_else(device=
     """CompiledActivations(cudagraphs=True) asks inductor for CUDA graphs (reduce-overhead's
     option). The FP8 codes are plain outputs of the forward graph, so with graphs recorded and
     replayed (steps >= 3 on CUDA: warm-up, recording, replays) every step's gradients equal, bit
-    for bit, those of the same blocks compiled without graphs; on CPU inductor leaves graphs out."""
+    for bit, those of the same blocks compiled without graphs. On CPU inductor leaves graphs out,
+    so there only the options are checked (the CUDA test runs the rest)."""
     assert CompiledActivations(cudagraphs=True).options["triton.cudagraphs"] is True
     assert "triton.cudagraphs" not in CompiledActivations().options
+    if device == "cpu":
+        return
     cfg = ModelConfig(vocab=128, layers=2, dim=128, heads=4, seq=64, loss_chunks=1)
     model = GPT(cfg).to(device)
     batches = [torch.randint(0, cfg.vocab, (2, cfg.seq), device=device) for _ in range(steps)]
@@ -368,13 +372,14 @@ class _SplitInTwo(nn.Module):
 def test_a_split_buffer_is_packed_once_only_where_groups_stay_its_pieces(widths, shared):
     """The pieces of one split are packed as the buffer they tile, once, only where no group of
     16 spans two pieces: with pieces 8 and 24 wide a large value in one would set the other's
-    scale. Either way the gradients are those of the pieces packed one by one, bit for bit."""
+    scale. Where the buffer is packed once, the gradients are those of the pieces packed one by
+    one, bit for bit."""
     torch.manual_seed(0)
     model = _SplitInTwo(widths)
     x = torch.randn(64, 32)
     x[0, 0] = 2.0**12  # (a large value: with shared groups it would show)
     runs = []
-    for merge in (True, False):
+    for merge in (True, False)[: 1 + shared]:
         torch._dynamo.reset()
         fp8 = CompiledActivations(min_numel=0, linear="group")
         compiled = torch.compile(copy.deepcopy(model), options=fp8.options)
@@ -382,8 +387,7 @@ def test_a_split_buffer_is_packed_once_only_where_groups_stay_its_pieces(widths,
             if not merge:
                 mp.setattr(compiled_module._Rewrite, "_merge_shared", lambda self, packs: packs)
             compiled(x).square().sum().backward()
-        runs.append(({n: p.grad for n, p in compiled.named_parameters()}, fp8.buffers_shared))
-    (merged, count), (one_by_one, _) = runs
-    assert count == shared
-    for name in merged:
-        assert torch.equal(merged[name], one_by_one[name]), name
+        runs.append({n: p.grad for n, p in compiled.named_parameters()})
+        assert fp8.buffers_shared == (shared if merge else 0)
+    for name in runs[0]:
+        assert torch.equal(runs[0][name], runs[-1][name]), name
