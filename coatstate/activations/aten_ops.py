@@ -53,3 +53,8 @@ def is_pointwise(node: fx.Node) -> bool:
         return True
     tags = getattr(target, "tags", ())  # (a split's pieces are not followed: splits have no tag)
     return torch.Tag.pointwise in tags and torch.Tag.nondeterministic_seeded not in tags
+
+
+def is_view(node: fx.Node) -> bool:
+    """A view of its input: in VIEWS but not a dtype cast (which computes a new tensor)."""
+    return node.target in VIEWS and node.target is not torch.ops.prims.convert_element_type.default

@@ -57,7 +57,7 @@ from coatstate.activations import graph as graph_edits
 from coatstate.activations import policy as policy_module
 from coatstate.activations import stats as stats_module
 from coatstate.activations.consumer_fusion import guard_consumers
-from coatstate.activations.graph import Boundary, LayoutError, copy_nodes, inline, is_tensor
+from coatstate.activations.graph import Boundary, LayoutError, copy_nodes, inline, is_tensor, memory_order
 from coatstate.activations.op_kinds import OpKind
 from coatstate.activations.policy import ActivationPolicy, Granularity
 from coatstate.activations.shared_buffers import pieces_of_one_split, view_chain
@@ -187,7 +187,6 @@ class _Rewrite:
 
     def __init__(self, owner: CompiledActivations, fw, bw, kwargs, needs_grad: set[str]) -> None:
         self.owner, self.policy, self.stats, self.report = owner, owner.policy, owner.stats, owner.report
-        self.fuse_consumers = owner.fuse_consumers
         self.boundary = Boundary(fw, bw, kwargs["num_fwd_outputs"])
         placeholders = fw.graph.find_nodes(op="placeholder")
         static = kwargs.get("static_lifetime_input_indices")
@@ -224,7 +223,7 @@ class _Rewrite:
                 self._keep(val, decision)
                 self.report.append((node.name, shape, val.dtype, f"kept: {decision}"))
             else:
-                packs.append(_Pack(node, i, *decision, perm=_memory_order(val)))
+                packs.append(_Pack(node, i, *decision, perm=memory_order(val)))
                 self.report.append((node.name, shape, val.dtype, f"{decision[1]}/{decision[0].value}"))
         if packs or recompute:
             self._edit(self._merge_shared(packs), recompute)
@@ -417,7 +416,7 @@ class _Rewrite:
                 val = r.node.meta["val"]
                 self.stats.recomputed += 1
                 self.stats.bytes_recomputed += val.numel() * val.element_size()
-        if self.fuse_consumers:
+        if self.owner.fuse_consumers:
             self._fuse_into_consumers(group_packs, pack_nodes)
         b.finish()
 
@@ -525,12 +524,6 @@ def _users_through_views(node: fx.Node, depth: int = 4) -> list[tuple[fx.Node, i
             arg = next((i for i, a in enumerate(user.args) if a is node), None)
             found.append((user, arg))
     return found
-
-
-def _memory_order(val: torch.Tensor) -> tuple[int, ...]:
-    """Dims by decreasing stride: val.permute(p) walks memory in order (contiguous if val is dense;
-    a strided slice is packed as a contiguous copy and restored dense in the same dim order)."""
-    return tuple(sorted(range(val.dim()), key=lambda d: (-val.stride(d), -val.shape[d])))
 
 
 def _codec_functions(saved: _Pack, policy: ActivationPolicy, val: torch.Tensor):

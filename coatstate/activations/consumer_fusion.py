@@ -29,7 +29,7 @@ import torch
 import torch.fx as fx
 
 from coatstate.activations import aten_ops as ops
-from coatstate.activations.graph import inline
+from coatstate.activations.graph import inline, memory_order
 
 _SEARCH_LIMIT = 64  # nodes visited from one packed tensor: a pointwise chain, not the whole graph
 
@@ -56,7 +56,7 @@ def guard_consumers(
         end_val = end.meta["val"]
         if end in keep_as_is or end_val.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             continue
-        end_perm = _memory_order(end_val)
+        end_perm = memory_order(end_val)
         if _layout(end_val, end_perm) != layout:
             continue
         users = [u for u in end.users if u.op != "output"]
@@ -82,10 +82,6 @@ def _layout(val: torch.Tensor, perm: tuple[int, ...]) -> tuple[int, int] | None:
     return (val.numel() // cols if cols else 0, cols)
 
 
-def _memory_order(val: torch.Tensor) -> tuple[int, ...]:
-    return tuple(sorted(range(val.dim()), key=lambda d: (-val.stride(d), -val.shape[d])))
-
-
 def _chain_ends(start: fx.Node, skip: set[fx.Node]) -> list[fx.Node]:
     """Pointwise (not view) nodes computed from `start` through pointwise ops and views that a
     matmul or attention op reads, directly or through views."""
@@ -97,7 +93,7 @@ def _chain_ends(start: fx.Node, skip: set[fx.Node]) -> list[fx.Node]:
                 continue
             seen.add(user)
             frontier.append(user)
-            if not _is_view(user) and _read_by_extern_op(user) and _elementwise(user, start):
+            if not ops.is_view(user) and _read_by_extern_op(user) and _elementwise(user, start):
                 ends.append(user)
     return ends
 
@@ -128,14 +124,9 @@ def _read_by_extern_op(node: fx.Node, depth: int = 4) -> bool:
             continue
         if user.target in ops.MATMULS or user.target in ops.ATTENTION:
             return True
-        if _is_view(user) and depth > 0 and _read_by_extern_op(user, depth - 1):
+        if ops.is_view(user) and depth > 0 and _read_by_extern_op(user, depth - 1):
             return True
     return False
-
-
-def _is_view(node: fx.Node) -> bool:
-    """A view of its input (a dtype cast computes: it can end a chain)."""
-    return node.target in ops.VIEWS and node.target is not torch.ops.prims.convert_element_type.default
 
 
 def _guard_function(perm: tuple[int, ...], cols: int, group_size: int, val: torch.Tensor):

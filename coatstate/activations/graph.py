@@ -21,6 +21,12 @@ def is_tensor(node) -> bool:
     return isinstance(node, fx.Node) and isinstance(node.meta.get("val"), torch.Tensor)
 
 
+def memory_order(val: torch.Tensor) -> tuple[int, ...]:
+    """Dims by decreasing stride: val.permute(p) walks memory in order (contiguous if val is dense;
+    a strided slice is packed as a contiguous copy and restored dense in the same dim order)."""
+    return tuple(sorted(range(val.dim()), key=lambda d: (-val.stride(d), -val.shape[d])))
+
+
 class LayoutError(RuntimeError):
     """The partitioned graphs do not have the layout Boundary knows (nothing was edited)."""
 

@@ -32,7 +32,7 @@ def view_chain(node: fx.Node, root: fx.Node) -> list[fx.Node] | None:
         if node.target is operator.getitem and getattr(node.args[0], "target", None) in ops.SPLITS:
             chain.append(node.args[0])
             node = node.args[0].args[0]
-        elif node.target in ops.VIEWS and node.target is not torch.ops.prims.convert_element_type.default:
+        elif ops.is_view(node):
             node = node.args[0]
         else:
             return None
