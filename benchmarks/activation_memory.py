@@ -7,7 +7,9 @@
 
 Variants (--variants picks a comma-separated subset): eager: none; compress_activations (default
 policy); the same without recomputing activation-function outputs; with every kind kept (the hooks'
-own cost: no kernels run); torch.autograd.graph.save_on_cpu. With --compiled, each block
+own cost: no kernels run); a saved_tensors_hooks pair that returns what it gets (identity hooks: the
+hook mechanism's own cost, the floor under anything built on saved-tensor hooks);
+torch.autograd.graph.save_on_cpu. With --compiled, each block
 torch.compile'd (or, with 'model', the whole model as one graph): uncompressed; inside
 compress_activations (entered outside the compiled calls; float32 saves kept, and as bf16); and
 compiled with coatstate.CompiledActivations' partitioner (FP8 saves inside the graphs, no hooks).
@@ -46,11 +48,17 @@ from rounds import Variant, fmt_spread, paired, run_rounds  # noqa: E402
 from coatstate.activations import KEEP_ALL, compress_activations  # noqa: E402
 from coatstate.activations.compiled import CompiledActivations  # noqa: E402
 
+
+def _same(x):
+    return x
+
+
 EAGER = {
     "none": contextlib.nullcontext,
     "compress_activations": compress_activations,
     "compress, recompute=False": lambda: compress_activations(recompute=False),
     "hooks only (all kept)": lambda: compress_activations(**KEEP_ALL),
+    "identity hooks": lambda: torch.autograd.graph.saved_tensors_hooks(_same, _same),
     "save_on_cpu": lambda: torch.autograd.graph.save_on_cpu(pin_memory=True),
 }
 COMPILED = {  # name -> (context factory, CompiledActivations policy or None, CUDA graphs)
