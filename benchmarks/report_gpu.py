@@ -481,3 +481,79 @@ def section_checkpoint_load(data: dict, path: Path) -> str:
             "",
         ]
     )
+
+
+def section_kernel_breakdown(data: dict, path: Path) -> str:
+    """kernel_breakdown.py: GPU kernel ms per kernel family of one profiled step per variant."""
+    date, machine = provenance(data, path)
+    variants = data["variants"]
+    names = list(variants)
+    families = sorted(
+        {k for v in variants.values() for k in v["families_ms"]},
+        key=lambda k: -max(v["families_ms"].get(k, 0.0) for v in variants.values()),
+    )
+    base = variants[names[0]]["families_ms"]
+    rows = [["**kernel ms**", *(f"**{variants[n]['kernel_ms']:.2f}**" for n in names), ""]]
+    for k in families[:16]:
+        ms = [variants[n]["families_ms"].get(k, 0.0) for n in names]
+        rows.append([f"`{k}`", *(f"{m:.2f}" for m in ms), f"{ms[-1] - base.get(k, 0.0):+.2f}"])
+    args = data.get("args", {})
+    flags = (
+        f" --methods {args['methods']}"
+        if args.get("what") == "fp8"
+        else f' --variants "{args.get("variants")}"'
+    )
+    note = f" Note: {data['note']}." if data.get("note") else ""
+    return "\n".join(
+        [
+            f"## GPU kernel time by family: {data.get('title', path.stem)}",
+            f"{machine}, {date}, torch {data.get('meta', {}).get('torch', '?')}. One profiled step per "
+            "variant after warm-up steps, variants run one after another (not interleaved: compare the "
+            "families within a run). Kernel ms = the sum of the step's CUDA kernels (the optimizer's "
+            "profiler span left out); the last column is the last variant minus the first. Source: "
+            f"`python benchmarks/kernel_breakdown.py {args.get('what')}{flags}` -> "
+            f"`benchmarks/results/{path.name}`.{note}",
+            "",
+            _md_table(["family", *names, "last - first"], rows),
+            "",
+        ]
+    )
+
+
+def section_activation_kernels(data: dict, path: Path) -> str:
+    """activation_kernels.py: pack/unpack bandwidth beside a copy, the best unpack rewrite, host cost."""
+    date, machine = provenance(data, path)
+    rows = []
+    for s in data["shapes"]:
+        by_name = {k["kernel"]: k for k in s["kernels"]}
+        rewrites = [k for k in s["kernels"] if k.get("layout")]
+        best = max(rewrites, key=lambda k: k["tb_per_s"]) if rewrites else None
+        cells = [f"{s['rows']}x{s['cols']}", f"{s['floor_bytes'] / 1e6:.0f}"]
+        for name in ("clone (2+2 B/elem)", "pack_groups_flat", "unpack_groups_flat"):
+            k = by_name[name]
+            cells.append(f"{k['us']:.1f} us, {k['tb_per_s']:.2f} TB/s")
+        cells.append(f"{best['tb_per_s']:.2f} TB/s ({best['kernel']})" if best else "-")
+        cells.append("yes" if all(k.get("bit_exact", True) for k in rewrites) else "NO")
+        rows.append(cells)
+    host = [[h["call"], f"{h['host_us']:.1f} [{h['min']:.1f}-{h['max']:.1f}]"] for h in data.get("host", [])]
+    note = f" Note: {data['note']}." if data.get("note") else ""
+    header = "bf16 tensor|floor MB each way|x.clone()|pack|unpack|best unpack rewrite|rewrites bit-exact"
+    return "\n".join(
+        [
+            "## Activation pack/unpack kernels: bandwidth and host cost",
+            f"{machine}, {date}. The per-group kernels compress_activations launches per saved tensor, "
+            "median of 40 calls timed with CUDA events, beside x.clone() of the same tensor; floor = the "
+            "bytes a pack or an unpack must move (2 + 1 + 1/16 per element). Best unpack rewrite: the "
+            "fastest of 20 other ways of writing the unpack (1-D or [groups, 16] tiles, block sizes, warps, "
+            "with or without the interpreter's integer rounding to bfloat16). Each call is timed alone "
+            "between two events, so the smallest tensor's row counts launch latency too (the rewrites "
+            "launch through triton's full path, the kernels through their cached launcher). Host us "
+            "per call: a 256x256 tensor, 500 calls without a sync, median [min-max] of 5 rounds. Source: "
+            f"`python benchmarks/activation_kernels.py` -> `benchmarks/results/{path.name}`.{note}",
+            "",
+            _md_table(header.split("|"), rows),
+            "",
+            _md_table(["call", "host us per call"], host),
+            "",
+        ]
+    )
