@@ -40,10 +40,12 @@ from report_common import (  # machine_meta: the CPU benchmarks import it from h
 )
 from report_gpu import (
     section_activation_host,
+    section_activation_kernels,
     section_checkpoint_load,
     section_checkpoint_scale,
     section_fp8_linear_train,
     section_fsdp_train,
+    section_kernel_breakdown,
     section_master_train,
     section_optimizer_step,
     section_plan_check,
@@ -85,6 +87,7 @@ def _flags(args: dict) -> str:
         out += " --compiled" + (" model" if args["compiled"] == "model" else "")
     out += " --cudagraphs" if args.get("cudagraphs") else ""
     out += f" --rounds {args['rounds']} --steps {args['steps']}" if args.get("rounds") else ""
+    out += f" --inductor {args['inductor']}" if args.get("inductor") else ""
     return out + (f' --variants "{args["variants"]}"' if args.get("variants") else "")
 
 
@@ -112,7 +115,8 @@ def _section_activation_rounds(data: dict, path: Path) -> str:
     return "\n".join(
         [
             f"## Activation memory and step time, {shape} "
-            f"({'' if args.get('compiled') or args.get('cudagraphs') else 'eager only, '}interleaved rounds)",
+            f"({'' if args.get('compiled') or args.get('cudagraphs') else 'eager only, '}interleaved rounds"
+            + (f", inductor {args['inductor']} for every compiled variant)" if args.get("inductor") else ")"),
             f"{machine}, {date}. {args.get('rounds')} rounds x {args.get('steps')} steps, the variants "
             "interleaved in one process, order rotated per round: median [min-max over rounds]; ratios "
             "are the median [min-max] of per-round ratios to the row's base (eager `none`, `compiled: "
@@ -494,6 +498,11 @@ SECTIONS = {
     "activation_memory_llama_linear_group": section_activation_memory,
     "activation_memory_whole_model_compile": section_activation_memory,
     "activation_memory_eager": section_activation_memory,
+    "activation_memory_tuned": section_activation_memory,
+    "activation_kernels": section_activation_kernels,
+    "kernel_breakdown_gpt": section_kernel_breakdown,
+    "kernel_breakdown_fp8_ca": section_kernel_breakdown,
+    "kernel_breakdown_fp8_graphs_all": section_kernel_breakdown,
     "activation_policy_cosine": section_activation_policy_cosine,
     "checkpoint_io": section_checkpoint_io,
     "training_parity": section_training_parity,
