@@ -2,15 +2,20 @@
 
     python benchmarks/optimizer_step.py                 # 1.31B params, fp32 and bf16, on CUDA
     python benchmarks/optimizer_step.py --scale 0.05    # a smaller set
+    python benchmarks/optimizer_step.py --device cpu --scale 0.001 --which torch,coat   # smoke test
 
 Peers measured in the same run (each only where its package imports): torch.optim.AdamW(fused),
-bitsandbytes AdamW8bit, torchao AdamWFp8. Prints state bytes/param, the floor (bytes a step must
-move / copy bandwidth measured in this run), and per optimizer:
-  step ms    steps run back to back, as in a training loop (the host queues the next step while the
-             GPU works): GPU time per step; TB/s = bytes moved / this time
-  synced ms  median of single steps each followed by a synchronisation: adds the host's launch
-             time (host ms, the Python/launch cost of opt.step()) wherever the GPU would idle
-  first s    the first step (Triton compilation), peak extra MB: memory a step allocates
+bitsandbytes AdamW8bit, torchao AdamWFp8. Timing: benchmarks/rounds.py. Per params dtype every
+optimizer is built at once (each on its own parameters), then --rounds interleaved rounds time
+--steps samples of each, the order rotated per round; a sample is --burst optimizer steps run back
+to back with one synchronisation at the end, as in a training loop where the host queues the next
+step while the GPU works. Per optimizer, per step, median [min-max over rounds]:
+  step ms    wall time of a sample / --burst (the headline)
+  GPU ms     kernel time of one profiled sample / --burst (busy below 0.9 of step ms: host-bound)
+  host ms    Python and launch time of opt.step() (hidden while the GPU is the busier side)
+  vs torch   the per-round ratio to torch AdamW fused on the same dtype, paired within rounds
+beside the state bytes per parameter, the floor (bytes a step must move / copy bandwidth measured
+in this run), the first step's seconds (Triton compilation) and the memory a step allocates.
 Writes JSON.
 """
 
@@ -23,11 +28,15 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 
 import torch
 
-import coatstate
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from rounds import Variant, fmt_spread, paired, run_rounds  # noqa: E402
+
+import coatstate  # noqa: E402
 
 
 def gpt_shapes(vocab=50304, d=2048, layers=24, scale=1.0):
@@ -54,6 +63,12 @@ def gpt_shapes(vocab=50304, d=2048, layers=24, scale=1.0):
 
 
 def copy_bandwidth(device) -> float:
+    if device.type != "cuda":  # (a CPU smoke run: a smaller copy timed by the host clock)
+        x = torch.randn(4 * 2**20)
+        y = x.clone()
+        t0 = time.perf_counter()
+        y.copy_(x)
+        return 2 * x.numel() * 4 / (time.perf_counter() - t0)
     x = torch.randn(256 * 2**20, device=device)  # 1 GiB
     y = torch.empty_like(x)
     for _ in range(3):
@@ -147,113 +162,144 @@ def build_optimizer(factory, shapes, dtype, device, warmup):
     for p in params:
         p.grad = torch.randn(p.shape, device=device, generator=gen, dtype=torch.float32).mul_(1e-3).to(dtype)
     opt = factory(params)
-    torch.cuda.synchronize()
+    _sync(device)
     t0 = time.perf_counter()
     opt.step()
-    torch.cuda.synchronize()
+    _sync(device)
     first = time.perf_counter() - t0
     for _ in range(warmup):
         opt.step()
-    torch.cuda.synchronize()
+    _sync(device)
     return params, opt, first
 
 
-def run_one(name, factory, shapes, dtype, steps, warmup, device):
-    params, opt, first = build_optimizer(factory, shapes, dtype, device, warmup)
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    times, host = [], []
-    for _ in range(steps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        h = time.perf_counter()
-        opt.step()
-        host.append((time.perf_counter() - h) * 1e3)  # Python/launch time: hidden behind the GPU
-        b.record()  # in training only while the GPU is busier
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    # back to back, no sync between steps (as in a training loop, where the host queues the next
-    # step while the GPU works): the GPU's time per step once launch overheads overlap
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(steps):
-        opt.step()
-    b.record()
-    b.synchronize()
-    pipelined = a.elapsed_time(b) / steps
-    peak_extra = torch.cuda.max_memory_allocated() - base
-    n = sum(p.numel() for p in params)
-    sb = coatstate.optim.optimizer_state_bytes(opt)
-    n_comp = sum(p.numel() for p in params if p.dim() >= 2 and p.numel() >= 4096)
-    result = dict(
-        name=name,
-        dtype=str(dtype).replace("torch.", ""),
-        params=n,
-        state_bytes=sb,
-        state_bytes_per_param=sb / n,
-        step_ms=statistics.median(times),
-        step_ms_min=min(times),
-        host_ms=statistics.median(host),
-        pipelined_ms=pipelined,
-        first_step_s=first,
-        peak_extra_bytes=peak_extra,
-        bytes_moved=bytes_moved(name, n, n_comp, params[0].element_size(), params[0].grad.element_size()),
-    )
-    if isinstance(opt, coatstate.CompressedAdamW):
-        bad = opt.nonfinite_parameters()
-        result["nonfinite_params"] = len(bad)
-    del opt, params
-    gc.collect()
-    torch.cuda.empty_cache()
-    return result
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def build_variants(optimizers: dict, shapes, dtype, device, burst: int, log=print):
+    """(rounds.Variant per optimizer that built, {name: (params, opt, first step s)}); the step of a
+    Variant is `burst` optimizer steps back to back."""
+    variants, built = [], {}
+    for name, factory in optimizers.items():
+        try:
+            params, opt, first = build_optimizer(factory, shapes, dtype, device, 0)
+        except Exception as e:  # noqa: BLE001 - a peer failing is a result to report, not a crash
+            log(f"{name} ({dtype}) failed: {type(e).__name__}: {e}")
+            continue
+
+        def step(i: int, opt=opt) -> None:
+            for _ in range(burst):
+                opt.step()
+
+        variants.append(Variant(name, step))
+        built[name] = (params, opt, first)
+    return variants, built
+
+
+def result_rows(result: dict, built: dict, dtype, burst: int, bw: float, base: str | None) -> list[dict]:
+    """One JSON row per optimizer: per-step times (median and spread over rounds), floor, bytes."""
+    rows = []
+    for name, r in result.items():
+        params, opt, first = built[name]
+        n = sum(p.numel() for p in params)
+        n_comp = sum(p.numel() for p in params if p.dim() >= 2 and p.numel() >= 4096)
+        per_step = {k: _per_step(r[k], burst) for k in ("wall_ms", "kernel_ms", "host_ms")}
+        row = dict(
+            name=name,
+            dtype=str(dtype).replace("torch.", ""),
+            params=n,
+            state_bytes=coatstate.optim.optimizer_state_bytes(opt),
+            pipelined_ms=per_step["wall_ms"]["median"],  # (the key report.py and compare_trees read)
+            step_ms_spread=per_step["wall_ms"],
+            gpu_ms_spread=per_step["kernel_ms"],
+            host_ms_spread=per_step["host_ms"],
+            busy=r["busy"],
+            host_bound=r["host_bound"],
+            vs_torch=paired(result, name, base) if base and base != name else None,
+            vs_torch_gpu=paired(result, name, base, "round_kernel_ms") if base and base != name else None,
+            first_step_s=first,
+            peak_extra_bytes=r["peak_bytes"],
+            bytes_moved=bytes_moved(name, n, n_comp, params[0].element_size(), params[0].grad.element_size()),
+        )
+        row["state_bytes_per_param"] = row["state_bytes"] / n
+        row["floor_ms"] = row["bytes_moved"] / bw * 1e3
+        row["achieved_TBps"] = row["bytes_moved"] / (row["pipelined_ms"] / 1e3) / 1e12
+        if isinstance(opt, coatstate.CompressedAdamW):
+            row["nonfinite_params"] = len(opt.nonfinite_parameters())
+        rows.append(row)
+    return rows
+
+
+def _per_step(s: dict | None, burst: int) -> dict | None:
+    return None if s is None else {k: (v / burst if k != "n" else v) for k, v in s.items()}
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda")
     ap.add_argument("--scale", type=float, default=1.0)
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=4, help="timed samples per optimizer per round")
+    ap.add_argument("--burst", type=int, default=5, help="optimizer steps per sample, back to back")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--which", default="torch,bnb,torchao,coat")
     ap.add_argument("--configs", default="", help="fused kernel launch configs to sweep, e.g. 8x4,32x8")
     ap.add_argument("--out", default="benchmarks/results/optimizer_step.json")
     args = ap.parse_args()
-    device = torch.device("cuda")
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
     bw = copy_bandwidth(device)
     shapes = gpt_shapes(scale=args.scale)
-    rows = []
+    rows, errors = [], {}
     for dt in args.dtypes.split(","):
         dtype = getattr(torch, dt)
-        for name, factory in expand_configs(make_optimizers(args.which.split(",")), args.configs).items():
-            try:
-                r = run_one(name, factory, shapes, dtype, args.steps, args.warmup, device)
-            except Exception as e:  # noqa: BLE001 - a peer failing is a result to report, not a crash
-                print(f"{name} ({dt}) failed: {type(e).__name__}: {e}")
-                continue
-            r["floor_ms"] = r["bytes_moved"] / bw * 1e3
-            r["achieved_TBps"] = r["bytes_moved"] / (r["pipelined_ms"] / 1e3) / 1e12
-            rows.append(r)
-            print(f"  {name} [{dt}]: {r['step_ms']:.2f} ms", flush=True)
+        optimizers = expand_configs(make_optimizers(args.which.split(",")), args.configs)
+        variants, built = build_variants(optimizers, shapes, dtype, device, args.burst)
+        result = run_rounds(
+            variants, rounds=args.rounds, steps=args.steps, warmup=args.warmup, cuda=cuda, errors=errors
+        )
+        base = next((n for n in result if n.startswith("torch AdamW")), None)
+        rows += result_rows(result, built, dtype, args.burst, bw, base)
+        del variants, built
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    _print_table(rows, bw, args)
+    write_results(args.out, bw, rows, scale=args.scale, method="rounds", rounds=args.rounds,
+                  steps=args.steps, burst=args.burst, errors=errors)  # fmt: skip
+
+
+def _print_table(rows: list[dict], bw: float, args) -> None:
     n = rows[0]["params"] if rows else 0
-    print(f"\n{n / 1e9:.3f}B params, copy bandwidth {bw / 1e12:.2f} TB/s, {torch.cuda.get_device_name()}")
     print(
-        f"{'optimizer':56s} {'dtype':9s} {'state B/param':>13s} {'floor ms':>8s} {'step ms':>8s} "
-        f"{'TB/s':>6s} {'synced ms':>9s} {'host ms':>7s} {'first s':>7s} {'peak extra MB':>13s}"
+        f"\n{n / 1e9:.3f}B params, copy bandwidth {bw / 1e12:.2f} TB/s, {_device_name(args.device)}, "
+        f"{args.rounds} rounds x {args.steps} samples of {args.burst} steps: median [min-max over rounds]"
+    )
+    print(
+        f"{'optimizer':48s} {'dtype':9s} {'B/param':>7s} {'floor ms':>8s} {'step ms':>22s} {'GPU ms':>8s} "
+        f"{'host ms':>7s} {'x floor':>7s} {'vs torch':>20s}"
     )
     for r in rows:
+        gpu = r["gpu_ms_spread"]["median"] if r["gpu_ms_spread"] else float("nan")
         print(
-            f"{r['name']:56s} {r['dtype']:9s} {r['state_bytes_per_param']:13.3f} {r['floor_ms']:8.2f} "
-            f"{r['pipelined_ms']:8.2f} {r['achieved_TBps']:6.2f} {r['step_ms']:9.2f} {r['host_ms']:7.2f} "
-            f"{r['first_step_s']:7.2f} {r['peak_extra_bytes'] / 2**20:13.1f}"
+            f"{r['name'][:48]:48s} {r['dtype']:9s} {r['state_bytes_per_param']:7.3f} {r['floor_ms']:8.2f} "
+            f"{fmt_spread(r['step_ms_spread'], '.2f'):>22s} {gpu:8.2f} {r['host_ms_spread']['median']:7.2f} "
+            f"{r['pipelined_ms'] / r['floor_ms']:7.2f} {fmt_spread(r['vs_torch'], '.3f'):>20s}"
         )
-    write_results(args.out, bw, rows, scale=args.scale)
+
+
+def _device_name(device: str) -> str:
+    return torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor() or "cpu"
 
 
 def write_results(out: str, bw: float, rows: list, **meta) -> None:
     """JSON with the machine, date and copy bandwidth beside the rows."""
     meta = dict(
         date=datetime.date.today().isoformat(),
-        device=torch.cuda.get_device_name(),
+        device=_device_name("cuda" if torch.cuda.is_available() else "cpu"),
         torch=torch.__version__,
         copy_bandwidth_Bps=bw,
         host=platform.node(),

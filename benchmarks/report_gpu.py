@@ -23,6 +23,8 @@ def section_optimizer_step(data: dict, path: Path) -> str:
     def mb(r: dict) -> float | None:
         return None if r.get("peak_extra_bytes") is None else r["peak_extra_bytes"] / 1e6
 
+    if meta.get("method") == "rounds":
+        return _optimizer_rounds(data, rows, date, machine, bw)
     header = "optimizer|params dtype|state B/param|step ms (back to back)|synced ms|floor ms|x floor"
     table = [
         [r["name"], r.get("dtype", "?"), f"{r['state_bytes_per_param']:.3f}", _f(r.get("pipelined_ms"))]
@@ -71,6 +73,38 @@ def section_optimizer_step(data: dict, path: Path) -> str:
         ax.legend(fontsize=8, loc="lower right")
         out += [_save(fig, png), ""]
     return "\n".join(out)
+
+
+def _optimizer_rounds(data: dict, rows: list[dict], date: str, machine: str, bw) -> str:
+    """optimizer_step.py's interleaved-rounds JSON: per-step medians [min-max over rounds]."""
+    meta = data["meta"]
+    header = (
+        "optimizer|params dtype|state B/param|step ms|GPU ms|floor ms|x floor|vs torch AdamW|first step s"
+    )
+    table = [
+        [r["name"], r["dtype"], f"{r['state_bytes_per_param']:.3f}", _spread(r["step_ms_spread"], ".2f")]
+        + [_spread(r["gpu_ms_spread"], ".2f"), f"{r['floor_ms']:.2f}"]
+        + [f"{r['pipelined_ms'] / r['floor_ms']:.2f}"]
+        + [_spread(r["vs_torch"], ".3f", "x"), _f(r.get("first_step_s"))]
+        for r in rows
+    ]  # fmt: skip
+    return "\n".join(
+        [
+            "## Optimizer step (interleaved rounds)",
+            f"{machine}, {date}, torch {meta.get('torch', '?')}"
+            + (f", copy bandwidth measured in the same run {bw / 1e12:.2f} TB/s" if bw else "")
+            + f". {meta.get('rounds')} rounds x {meta.get('steps')} samples of {meta.get('burst')} steps run "
+            "back to back (one sync per sample), every optimizer of a dtype built at once and the order "
+            "rotated per round; per step, median [min-max over rounds]. Step ms = wall time per step, GPU "
+            "ms = kernel time of one profiled sample per step; floor = bytes the step must move / copy "
+            "bandwidth; vs torch AdamW = per-round ratio of step ms to torch's fused AdamW on the same "
+            "dtype. Source: `python benchmarks/optimizer_step.py` -> "
+            "`benchmarks/results/optimizer_step.json`.",
+            "",
+            _md_table(header.split("|"), table),
+            "",
+        ]
+    )
 
 
 def _per_gpu(values) -> str:

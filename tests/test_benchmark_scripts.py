@@ -98,6 +98,22 @@ def test_fp8_linear_train_smoke_rounds_mode(tmp_path):
     assert data["results"]["coatstate"]["activations"]["kept"] > 0  # the hooks ran
 
 
+def test_optimizer_step_smoke_interleaves_rounds_and_pairs_with_torch(tmp_path):
+    """--device cpu: every optimizer built at once, timed in rounds, ratios paired to torch's AdamW."""
+    out = tmp_path / "opt.json"
+    _run("benchmarks/optimizer_step.py", "--device", "cpu", "--scale", "0.0001", "--which", "torch,coat",
+         "--dtypes", "float32", "--rounds", "2", "--steps", "1", "--burst", "2", "--warmup", "0",
+         "--out", str(out))  # fmt: skip
+    data = json.loads(out.read_text())
+    assert data["meta"]["method"] == "rounds" and not data["meta"]["errors"]
+    rows = {r["name"]: r for r in data["rows"]}
+    assert len(rows) == 3 and rows["torch AdamW fused (fp32 states)"]["vs_torch"] is None
+    for name, r in rows.items():
+        assert r["step_ms_spread"]["n"] == 2 and r["floor_ms"] > 0
+        if name.startswith("coatstate"):
+            assert r["vs_torch"]["n"] == 2 and r["state_bytes_per_param"] < 2.2 and r["nonfinite_params"] == 0
+
+
 def test_gpu_parity_smoke_runs_on_cpu_and_resumes_exactly(tmp_path):
     """benchmarks/parity_gpu.py --smoke: every variant at a tiny size, one run cut and resumed by a
     second process (it exits nonzero when a resumed curve differs from the uninterrupted one)."""
