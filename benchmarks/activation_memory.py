@@ -43,7 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import MODELS, ModelConfig, add_shape_args  # noqa: E402
-from rounds import Variant, fmt_spread, paired, run_rounds  # noqa: E402
+from rounds import Variant, fmt_spread, inductor_options, paired, run_rounds  # noqa: E402
 
 from coatstate.activations import KEEP_ALL, compress_activations  # noqa: E402
 from coatstate.activations.compiled import CompiledActivations  # noqa: E402
@@ -134,16 +134,6 @@ def _base_of(name: str, names) -> str:
     return "none"
 
 
-def _inductor_options(text: str) -> dict:
-    """'a=1,b=0' -> {'a': True, 'b': False} (integers other than 0/1 stay ints)."""
-    out = {}
-    for item in filter(None, (t.strip() for t in text.split(","))):
-        key, _, value = item.partition("=")
-        number = int(value) if value.lstrip("-").isdigit() else None
-        out[key] = value if number is None else bool(number) if number in (0, 1) else number
-    return out
-
-
 def _compile(model, mode: str, policy, cudagraphs: bool, extra: dict):
     """(callable to run the model with, its blocks or None, the CompiledActivations or None)."""
     fp8 = CompiledActivations(**policy, cudagraphs=cudagraphs) if policy is not None else None
@@ -187,7 +177,7 @@ def _variants(model, opt, batches, args, table: dict):
         else:
             make_ctx, policy, cudagraphs = spec
             run, blocks, fp8 = _compile(
-                model, args.compiled, policy, cudagraphs, _inductor_options(args.inductor)
+                model, args.compiled, policy, cudagraphs, inductor_options(args.inductor)
             )
             runner = _Runner(model, opt, batches, make_ctx, autocast, device, run, blocks or eager_blocks)
             before = torch.compiler.cudagraph_mark_step_begin if cudagraphs else None

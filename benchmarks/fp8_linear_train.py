@@ -34,7 +34,9 @@ with its compilation and batch search); no batch search starts after --budget-s.
 
 --rounds R instead builds every method at once and times them interleaved in R rounds
 (benchmarks/rounds.py): tokens/s median [min-max] over rounds, speedups vs bf16 as the median of
-per-round ratios, GPU busy fraction from torch.profiler; no batch search.
+per-round ratios, GPU busy fraction from torch.profiler; no batch search. --inductor
+'coordinate_descent_tuning=1' gives every compiled method (bf16's and torchao's too) those
+inductor options.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ import torch  # noqa: E402
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from llama import Llama, LlamaConfig  # noqa: E402
-from rounds import Variant, run_rounds, spread  # noqa: E402
+from rounds import Variant, inductor_options, run_rounds, spread  # noqa: E402
 
 import coatstate  # noqa: E402
 from coatstate.nn import FP8LinearConfig, convert_to_fp8, fp8_fallbacks  # noqa: E402
@@ -87,8 +89,13 @@ def _not_head(module: torch.nn.Module, name: str) -> bool:
     return name != "head"
 
 
+INDUCTOR_OPTIONS: dict = {}
+"""Inductor options every compiled method gets (--inductor), on top of its own."""
+
+
 def _compile_blocks(model: torch.nn.Module, options: dict | None = None) -> None:
     """torch.compile each transformer block (torchao's recipe; the chunked head/loss stays eager)."""
+    options = {**(options or {}), **INDUCTOR_OPTIONS} or None
     # 18 block instances and a few batch sizes: stay above dynamo's recompile limit
     for knob in ("cache_size_limit", "recompile_limit"):
         if hasattr(torch._dynamo.config, knob):
@@ -469,6 +476,11 @@ def main(argv=None) -> dict:
         "medians, min-max, paired speedups; --steps per round, no batch search); 0: one after another",
     )
     ap.add_argument(
+        "--inductor",
+        default="",
+        help="inductor options for every compiled method, e.g. 'coordinate_descent_tuning=1'",
+    )
+    ap.add_argument(
         "--methods",
         default="bf16,bf16_compiled,coatstate_fp8_only,coatstate,coatstate_compiled,coatstate_compiled_ca,"
         "coatstate_compiled_graphs,coatstate_compiled_ca_hp,torchao",
@@ -481,6 +493,7 @@ def main(argv=None) -> dict:
     )
     args = ap.parse_args(argv)
     deadline = time.perf_counter() + args.budget_s
+    INDUCTOR_OPTIONS.update(inductor_options(args.inductor))
 
     if args.smoke:
         device = torch.device("cpu")

@@ -225,3 +225,14 @@ def fmt_spread(s: dict | None, spec: str = ".1f") -> str:
     if s is None:
         return "-"
     return f"{s['median']:{spec}} [{s['min']:{spec}}-{s['max']:{spec}}]"
+
+
+def inductor_options(text: str) -> dict:
+    """torch.compile options from a flag: 'a=1,b=0' -> {'a': True, 'b': False} (integers other than
+    0/1 stay ints, other values strings)."""
+    out = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        key, _, value = item.partition("=")
+        number = int(value) if value.lstrip("-").isdigit() else None
+        out[key] = value if number is None else bool(number) if number in (0, 1) else number
+    return out
