@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
-# Every GPU test and benchmark in one call on a 2-GPU H200 machine (the device tool's
-# nvidia-h200-x2, carrying .whl/): device time is scarce, so the single-GPU work runs on GPU 0 and
-# GPU 1 side by side, then the FSDP2 run takes both. Each step has a time limit; what finished is
-# kept. Results: JSON per benchmark and one log, under $OUT (default ./gpu_out).
+# The GPU tests and the step-time benchmarks in one device call (device time is scarce), in two
+# lanes that fit the device's 600 s per call: on a 2-GPU machine (nvidia-h200-x2) `all` runs lane
+# a on GPU 0 and lane b on GPU 1 side by side; on one GPU run `a` and `b` as two calls. `fsdp`
+# (both GPUs) is the FSDP2 training run. Each step has a time limit; what finished is kept.
+# Results: JSON per benchmark and one log, under $OUT (default ./gpu_out).
 #
-#     bash benchmarks/gpu_suite.sh
+#     bash benchmarks/gpu_suite.sh all | a | b | fsdp
 set -u
+LANE=${1:-all}
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 source benchmarks/gpu_setup.sh
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-nvidia-smi --query-gpu=index,name,memory.total --format=csv > "$OUT/log.txt"
+nvidia-smi --query-gpu=index,name,memory.total --format=csv >> "$OUT/log.txt"
+TUNED=coordinate_descent_tuning=1
 
 step() {  # step GPU SECONDS NAME CMD...: run CMD on GPU with a time limit, log under NAME
     local gpu=$1 limit=$2 name=$3
@@ -18,28 +21,35 @@ step() {  # step GPU SECONDS NAME CMD...: run CMD on GPU with a time limit, log 
     local t0=$SECONDS
     CUDA_VISIBLE_DEVICES=$gpu timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
     echo "== $name: exit $? in $((SECONDS - t0)) s" >> "$OUT/$name.log"
+    { echo; echo "######## $name"; cat "$OUT/$name.log"; } >> "$OUT/log.txt" && rm -f "$OUT/$name.log"
 }
 
-(  # (times of the session-3 run in brackets; session 4's on one H200)
-    step 0 200 gpu_tests python -m pytest -q -m gpu tests  # (111 s)
-    step 0 140 optimizer_step python benchmarks/optimizer_step.py --out "$OUT/optimizer_step.json"
-    step 0 45 activation_host python benchmarks/activation_host.py --device cuda \
-        --out "$OUT/activation_host_cuda.json"
-    step 0 200 activation_memory_llama python benchmarks/activation_memory.py --arch llama \
-        --compiled --out "$OUT/activation_memory_llama.json"  # (~90 s)
-) &
-(
-    step 1 150 activation_memory python benchmarks/activation_memory.py --compiled \
-        --out "$OUT/activation_memory.json"  # (64 s)
-    step 1 50 plan_check python benchmarks/plan_check.py --out "$OUT/plan_check.json"
-    step 1 270 fp8_linear_train python benchmarks/fp8_linear_train.py --budget-s 150 \
-        --out "$OUT/fp8_linear_train.json"  # (248 s with --budget-s 400)
-) &
-wait
-step 0,1 110 fsdp_train torchrun --standalone --nproc-per-node 2 benchmarks/fsdp_train.py \
-    --steps 6 --warmup 2 --out "$OUT/fsdp_train.json"
+lane_a() {  # (H200 times of 2026-12-01 in brackets)
+    local g=$1
+    step "$g" 280 gpu_tests python -m pytest -q -m gpu tests  # (~200 s)
+    step "$g" 150 optimizer_step python benchmarks/optimizer_step.py --out "$OUT/optimizer_step.json"
+    step "$g" 40 activation_kernels python benchmarks/activation_kernels.py \
+        --out "$OUT/activation_kernels.json"  # (15 s)
+}
 
-for f in gpu_tests optimizer_step activation_memory activation_memory_llama plan_check activation_host fp8_linear_train fsdp_train; do
-    { echo; echo "######## $f"; cat "$OUT/$f.log"; } >> "$OUT/log.txt" && rm -f "$OUT/$f.log"
-done
+lane_b() {
+    local g=$1
+    step "$g" 230 activation_memory_llama_tuned python benchmarks/activation_memory.py --arch llama \
+        --cudagraphs --rounds 5 --steps 8 --inductor "$TUNED" \
+        --variants "cudagraphs: none,cudagraphs: CompiledActivations" \
+        --out "$OUT/activation_memory_llama_tuned.json"  # (GPT's: 182 s)
+    step "$g" 330 fp8_linear_train_rounds_tuned python benchmarks/fp8_linear_train.py --rounds 5 \
+        --steps 6 --inductor "$TUNED" --methods bf16,coatstate_compiled_ca,coatstate_compiled_graphs_all \
+        --out "$OUT/fp8_linear_train_rounds_tuned.json"
+}
+
+case "$LANE" in
+    all) lane_a 0 & lane_b 1 & wait ;;
+    a) lane_a 0 ;;
+    b) lane_b 0 ;;
+    fsdp)
+        step 0,1 110 fsdp_train torchrun --standalone --nproc-per-node 2 benchmarks/fsdp_train.py \
+            --steps 6 --warmup 2 --out "$OUT/fsdp_train.json" ;;
+    *) echo "usage: bash benchmarks/gpu_suite.sh all | a | b | fsdp" >&2; exit 2 ;;
+esac
 grep -E "^== |passed|failed" "$OUT/log.txt"
