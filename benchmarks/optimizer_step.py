@@ -122,6 +122,7 @@ def with_launch_config(name, factory, config):
         adamw_fused.GROUPS_PER_PROGRAM, adamw_fused.NUM_WARPS = gpp, warps
         return factory(ps)
 
+    build.launch_config = (gpp, warps)  # (set again before each step: the optimizers coexist)
     return f"{name} [{config}]", build
 
 
@@ -189,7 +190,13 @@ def build_variants(optimizers: dict, shapes, dtype, device, burst: int, log=prin
             log(f"{name} ({dtype}) failed: {type(e).__name__}: {e}")
             continue
 
-        def step(i: int, opt=opt) -> None:
+        config = getattr(factory, "launch_config", None)
+
+        def step(i: int, opt=opt, config=config) -> None:
+            if config is not None:  # (the fused kernel reads its launch config from module globals)
+                from coatstate.kernels import adamw_fused
+
+                adamw_fused.GROUPS_PER_PROGRAM, adamw_fused.NUM_WARPS = config
             for _ in range(burst):
                 opt.step()
 
