@@ -28,6 +28,8 @@ import triton
 import triton.language as tl
 from coatstate.formats.fp8 import FP8Format
 from coatstate.kernels import activation as K
+from coatstate.kernels.activation import _decode  # (the kernel's own decode: rewrites differ in layout only)
+from coatstate.kernels.fp8_triton import from_fp8_bits
 
 HERE = Path(__file__).resolve().parent
 _BF16_MAX = tl.constexpr(3.3895313892515355e38)  # (a global a kernel reads must be a constexpr)
@@ -48,47 +50,25 @@ def bench(fn, reps=40):
 
 
 @triton.jit
-def unpack_1d(buf_ptr, out_ptr, n, G: tl.constexpr, BLOCK: tl.constexpr, FASTCAST: tl.constexpr):
+def unpack_1d(buf_ptr, out_ptr, n, G: tl.constexpr, BLOCK: tl.constexpr, ROUND: tl.constexpr):
+    """The unpack with 1-D blocks: each element gathers its group's scale byte."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
-    q = tl.load(buf_ptr + offs, mask=m, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    byte = tl.load(buf_ptr + n + offs // G, mask=m, other=0)
-    scale = (byte.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-    scale = tl.where(byte == 255, float("nan"), scale)
-    x = q * scale
-    x = tl.minimum(
-        tl.maximum(x, -_BF16_MAX, propagate_nan=tl.PropagateNan.ALL),
-        _BF16_MAX,
-        propagate_nan=tl.PropagateNan.ALL,
-    )
-    if not FASTCAST:
-        bits = x.to(tl.int32, bitcast=True)
-        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
-        x = bits.to(tl.float32, bitcast=True)
+    q = from_fp8_bits(tl.load(buf_ptr + offs, mask=m, other=0), True)
+    x = _decode(q, tl.load(buf_ptr + n + offs // G, mask=m, other=0), _BF16_MAX, ROUND)
     tl.store(out_ptr + offs, x.to(tl.bfloat16), mask=m)
 
 
 @triton.jit
-def unpack_2d(buf_ptr, out_ptr, n, n_groups, G: tl.constexpr, BG: tl.constexpr, FASTCAST: tl.constexpr):
+def unpack_2d(buf_ptr, out_ptr, n, n_groups, G: tl.constexpr, BG: tl.constexpr, ROUND: tl.constexpr):
+    """The unpack's own [groups, G] tile, at other block sizes and warps."""
     gid = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG)
     offs = gid[:, None] * G + tl.arange(0, G)[None, :]
     offs = tl.max_contiguous(tl.multiple_of(offs, [G, G]), [1, G])
     m = (gid < n_groups)[:, None]
-    q = tl.load(buf_ptr + offs, mask=m, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    q = from_fp8_bits(tl.load(buf_ptr + offs, mask=m, other=0), True)
     byte = tl.load(buf_ptr + n + gid, mask=gid < n_groups, other=0)[:, None]
-    scale = (byte.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-    scale = tl.where(byte == 255, float("nan"), scale)
-    x = q * scale
-    x = tl.minimum(
-        tl.maximum(x, -_BF16_MAX, propagate_nan=tl.PropagateNan.ALL),
-        _BF16_MAX,
-        propagate_nan=tl.PropagateNan.ALL,
-    )
-    if not FASTCAST:
-        bits = x.to(tl.int32, bitcast=True)
-        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
-        x = bits.to(tl.float32, bitcast=True)
-    tl.store(out_ptr + offs, x.to(tl.bfloat16), mask=m)
+    tl.store(out_ptr + offs, _decode(q, byte, _BF16_MAX, ROUND).to(tl.bfloat16), mask=m)
 
 
 def _row(name: str, ms: float, moved: float, ok=None) -> dict:
@@ -102,11 +82,12 @@ def _row(name: str, ms: float, moved: float, ok=None) -> dict:
 
 
 def _unpack_launch(kind: str, buf, out, n: int, block: int, warps: int, fast: bool):
+    rnd = not fast  # (fast: the GPU's own cast to bfloat16 instead of the interpreter's rounding)
     if kind == "1d":
         grid = (triton.cdiv(n, block),)
-        return lambda: unpack_1d[grid](buf, out, n, G=16, BLOCK=block, FASTCAST=fast, num_warps=warps)
+        return lambda: unpack_1d[grid](buf, out, n, G=16, BLOCK=block, ROUND=rnd, num_warps=warps)
     grid = (triton.cdiv(n // 16, block // 16),)
-    return lambda: unpack_2d[grid](buf, out, n, n // 16, G=16, BG=block // 16, FASTCAST=fast, num_warps=warps)
+    return lambda: unpack_2d[grid](buf, out, n, n // 16, G=16, BG=block // 16, ROUND=rnd, num_warps=warps)
 
 
 def _variants(buf, out, ref, n: int, moved: float) -> list[dict]:
