@@ -276,11 +276,9 @@ def _unique_graphs() -> int:
     return _counter("stats", "unique_graphs")
 
 
-def main(argv=None) -> dict:
-    args = _parse(argv)
+def build(args, table: dict):
+    """(model, optimizer, batches) that every variant of `table` shares, from seed 0."""
     device = args.device
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda but CUDA is not available; use --smoke for a CPU run")
     torch.manual_seed(0)
     cfg = ModelConfig.from_args(args)
     model = MODELS[args.arch](cfg).to(device)
@@ -291,11 +289,20 @@ def main(argv=None) -> dict:
     ]
     for p in model.parameters():  # .grad allocated outside any CUDA graph's pool (kept by zero_grad)
         p.grad = torch.zeros_like(p)
-    table = _chosen(args)
     if any(n not in EAGER for n in table):  # 24 block instances, several compiled variants of each
         for knob in ("cache_size_limit", "recompile_limit"):
             if hasattr(torch._dynamo.config, knob):
                 setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), 64))
+    return model, opt, batches
+
+
+def main(argv=None) -> dict:
+    args = _parse(argv)
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda but CUDA is not available; use --smoke for a CPU run")
+    table = _chosen(args)
+    model, opt, batches = build(args, table)
     variants, runners, fp8s = _variants(model, opt, batches, args, table)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -119,17 +119,9 @@ def activation_variants(argv: list[str]) -> dict:
     import activation_memory as A
 
     args = A._parse(argv)
-    torch.manual_seed(0)
-    cfg = A.ModelConfig.from_args(args)
-    model = A.MODELS[args.arch](cfg).to("cuda")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    batches = [tuple(torch.randint(0, cfg.vocab, (args.batch, cfg.seq), device="cuda") for _ in range(2))]
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    for knob in ("cache_size_limit", "recompile_limit"):  # 24 block instances per compiled variant
-        if hasattr(torch._dynamo.config, knob):
-            setattr(torch._dynamo.config, knob, 64)
-    variants, _, _ = A._variants(model, opt, batches, args, A._chosen(args))
+    table = A._chosen(args)
+    model, opt, batches = A.build(args, table)
+    variants, _, _ = A._variants(model, opt, batches, args, table)
     out = {}
     for v in variants:
 
