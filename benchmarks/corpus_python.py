@@ -6,9 +6,12 @@ load_corpus() lists every .py file under the chosen roots (sysconfig's "stdlib",
 files over 2 MiB (generated tables, not code) and unreadable ones, and reads them in name order
 into one uint8 stream, cached under cache_dir keyed by the listing (names, sizes, mtimes), so a
 rerun on the same machine only lists. A file validates when sha1(its root-relative name) % 100 <
-val_pct: a split by file, the same on every machine. token_stream() gives a run's tokens: the
-training files in an order drawn from the seed (a byte 0 after each file), or the validation files
-in name order. Torch only (numpy may be absent where this runs).
+val_pct: a split by file, the same on every machine. joined_files() joins the training files (a
+byte 0 after each) and window_batch() draws a step's rows from them: random windows whose offsets
+come from (seed, step) alone, so any step's batch is reproducible without replaying the run (what
+nanoGPT's get_batch does; batches cut from one concatenated stream held one or two files each, and
+their runs spread 6% between seeds). validation_tokens() gives the held-out files in name order.
+Torch only (numpy may be absent where this runs).
 """
 
 from __future__ import annotations
@@ -120,33 +123,34 @@ def load_corpus(roots: str, cache_dir: str, val_pct: int = 1, max_mb: float = 0)
     return {"stream": stream, "offsets": offsets, "is_val": is_val, "stats": stats}
 
 
-def token_stream(corpus: dict, n: int, seed: int | None) -> torch.Tensor:
-    """The first n tokens of the training files in seed's order (pass e over the files shuffled
-    by torch.randperm seeded 1000003 * seed + e), or, seed None, of the validation files in name
-    order (at most one pass: fewer tokens when they hold fewer)."""
-    off, is_val, pieces, total, epoch = corpus["offsets"], corpus["is_val"], [], 0, 0
-    sep = torch.tensor([SEP], dtype=torch.uint8)
-    idx = [i for i, v in enumerate(is_val) if v == (seed is None)]
-    if not idx:
-        raise ValueError("the corpus has no " + ("validation" if seed is None else "training") + " files")
-    while total < n and not (seed is None and epoch):
-        order = idx
-        if seed is not None:
-            g = torch.Generator().manual_seed(1000003 * seed + epoch)
-            order = [idx[j] for j in torch.randperm(len(idx), generator=g).tolist()]
-        for i in order:
-            pieces += [corpus["stream"][off[i] : off[i + 1]], sep]
-            total += off[i + 1] - off[i] + 1
-            if total >= n:
-                break
-        epoch += 1
-    return torch.cat(pieces)[:n]
+def joined_files(corpus: dict, validation: bool) -> torch.Tensor:
+    """The training (or validation) files in name order, a byte SEP after each."""
+    off, sep = corpus["offsets"], torch.tensor([SEP], dtype=torch.uint8)
+    files = [i for i, v in enumerate(corpus["is_val"]) if v == validation]
+    if not files:
+        raise ValueError("the corpus has no " + ("validation" if validation else "training") + " files")
+    return torch.cat([t for i in files for t in (corpus["stream"][off[i] : off[i + 1]], sep)])
+
+
+def window_offsets(n_tokens: int, seed: int, step: int, rows: int, seq: int) -> torch.Tensor:
+    """The start of each of a step's `rows` windows of seq + 1 tokens, uniform over the stream.
+    Drawn from a generator keyed by (seed, step) only: a resumed run draws what an uncut one did."""
+    g = torch.Generator().manual_seed(1000003 * seed + step)
+    return torch.randint(0, n_tokens - seq, (rows,), generator=g)
+
+
+def window_batch(train: torch.Tensor, seed: int, step: int, rows: int, seq: int) -> torch.Tensor:
+    """(rows, seq + 1) int64 tokens of step `step`: inputs are [:, :-1], targets [:, 1:]."""
+    if len(train) <= seq:
+        raise ValueError(f"the training files hold {len(train)} tokens, fewer than one window of {seq + 1}")
+    starts = window_offsets(len(train), seed, step, rows, seq).to(train.device, non_blocking=True)
+    return train[starts[:, None] + torch.arange(seq + 1, device=train.device)].long()
 
 
 def validation_tokens(corpus: dict, n: int, batch_tokens: int) -> torch.Tensor:
     """The first n validation tokens (fewer if the files hold fewer), cut to whole batches plus
     the one token the last target needs."""
-    val = token_stream(corpus, n + 1, None)
+    val = joined_files(corpus, validation=True)[: n + 1]
     if len(val) <= batch_tokens:
         raise SystemExit(
             f"the validation files hold {len(val)} tokens, less than one batch of {batch_tokens}"

@@ -2,30 +2,31 @@
 
 Training parity on a GPU, for a skeptic: a 100M-parameter byte-level GPT trained on --tokens
 (50M) tokens of real Python source per run, under
-  adamw          torch.optim.AdamW(fused=True), fp32 parameters: the reference, at seeds 0 and 1
-  compressed     coatstate.CompressedAdamW (FP8 moments, COAT's range expansion on both)
+  adamw          torch.optim.AdamW(fused=True), fp32 parameters: the reference and the noise floor
+  compressed     coatstate.CompressedAdamW with the library's defaults
   compressed_ca  + coatstate.CompiledActivations (FP8 saved activations inside the compiled blocks)
   full           + FP8Linear GEMMs (coatstate.convert_to_fp8, lm_head excluded)
-  diagnostics    compressed_off (compress=False), compressed_plain (no expansion: the default
-                 since these runs), compressed_m_expand / compressed_v_expand (one moment only)
+  master24       a bfloat16 model (coatstate.cast_model) with the defaults: master_bits=24
+  diagnostics    one deviation each: compressed_plain / compressed_expand (range expansion off / on
+                 for both moments), compressed_m_expand / compressed_v_expand (on for one moment),
+                 master16, compressed_off (compress=False: torch's arithmetic in our step)
 Model: 14 pre-norm GPT-2 blocks of width 768 (12 heads of 64, 4x GELU-tanh MLP, causal SDPA),
-learned positions, untied head, seq 1024: 100.4M parameters (99.2M in blocks: 14 layers, not
-12, to pass 100M with 256 tokens). bf16 autocast; every block torch.compile'd in every variant,
-so compiling is not what differs. AdamW betas (0.9, 0.95), weight decay 0.1 on 2-D weights, grad
-clip 1.0 (global norm), linear warmup then cosine to 10% of --lr.
+learned positions, untied head, seq 1024: 100.4M parameters. bf16 autocast; every block
+torch.compile'd in every variant, so compiling is not what differs. AdamW betas (0.9, 0.95),
+weight decay 0.1 on 2-D weights, grad clip 1.0 (global norm), linear warmup then cosine to 10%.
 Data (corpus_python.py): every .py file of this Python's stdlib and packages, bytes as tokens;
-files with sha1(path) % 100 < 1 are held out and never trained on. The seed draws the initial
-weights AND the file order: the adamw seeds' spread is the noise floor to read the other
-variants against, and each variant at seed 0 sees adamw:0's exact batches. Recorded per run:
-train loss and grad norm every step, validation loss (the same held-out batches for every run)
-every --val-every steps, tokens/s (median of 20-step windows after warm-up: no compile, no
-validation), peak memory, optimizer-state bytes. A run cut by --budget-s is checkpointed under
---ckpt-dir and continued exactly by the next invocation (its resume steps recorded); each
-invocation merges into --out (default benchmarks/results/parity_gpu.json), skips finished runs,
-then prints the table and draws --png.
+files with sha1(path) % 100 < 1 are held out and never trained on. Each batch row is a random
+window of the training files, its offset drawn from (seed, step): the seed draws the initial
+weights and the batches, and every variant at seed s sees adamw:s's exact batches (the pairing).
+Recorded per run: train loss and grad norm every step, validation loss (the same held-out batches
+for every run) every --val-every steps, tokens/s (median of 20-step windows after warm-up),
+peak memory, optimizer-state bytes; AdamW runs also what each FP8 format loses of their final
+moments (state_reconstruction.py). A run cut by --budget-s is checkpointed under --ckpt-dir and
+continued exactly by the next invocation; each invocation merges into --out (default
+benchmarks/results/parity_gpu.json), skips finished runs, then prints the seed table (mean, std,
+paired difference to adamw with its 95% interval) and draws --png.
 
-    python benchmarks/parity_gpu.py --smoke    # CPU, ~1 min: 2 x 64, all variants, resume checked
-(the smoke compiles only the CompiledActivations variants: compiling on a CPU is slow)
+    python benchmarks/parity_gpu.py --smoke    # CPU, ~1 min: tiny runs, windows and resume checked
 """
 
 from __future__ import annotations
@@ -58,48 +59,65 @@ import coatstate  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 CUDA = torch.cuda.is_available()
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from corpus_python import load_corpus, token_stream, validation_tokens  # noqa: E402
+from corpus_python import joined_files, load_corpus, validation_tokens, window_batch  # noqa: E402
 from parity_plot import plot  # noqa: E402
+from parity_stats import print_report  # noqa: E402
+from state_reconstruction import state_reconstruction  # noqa: E402
 
 VARIANTS = {  # name: (optimizer, CompiledActivations, FP8Linear)
     "adamw": ("adamw", False, False),
+    # the recipes, each with the library's defaults (whatever those are when it runs)
     "compressed": ("compressed", False, False),
     "compressed_ca": ("compressed", True, False),
     "full": ("compressed", True, True),
-    # diagnostics: which part of CompressedAdamW costs what
-    "compressed_off": ("compressed_off", False, False),  # compress=False: torch AdamW's math, our step
+    "master24": ("master", False, False),  # a bfloat16 model: master_bits="auto" gives 24
+    # diagnostics, each named by its one deviation from the defaults
     "compressed_plain": ("compressed_plain", False, False),  # FP8 moments without range expansion
+    "compressed_expand": ("compressed_expand", False, False),  # COAT's expansion on both moments
     "compressed_m_expand": ("compressed_m_expand", False, False),  # expansion on the first moment only
     "compressed_v_expand": ("compressed_v_expand", False, False),  # expansion on the second moment only
-    # the defaults since expansion went off: the recipe of compressed_ca / full with plain moments
-    "compressed_ca_plain": ("compressed_plain", True, False),
-    "full_plain": ("compressed_plain", True, True),
-    # a bfloat16 model (cast_model: LayerNorms stay float32) with compact master weights
-    "master24": ("master24", False, False),
-    "master16": ("master16", False, False),
+    "master16": ("master16", False, False),  # bfloat16 model, stochastic rounding, no correction
+    "compressed_off": ("compressed_off", False, False),  # compress=False: torch AdamW's math, our step
 }
-OPTIMIZER_OPTIONS = {  # (compressed, compressed_ca and full keep COAT's expansion, as they were measured)
-    "compressed": {"exp_avg_expand": True, "exp_avg_sq_expand": True},
+OPTIMIZER_OPTIONS = {
+    "compressed": {},
+    "master": {},
     "compressed_off": {"compress": False},
     "compressed_plain": {"exp_avg_expand": False, "exp_avg_sq_expand": False},
+    "compressed_expand": {"exp_avg_expand": True, "exp_avg_sq_expand": True},
     "compressed_m_expand": {"exp_avg_expand": True, "exp_avg_sq_expand": False},
     "compressed_v_expand": {"exp_avg_expand": False, "exp_avg_sq_expand": True},
-    "master24": {"master_bits": 24},
     "master16": {"master_bits": 16},
 }
+RECIPES = ("adamw", "compressed", "master24", "compressed_ca", "full")
+OPTION_KEYS = {
+    "compress",
+    "exp_avg_format",
+    "exp_avg_sq_format",
+    "exp_avg_expand",
+    "exp_avg_sq_expand",
+    "group_size",
+    "min_numel",
+    "master_bits",
+}  # recorded per run, as the optimizer resolved them
+BF16_MODEL = {"master", "master16"}  # optimizer kinds that train a coatstate.cast_model'd model
+SAMPLING = "random windows"
+"""Recorded in the config: results of another batch design are refused, never mixed."""
 TRAINING_KEYS = (  # the config keys that change what a run computes: runs in one --out must agree
     "layers dim heads seq batch tokens lr warmup min_lr_frac weight_decay clip val_every val_tokens val_pct "
     "max_corpus_mb roots"
 ).split()
 SMOKE = dict(device="cpu", layers=2, dim=64, heads=2, seq=64, batch=4, tokens=30 * 256, warmup=5, lr=2e-3)
 SMOKE |= dict(val_every=10, val_tokens=4096, log_every=5, roots="stdlib", max_corpus_mb=4, compile="needed")
-SMOKE |= dict(min_start_s=0, png="")
+SMOKE |= dict(
+    min_start_s=0, png="", variants="adamw:0,adamw:1,compressed:0,compressed_ca:0,full:0,master24:0"
+)
 """--smoke: 2 x 64, 30 steps of 4 x 64 tokens on 4 MiB of the stdlib, about a minute on 2 cores."""
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--variants", default="adamw:0,adamw:1,compressed:0,compressed_ca:0,full:0")
+    ap.add_argument("--variants", default=",".join(f"{v}:{s}" for s in range(3) for v in RECIPES))
     ap.add_argument("--tokens", type=int, default=50_000_000, help="training tokens per run")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--seq", type=int, default=1024)
@@ -151,7 +169,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def config(args) -> dict:
-    return {k: getattr(args, k) for k in TRAINING_KEYS} | {"betas": [0.9, 0.95], "eps": 1e-8}
+    return {k: getattr(args, k) for k in TRAINING_KEYS} | {
+        "betas": [0.9, 0.95],
+        "eps": 1e-8,
+        "sampling": SAMPLING,
+    }
 
 
 def left_s(args) -> float:
@@ -204,7 +226,7 @@ def build(variant: str, seed: int, args, device: torch.device):
     model = GPT(args.layers, args.dim, args.heads, args.seq).to(device)
     if with_fp8:
         coatstate.convert_to_fp8(model, filter_fn=lambda m, name: name != "lm_head")
-    if "master_bits" in OPTIMIZER_OPTIONS.get(opt_kind, {}):
+    if opt_kind in BF16_MODEL:
         coatstate.cast_model(model)  # bfloat16 weights; the master lives in the optimizer
     ps = list(model.parameters())  # weight decay on matrices (and embeddings), not on norms and biases
     groups = [dict(params=[p for p in ps if p.dim() >= 2], weight_decay=args.weight_decay)]
@@ -303,6 +325,7 @@ def train_run(variant: str, seed: int, args, corpus: dict, val: torch.Tensor) ->
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     model, opt, ca, compiled = build(variant, seed, args, device)
+    options = OPTION_KEYS & set(opt.param_groups[0])  # resolved ("auto" is a number by now)
     n, params = args.batch * args.seq, list(model.parameters())
     run_dir, total = Path(args.ckpt_dir) / f"{variant}_{seed}", args.tokens // n
     record = load_ckpt(run_dir, model, opt, config(args))
@@ -310,13 +333,16 @@ def train_run(variant: str, seed: int, args, corpus: dict, val: torch.Tensor) ->
         record = dict(variant=variant, seed=seed, status="running", step=0, steps_total=total, tokens=0)
         record |= dict(params=sum(p.numel() for p in params), peak_gib=0.0, wall_s=0.0, config=config(args))
         record |= {k: [] for k in LISTS} | {"device": str(device), "compiled": compiled}
+        record["optimizer_options"] = {k: opt.param_groups[0][k] for k in sorted(options)}
     else:
         record["resumed_at"].append(record["step"])
         print(f"{variant}:{seed}: resuming at step {record['step']} of {total}")
-    stream = token_stream(corpus, total * n + 1, seed).to(device)  # on the device: no per-step copies
+    train = joined_files(corpus, validation=False).to(device)  # on the device: windows gathered there
     record["data_passes"] = round(total * n / corpus["stats"]["train_bytes"], 3)
     autocast = lambda: torch.autocast(device.type, torch.bfloat16)
-    stopped = step_loop(model, opt, record, stream, val, args, autocast, params)
+    stopped = step_loop(model, opt, record, train, val, args, autocast, params)
+    if not stopped and variant == "adamw":  # real fp32 moments: what each FP8 format loses of them
+        record["state_reconstruction"] = state_reconstruction(opt)
     states = [t for s in opt.state.values() for k, t in s.items() if k != "step" and torch.is_tensor(t)]
     record["opt_state_bytes"] = sum(t.numel() * t.element_size() for t in states)
     if ca is not None:  # what CompiledActivations did to the one graph the blocks share
@@ -336,7 +362,7 @@ def train_run(variant: str, seed: int, args, corpus: dict, val: torch.Tensor) ->
     return record
 
 
-def step_loop(model, opt, record, stream, val, args, autocast, params) -> bool:
+def step_loop(model, opt, record, train, val, args, autocast, params) -> bool:
     """Steps from record["step"] in windows of --log-every (one loss fetch, one timing each);
     validation between windows. Returns True when stopped early (budget or --stop-at)."""
     n, total, window_s, eval_s, windows = args.batch * args.seq, record["steps_total"], None, 0.0, 0
@@ -354,9 +380,9 @@ def step_loop(model, opt, record, stream, val, args, autocast, params) -> bool:
         for s in range(step, end):
             for g in opt.param_groups:
                 g["lr"] = lr_at(s, total, args)
-            chunk = stream[s * n : (s + 1) * n + 1].long()
+            rows = window_batch(train, record["seed"], s, args.batch, args.seq)
             with autocast():
-                loss = model(chunk[:-1].view(args.batch, -1), chunk[1:].view(args.batch, -1))
+                loss = model(rows[:, :-1], rows[:, 1:])
             loss.backward()
             norm = torch.nn.utils.clip_grad_norm_(params, args.clip)
             opt.step()
@@ -475,34 +501,10 @@ def launch(args, argv) -> int:
 
 
 # -- report ----------------------------------------------------------------------------------------
-COLUMNS = "run|status|Mtokens|val loss|vs ref %|vs adamw same seed %|ref spread %|tokens/s|peak GiB|opt MB"
-
-
 def report(args) -> None:
-    """The table (final validation loss against the adamw seeds' mean and spread) and the PNG."""
+    """The seed table and the expansion measure (parity_stats.print_report), then the PNG."""
     data = read_results(args.out)
-    runs = data["runs"]
-    ref = [r["final_val_loss"] for r in runs.values() if r["variant"] == "adamw" and r["status"] == "done"]
-    mean = statistics.fmean(ref) if ref else None
-    spread = f"{100 * (max(ref) - min(ref)) / mean:.2f}" if len(ref) > 1 else "-"
-    m, c = data["model"], data["corpus"]
-    print(
-        f"\n{m['params'] / 1e6:.1f}M params, {c['total_bytes'] / 2**20:.0f} MiB corpus, losses in nats/byte"
-    )
-    print(f"reference = the mean final val loss of {len(ref)} adamw seeds; spread = their (max - min) / mean")
-    cols = COLUMNS.split("|")
-    width = [max(8, len(h)) for h in cols]
-    width[0] = max([len(k) for k in runs] + [3])
-    print("  ".join(f"{h:>{w}}" for h, w in zip(cols, width, strict=True)))
-    order = list(VARIANTS)
-    for key, r in sorted(runs.items(), key=lambda kv: (order.index(kv[1]["variant"]), kv[1]["seed"])):
-        v = r.get("final_val_loss")
-        paired = runs.get(f"adamw:{r['seed']}", {}).get("final_val_loss")
-        pct = lambda base, v=v: f"{100 * (v / base - 1):+.2f}" if v and base else "-"
-        rate = f"{r['tokens_per_s']:.0f}" if r.get("tokens_per_s") else "-"
-        row = [key, r["status"], f"{r['tokens'] / 1e6:.1f}", f"{v:.4f}" if v else "-", pct(mean), pct(paired)]
-        row += [spread, rate, f"{r['peak_gib']:.1f}", f"{r.get('opt_state_bytes', 0) / 1e6:.1f}"]
-        print("  ".join(f"{x:>{w}}" for x, w in zip(row, width, strict=True)))
+    print_report(data, list(VARIANTS))
     if args.png:
         try:
             plot(data, Path(args.png))
@@ -519,8 +521,22 @@ its uninterrupted run; compressed:0 bit for bit (losses, validation points, fina
 compressed:0's, and compiling it twice more took about a third of the smoke's 73 s on 2 cores.)"""
 
 
+def window_problems(corpus: dict, args) -> list[str]:
+    """A step's windows come from (seed, step) alone; other seeds and steps draw other windows."""
+    train, draw = (
+        joined_files(corpus, validation=False),
+        lambda seed, step: window_batch(train, seed, step, 8, 64),
+    )
+    problems = (
+        [] if torch.equal(draw(0, 7), draw(0, 7)) else ["windows differ between two draws of seed 0, step 7"]
+    )
+    if torch.equal(draw(0, 7), draw(1, 7)) or torch.equal(draw(0, 7), draw(0, 8)):
+        problems.append("seeds 0 and 1 (or steps 7 and 8) drew the same windows")
+    return problems
+
+
 def smoke_checks(args, corpus: dict, val: torch.Tensor, header: dict) -> list[str]:
-    runs, problems = read_results(args.out)["runs"], []
+    runs, problems = read_results(args.out)["runs"], window_problems(corpus, args)
     for key in (f"{v}:{s}" for v, s in args.runs):
         r = runs.get(key, {})
         if r.get("status") != "done":

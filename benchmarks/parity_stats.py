@@ -1,0 +1,111 @@
+"""Seed statistics of parity_gpu.py's results: per variant the mean and std of the final validation
+loss over its finished seeds, its distance to AdamW's mean, and the difference paired by seed (a
+variant at seed s sees AdamW:s's initial weights and batches) with a 95% t interval. Shared by
+parity_gpu.py's table and report.py's sections, so both print the same numbers."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+"""Student's t, two-sided 95%, by degrees of freedom (more than 9: 2.2 is within 3%)."""
+
+
+def finished(data: dict, variant: str) -> dict[int, dict]:
+    """{seed: record} of the variant's finished runs."""
+    runs = data["runs"].values()
+    return {r["seed"]: r for r in runs if r["variant"] == variant and r["status"] == "done"}
+
+
+def interval(xs: list[float]) -> tuple[float, float] | None:
+    """95% t interval of the mean of xs (None below two values)."""
+    if len(xs) < 2:
+        return None
+    half = T_975.get(len(xs) - 1, 2.2) * statistics.stdev(xs) / math.sqrt(len(xs))
+    mean = statistics.fmean(xs)
+    return mean - half, mean + half
+
+
+def variant_summary(data: dict, variant: str) -> dict | None:
+    """Mean, std, spread of the final validation loss; vs AdamW's mean and paired, in percent."""
+    runs = finished(data, variant)
+    if not runs:
+        return None
+    losses = [r["final_val_loss"] for r in runs.values()]
+    ref = finished(data, "adamw")
+    ref_mean = statistics.fmean(r["final_val_loss"] for r in ref.values()) if ref else None
+    mean = statistics.fmean(losses)
+    paired = [100 * (runs[s]["final_val_loss"] / ref[s]["final_val_loss"] - 1) for s in runs if s in ref]
+    paired = paired if variant != "adamw" else []
+    rates = [r["tokens_per_s"] for r in runs.values() if r.get("tokens_per_s")]
+    out = {
+        "variant": variant,
+        "seeds": sorted(runs),
+        "mean": mean,
+        "std": statistics.stdev(losses) if len(losses) > 1 else None,
+        "spread_pct": 100 * (max(losses) - min(losses)) / mean if len(losses) > 1 else None,
+        "vs_adamw_mean_pct": 100 * (mean / ref_mean - 1) if ref_mean else None,
+        "paired_pct": paired,
+        "paired_mean_pct": statistics.fmean(paired) if paired else None,
+        "paired_ci_pct": interval(paired),
+        "tokens_per_s": statistics.median(rates) if rates else None,
+        "peak_gib": max(r["peak_gib"] for r in runs.values()),
+        "opt_state_mb": max(r.get("opt_state_bytes", 0) for r in runs.values()) / 1e6,
+    }
+    return out
+
+
+def summaries(data: dict, order: list[str]) -> list[dict]:
+    """variant_summary of every variant with a finished run, in `order`."""
+    return [s for v in order if (s := variant_summary(data, v))]
+
+
+def fmt_pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:+.2f}"
+
+
+def fmt_ci(ci: tuple[float, float] | None) -> str:
+    return "-" if ci is None else f"[{ci[0]:+.2f}, {ci[1]:+.2f}]"
+
+
+COLUMNS = (
+    "variant|seeds|val loss mean|std|vs adamw mean %|paired % (mean)|paired 95% CI|tokens/s|peak GiB|opt MB"
+)
+UPDATE_PAIRS = ("plain/plain", "expand/expand", "plain/expand", "expand/plain")
+
+
+def print_report(data: dict, order: list[str]) -> None:
+    """The seed table (one row per variant) and, from AdamW's final moments, the relative squared
+    error of each moment format and of the update m / (sqrt(v) + eps) under each format pair."""
+    m, c = data["model"], data["corpus"]
+    print(f"\n{m['params'] / 1e6:.1f}M params, {c['total_bytes'] / 2**20:.0f} MiB corpus, batches of "
+          f"{data['config']['sampling']}, final validation loss in nats/byte")  # fmt: skip
+    rows = summaries(data, order)
+    ref = next((r for r in rows if r["variant"] == "adamw"), None)
+    if ref and ref["std"] is not None:
+        spread = f"std {ref['std']:.4f}, spread (max - min) / mean {ref['spread_pct']:.2f}%"
+        print(f"noise floor: adamw at seeds {ref['seeds']}: {spread}")
+    table = [[r["variant"], ",".join(map(str, r["seeds"])), f"{r['mean']:.4f}",
+              "-" if r["std"] is None else f"{r['std']:.4f}", fmt_pct(r["vs_adamw_mean_pct"]),
+              fmt_pct(r["paired_mean_pct"]), fmt_ci(r["paired_ci_pct"]),
+              f"{r['tokens_per_s']:.0f}" if r["tokens_per_s"] else "-", f"{r['peak_gib']:.1f}",
+              f"{r['opt_state_mb']:.1f}"] for r in rows]  # fmt: skip
+    cols = COLUMNS.split("|")
+    width = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(cols)]
+    for row in [cols, *table]:
+        print("  ".join(f"{x:>{w}}" for x, w in zip(row, width, strict=True)))
+    if partial := [k for k, r in data["runs"].items() if r["status"] != "done"]:
+        print(f"unfinished (not in the table): {', '.join(partial)}")
+    recon = sorted((s, r["state_reconstruction"]) for s, r in finished(data, "adamw").items()
+                   if "state_reconstruction" in r)  # fmt: skip
+    if recon:
+        print("\nE4M3 groups of 128 on AdamW's final moments: relative squared error")
+        print("(upd m/v: the update m / (sqrt(v) + eps) with m and v in those formats)")
+        heads = ["m plain", "m expand", "v plain", "v expand", *(f"upd {k}" for k in UPDATE_PAIRS)]
+        print("seed  " + "  ".join(f"{h:<17}" for h in heads))
+        for seed, st in recon:
+            mo, up = st["moments"], st["update"]
+            vals = [mo["m"]["plain"], mo["m"]["expand"], mo["v"]["plain"], mo["v"]["expand"]]
+            vals += [up[k]["rel_sq_err"] for k in UPDATE_PAIRS]
+            print(f"{seed:>4}  " + "  ".join(f"{x:<17.3e}" for x in vals))
