@@ -18,13 +18,14 @@ Data (corpus_python.py): every .py file of this Python's stdlib and packages, by
 files with sha1(path) % 100 < 1 are held out and never trained on. Each batch row is a random
 window of the training files, its offset drawn from (seed, step): the seed draws the initial
 weights and the batches, and every variant at seed s sees adamw:s's exact batches (the pairing).
-Recorded per run: train loss and grad norm every step, validation loss (the same held-out batches
-for every run) every --val-every steps, tokens/s (median of 20-step windows after warm-up),
-peak memory, optimizer-state bytes; AdamW runs also what each FP8 format loses of their final
-moments (state_reconstruction.py). A run cut by --budget-s is checkpointed under --ckpt-dir and
-continued exactly by the next invocation; each invocation merges into --out (default
-benchmarks/results/parity_gpu.json), skips finished runs, then prints the seed table (mean, std,
-paired difference to adamw with its 95% interval) and draws --png.
+Recorded per run: train loss and grad norm every step, validation loss (the same held-out
+batches for every run: --val-tokens of them every --val-every steps, all of them at the end),
+tokens/s (median of 20-step windows after warm-up), peak memory, optimizer-state bytes; AdamW
+runs also what each FP8 format loses of their final moments (state_reconstruction.py). A run
+cut by --budget-s is checkpointed under --ckpt-dir and continued exactly by the next invocation;
+each invocation merges into --out (default benchmarks/results/parity_gpu.json), skips finished
+runs, then prints the seed table (mean, std, paired difference to adamw with its 95% interval)
+and draws --png.
 
     python benchmarks/parity_gpu.py --smoke    # CPU, ~1 min: tiny runs, windows and resume checked
 """
@@ -101,6 +102,9 @@ OPTION_KEYS = {
     "master_bits",
 }  # recorded per run, as the optimizer resolved them
 BF16_MODEL = {"master", "master16"}  # optimizer kinds that train a coatstate.cast_model'd model
+FINAL_VAL = "every held-out file"
+"""The final validation point reads all held-out tokens (whole batches); the curve's points the
+first --val-tokens of them. On --val-tokens alone, AdamW's seeds spread 0.83%."""
 SAMPLING = "random windows"
 """Recorded in the config: results of another batch design are refused, never mixed."""
 TRAINING_KEYS = (  # the config keys that change what a run computes: runs in one --out must agree
@@ -169,11 +173,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def config(args) -> dict:
-    return {k: getattr(args, k) for k in TRAINING_KEYS} | {
-        "betas": [0.9, 0.95],
-        "eps": 1e-8,
-        "sampling": SAMPLING,
-    }
+    fixed = {"betas": [0.9, 0.95], "eps": 1e-8, "sampling": SAMPLING, "final_val": FINAL_VAL}
+    return {k: getattr(args, k) for k in TRAINING_KEYS} | fixed
 
 
 def left_s(args) -> float:
@@ -296,6 +297,11 @@ LISTS = ("train_loss", "grad_norm", "val", "resumed_at", "window_tokens_per_s", 
 
 
 @torch.no_grad()
+def curve_tokens(args) -> int:
+    """Validation tokens of the curve's points: --val-tokens cut to whole batches."""
+    return max(1, args.val_tokens // (args.batch * args.seq)) * args.batch * args.seq
+
+
 def evaluate(model, val: torch.Tensor, args, autocast) -> float:
     n, batches = args.batch * args.seq, (len(val) - 1) // (args.batch * args.seq)
     model.eval()
@@ -399,7 +405,8 @@ def step_loop(model, opt, record, train, val, args, autocast, params) -> bool:
             record["window_tokens_per_s"].append(round((end - step) * n / window_s))
         if end % args.val_every == 0 or end == total:
             t0 = time.perf_counter()
-            record["val"].append([end, float(f"{evaluate(model, val, args, autocast):.9g}")])
+            part = val if end == total else val[: curve_tokens(args) + 1]  # the final point: all of it
+            record["val"].append([end, float(f"{evaluate(model, part, args, autocast):.9g}")])
             eval_s, record["final_val_loss"] = time.perf_counter() - t0, record["val"][-1][1]
             key, loss = f"{record['variant']}:{record['seed']}", record["train_loss"][-1]
             print(f"{key} step {end}/{total}: train {loss:.4f}, val {record['final_val_loss']:.4f}")
@@ -458,6 +465,7 @@ def make_header(args, corpus: dict, val: torch.Tensor) -> dict:
     shape |= dict(params=sum(p.numel() for p in model.parameters()), positions="learned", head="untied")
     shape["block_params"] = sum(p.numel() for p in model.blocks.parameters())
     held_out = {"tokens": len(val) - 1, "batches": (len(val) - 1) // (args.batch * args.seq)}
+    held_out["curve_tokens"] = curve_tokens(args)
     return dict(meta=meta, config=config(args), corpus=corpus["stats"], validation=held_out, model=shape)
 
 
@@ -523,13 +531,9 @@ compressed:0's, and compiling it twice more took about a third of the smoke's 73
 
 def window_problems(corpus: dict, args) -> list[str]:
     """A step's windows come from (seed, step) alone; other seeds and steps draw other windows."""
-    train, draw = (
-        joined_files(corpus, validation=False),
-        lambda seed, step: window_batch(train, seed, step, 8, 64),
-    )
-    problems = (
-        [] if torch.equal(draw(0, 7), draw(0, 7)) else ["windows differ between two draws of seed 0, step 7"]
-    )
+    train = joined_files(corpus, validation=False)
+    draw = lambda seed, step: window_batch(train, seed, step, 8, 64)
+    problems = [] if torch.equal(draw(0, 7), draw(0, 7)) else ["two draws of seed 0, step 7 differ"]
     if torch.equal(draw(0, 7), draw(1, 7)) or torch.equal(draw(0, 7), draw(0, 8)):
         problems.append("seeds 0 and 1 (or steps 7 and 8) drew the same windows")
     return problems
@@ -579,7 +583,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(1)
         torch._inductor.config.compile_threads = 1
     corpus = load_corpus(args.roots, args.cache_dir, args.val_pct, args.max_corpus_mb)
-    val = validation_tokens(corpus, args.val_tokens, args.batch * args.seq)
+    val = validation_tokens(corpus, corpus["stats"]["val_bytes"], args.batch * args.seq)
     header = make_header(args, corpus, val)
     c, m, steps = corpus["stats"], header["model"], args.tokens // (args.batch * args.seq)
     print(f"corpus: {c['total_bytes'] / 2**20:.1f} MiB, {c['files']} files ({c['val_files']} validate)")
