@@ -296,12 +296,12 @@ def load_ckpt(run_dir: Path, model, opt, cfg: dict) -> dict | None:
 LISTS = ("train_loss", "grad_norm", "val", "resumed_at", "window_tokens_per_s", "first_window_s")
 
 
-@torch.no_grad()
 def curve_tokens(args) -> int:
     """Validation tokens of the curve's points: --val-tokens cut to whole batches."""
     return max(1, args.val_tokens // (args.batch * args.seq)) * args.batch * args.seq
 
 
+@torch.no_grad()
 def evaluate(model, val: torch.Tensor, args, autocast) -> float:
     n, batches = args.batch * args.seq, (len(val) - 1) // (args.batch * args.seq)
     model.eval()
