@@ -23,6 +23,8 @@ import json
 import sys
 from pathlib import Path
 
+from parity_stats import UPDATE_PAIRS, finished, fmt_ci, fmt_pct, summaries
+from readme_tables import update_readme
 from report_common import (  # machine_meta: the CPU benchmarks import it from here
     DOCS,
     IMG,
@@ -401,29 +403,42 @@ def section_whole_state_step(data: dict, path: Path) -> str:
 
 
 def section_parity_gpu(data: dict, path: Path) -> str:
-    runs = data["runs"]
-    ref = [r["final_val_loss"] for k, r in runs.items() if k.startswith("adamw:") and "final_val_loss" in r]
-    mean = sum(ref) / len(ref)
-    meta = data.get("meta", {})
+    """Seed table (mean ± std, vs AdamW's mean, paired 95% interval) and, from AdamW's final
+    moments, what each FP8 format loses; a result of the old contiguous batches says it is one."""
+    meta, cfg = data.get("meta", {}), data["config"]
+    sampling = cfg.get("sampling", "one contiguous stream of whole files (1-2 files per batch)")
+    final = cfg.get("final_val", f"the first {data['validation']['tokens']:,} held-out tokens")
     out = [
-        "## Training parity on a GPU",
-        f"{meta.get('machine', '')}, {meta.get('date', '')}: a "
-        f"{next(iter(runs.values()))['params'] / 1e6:.1f}M-param byte-level GPT, "
-        f"{next(iter(runs.values()))['tokens'] / 1e6:.0f}M tokens per run; reference = mean of "
-        f"{len(ref)} AdamW seeds, spread {100 * (max(ref) - min(ref)) / mean:.2f}%. Source: "
-        "`python benchmarks/parity_gpu.py` -> `benchmarks/results/parity_gpu.json`; curves: "
-        "`docs/img/parity_gpu.png`.",
+        f"## Training parity on a GPU (`{path.name}`)",
+        f"{meta.get('machine', '')}, {meta.get('date', '')}: a {data['model']['params'] / 1e6:.1f}M-param "
+        f"byte-level GPT, {cfg['tokens'] / 1e6:.0f}M tokens per run; batches of {sampling}; final "
+        f"validation loss on {final}. Source: `python benchmarks/parity_gpu.py` (curves: "
+        "`docs/img/parity_gpu.png`).",
         "",
-        "| run | final val loss | vs reference | tokens/s | peak GiB |",
-        "|---|---|---|---|---|",
+        "| variant | seeds | val loss mean | std | vs AdamW's mean | paired % [95% CI] | tokens/s | "
+        "peak GiB | optimizer MB |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for key, r in runs.items():
-        if "final_val_loss" not in r:
-            continue
+    for r in summaries(data, list(dict.fromkeys(x["variant"] for x in data["runs"].values()))):
+        std = "" if r["std"] is None else f"{r['std']:.4f}"
+        rate = f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else ""
         out.append(
-            f"| {key} | {r['final_val_loss']:.4f} | {100 * (r['final_val_loss'] / mean - 1):+.2f}% | "
-            f"{r.get('tokens_per_s', 0):,.0f} | {r.get('peak_gib', 0):.1f} |"
+            f"| {r['variant']} | {','.join(map(str, r['seeds']))} | {r['mean']:.4f} | {std} | "
+            f"{fmt_pct(r['vs_adamw_mean_pct'])} | {fmt_pct(r['paired_mean_pct'])} "
+            f"{fmt_ci(r['paired_ci_pct'])} | {rate} | {r['peak_gib']:.1f} | {r['opt_state_mb']:.0f} |"
         )
+    recon = sorted((s, r["state_reconstruction"]) for s, r in finished(data, "adamw").items()
+                   if "state_reconstruction" in r)  # fmt: skip
+    if recon:
+        heads = ["seed", "m plain", "m expand", "v plain", "v expand", *(f"update {k}" for k in UPDATE_PAIRS)]
+        out += ["", "E4M3 groups of 128 on AdamW's final moments, relative squared error; update = "
+                "m / (sqrt(v) + eps) with m / v in the formats named:", "",
+                "| " + " | ".join(heads) + " |", "|---" * len(heads) + "|"]  # fmt: skip
+        for seed, st in recon:
+            mo, up = st["moments"], st["update"]
+            vals = [mo["m"]["plain"], mo["m"]["expand"], mo["v"]["plain"], mo["v"]["expand"]]
+            vals += [up[k]["rel_sq_err"] for k in UPDATE_PAIRS]
+            out.append(f"| {seed} | " + " | ".join(f"{x:.2e}" for x in vals) + " |")
     return "\n".join(out + [""])
 
 
@@ -522,6 +537,8 @@ SECTIONS = {
     "table7_x2_4layers": section_table7,
     "whole_state_step": section_whole_state_step,
     "parity_gpu": section_parity_gpu,
+    "parity_gpu_val1M": section_parity_gpu,
+    "parity_gpu_contiguous": section_parity_gpu,
     "compare_trees": section_compare_trees,
     "compare_nan_policy": section_compare_trees,
     "master_train": section_master_train,
@@ -571,6 +588,7 @@ def main() -> int:
     DOCS.mkdir(exist_ok=True)
     (DOCS / "benchmarks.md").write_text("\n".join(parts).rstrip() + "\n")
     print(f"wrote {(DOCS / 'benchmarks.md').relative_to(ROOT)} and figures in {IMG.relative_to(ROOT)}/")
+    print(f"README tables rewritten: {', '.join(update_readme()) or 'none (no markers)'}")
     return 0
 
 

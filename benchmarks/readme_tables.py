@@ -1,0 +1,176 @@
+"""The README's two number tables, generated from benchmarks/results/*.json (report.py writes them
+between the README's `<!-- table:NAME -->` and `<!-- /table:NAME -->` markers): the accuracy of
+each recipe against AdamW (parity_gpu.json) and the headline bytes and step times
+(whole_state_step.json, activation_memory.json, checkpoint_io.json)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from parity_stats import finished, fmt_ci, fmt_pct, summaries
+from report_common import RESULTS, ROOT
+
+RECIPES = {  # variant: (what a user runs, the bound on its mean vs AdamW's mean, in percent)
+    "compressed": ("`CompressedAdamW` (FP8 moments)", 0.3),
+    "master24": ("bf16 model + `CompressedAdamW` (`master_bits=24`)", 0.3),
+    "compressed_ca": ("+ `CompiledActivations`", 0.5),
+    "full": ("+ `FP8Linear` (the full recipe)", 0.7),
+    "compressed_plain": ("diagnostic: no range expansion", None),
+    "compressed_expand": ("diagnostic: expansion on both moments", None),
+    "master16": ("diagnostic: `master_bits=16`", None),
+}
+MIN_SEEDS = 3
+
+
+def _verdict(row: dict, bound: float | None) -> str:
+    if bound is None:
+        return "diagnostic"
+    if len(row["seeds"]) < MIN_SEEDS:
+        return f"not decided: {len(row['seeds'])} of {MIN_SEEDS} seeds"
+    return "yes" if row["vs_adamw_mean_pct"] <= bound else f"no (bound +{bound}%)"
+
+
+def accuracy_table(data: dict) -> str:
+    """Per recipe: final validation loss over seeds, vs AdamW, memory, and whether it keeps AdamW's
+    accuracy (its mean within the recipe's bound of AdamW's mean, at >= 3 seeds)."""
+    rows = {r["variant"]: r for r in summaries(data, ["adamw", *RECIPES])}
+    ref = rows.get("adamw")
+    if ref is None:
+        return "No finished AdamW run in `benchmarks/results/parity_gpu.json` yet."
+    m, meta = data["model"], data["meta"]
+    head = (
+        f"{meta['machine']}, {meta['date'][:10]}: a {m['params'] / 1e6:.0f}M-param byte-level GPT, "
+        f"{data['config']['tokens'] / 1e6:.0f}M tokens per run, batches of {data['config']['sampling']}; "
+        f"final loss on every held-out file, nats/byte. AdamW's seeds {ref['seeds']}: "
+        f"{ref['mean']:.4f} ± {ref['std']:.4f} (spread {ref['spread_pct']:.2f}%, the noise floor)."
+    )
+    cols = "recipe|seeds|val loss|vs AdamW's mean|paired by seed [95% CI]|optimizer MB|peak GiB|"
+    cols += "keeps AdamW's accuracy?"
+    out = [head, "", "| " + cols.replace("|", " | ") + " |", "|---" * (cols.count("|") + 1) + "|"]
+    ref_loss = f"{ref['mean']:.4f} ± {ref['std']:.4f}"
+    out.append(f"| torch AdamW (fused, fp32) | {len(ref['seeds'])} | {ref_loss} | | | "
+               f"{ref['opt_state_mb']:.0f} | {ref['peak_gib']:.1f} | (reference) |")  # fmt: skip
+    for variant, (label, bound) in RECIPES.items():
+        if (r := rows.get(variant)) is None:
+            continue
+        std = f" ± {r['std']:.4f}" if r["std"] is not None else ""
+        out.append(
+            f"| {label} | {len(r['seeds'])} | {r['mean']:.4f}{std} | {fmt_pct(r['vs_adamw_mean_pct'])}% | "
+            f"{fmt_pct(r['paired_mean_pct'])}% {fmt_ci(r['paired_ci_pct'])} | {r['opt_state_mb']:.0f} | "
+            f"{r['peak_gib']:.1f} | {_verdict(r, bound)} |"
+        )
+    if line := expansion_line(data):
+        out += ["", line]
+    missing = [RECIPES[v][0] for v, (_, b) in RECIPES.items() if b is not None and v not in rows]
+    if missing:
+        out += ["", "Not run yet: " + "; ".join(missing) + "."]
+    return "\n".join(out)
+
+
+def expansion_line(data: dict) -> str | None:
+    """How many times more plain E4M3 loses of AdamW's real final moments than expanded E4M3 (the
+    range over the AdamW runs), per moment and for the update m / (sqrt(v) + eps)."""
+    states = [
+        r["state_reconstruction"] for r in finished(data, "adamw").values() if "state_reconstruction" in r
+    ]
+    if not states:
+        return None
+    ratio = {
+        "m": [st["moments"]["m"]["plain"] / st["moments"]["m"]["expand"] for st in states],
+        "v": [st["moments"]["v"]["plain"] / st["moments"]["v"]["expand"] for st in states],
+        "the update m / (sqrt(v) + eps)": [
+            st["update"]["plain/plain"]["rel_sq_err"] / st["update"]["expand/expand"]["rel_sq_err"]
+            for st in states
+        ],
+    }
+    digits = lambda xs: 1 if max(xs) < 10 else 0
+    parts = [
+        f"{min(xs):.{digits(xs)}f}-{max(xs):.{digits(xs)}f}x more of {what}" for what, xs in ratio.items()
+    ]
+    return (
+        f"On the final float32 moments of these {len(states)} AdamW runs, E4M3 groups of 128 without range "
+        f"expansion lose (in squared error) {', '.join(parts)} than with expansion on both moments."
+    )
+
+
+WHOLE_STATE_ROWS = {  # whole_state_step.json row name: the label a user reads
+    "torch AdamW fused, fp32 params": "torch AdamW fused, fp32 params",
+    "FlashOptim FlashAdamW, bf16, master 24": "FlashOptim 0.1.4, bf16, 24-bit master",
+    "coatstate CompressedAdamW, fp32 params": "**coatstate**, fp32 params",
+    "coatstate CompressedAdamW, bf16, master_bits=24": "**coatstate**, bf16, `master_bits=24` (bf16 default)",
+    "coatstate CompressedAdamW, bf16, master_bits=32": "**coatstate**, bf16, `master_bits=32` (exact)",
+}
+
+
+def expansion_cost_ms(step: dict) -> float:
+    """What range expansion adds to the fp32-param step in optimizer_step.json (on minus off)."""
+    ms = {r["name"]: r["pipelined_ms"] for r in step["rows"] if r["dtype"] == "float32"}
+    return ms["coatstate CompressedAdamW (expansion on)"] - ms["coatstate CompressedAdamW (expansion off)"]
+
+
+def headline_table(whole: dict, step: dict, activations: dict, checkpoint: dict) -> str:
+    """Whole training state per parameter and step time on the 1.31B set; activation memory and
+    checkpoint size in one line each."""
+    meta = whole["meta"]
+    out = [
+        f"Optimizer step, {meta['device']}, {meta['date']}, 1.31B GPT-shaped params, median of "
+        f"{meta['rounds']} interleaved rounds [min-max]; bytes per parameter of weights + master "
+        "correction + gradients + moments; floor = bytes the step must move / copy bandwidth. "
+        "coatstate rows measured with range expansion off (the default then); turning it on added "
+        f"{expansion_cost_ms(step):.2f} ms to the fp32 step in `optimizer_step.py`'s run of "
+        f"{step['meta']['date'][:10]} (one round, docs/benchmarks.md).",
+        "",
+        "| optimizer | state B/param | with gradient release | step ms | floor ms |",
+        "|---|---|---|---|---|",
+    ]
+    for r in whole["rows"]:
+        if (label := WHOLE_STATE_ROWS.get(r["name"])) is None:
+            continue
+        floor = f"{r['floor_ms']:.2f}" if r["floor_ms"] == r["floor_ms"] else ""  # NaN: the peer's layout
+        lo, hi = r["spread_ms"]
+        out.append(
+            f"| {label} | {r['total_B']:.2f} | {r['total_with_release_B']:.2f} | "
+            f"{r['step_ms']:.2f} [{lo:.2f}-{hi:.2f}] | {floor} |"
+        )
+    act = next(r for r in activations["rows"] if r["variant"] == "cudagraphs: CompiledActivations")
+    wall, am = act["wall_vs_base"], activations["meta"]
+    ck = checkpoint["ratio_compressed_vs_torch_adamw"]
+    out += [
+        "",
+        f"Saved activations (GPT-2-medium shape, {am['machine']}, {am['date'][:10]}, "
+        f"`CompiledActivations(cudagraphs=True)`): **{act['activation_vs_base']:.2f}x** the memory at "
+        f"{wall['median']:.3f}x [{wall['min']:.3f}-{wall['max']:.3f}] the step's wall time. "
+        f"Checkpoints: `coatstate.save` of a {checkpoint['params'] / 1e6:.0f}M-param state is "
+        f"**{ck:.3f}x** the bytes of `torch.save(AdamW.state_dict())`.",
+    ]
+    return "\n".join(out)
+
+
+def _load(name: str) -> dict | None:
+    path = RESULTS / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def tables() -> dict[str, str]:
+    """{marker name: markdown} for every table whose results exist."""
+    out = {}
+    if parity := _load("parity_gpu"):
+        out["accuracy"] = accuracy_table(parity)
+    parts = [_load(n) for n in ("whole_state_step", "optimizer_step", "activation_memory", "checkpoint_io")]
+    if all(parts):
+        out["headline"] = headline_table(*parts)
+    return out
+
+
+def update_readme(readme: Path = ROOT / "README.md") -> list[str]:
+    """Rewrite each marked block of the README from the JSON; returns the names written."""
+    text, written = readme.read_text(), []
+    for name, table in tables().items():
+        pattern = re.compile(rf"(<!-- table:{name} -->\n).*?(<!-- /table:{name} -->)", re.S)
+        if pattern.search(text):
+            text = pattern.sub(lambda m, t=table: m.group(1) + t + "\n" + m.group(2), text)
+            written.append(name)
+    readme.write_text(text)
+    return written
