@@ -14,6 +14,14 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+
+from coatstate.distributed import (
+    check_compressible,
+    is_dtensor,
+    local_state,
+    local_tensor,
+    wrap_state,
+)
 from coatstate.formats import FP8Format
 from coatstate.formats.master_weights import CORRECTION_DTYPES, MASTER_BITS
 from coatstate.formats.optimizer_state import (
@@ -23,14 +31,7 @@ from coatstate.formats.optimizer_state import (
     init_moment,
     is_compressed,
 )
-
-from coatstate.distributed import (
-    check_compressible,
-    is_dtensor,
-    local_state,
-    local_tensor,
-    wrap_state,
-)
+from coatstate.kernels.runtime import triton_usable
 from coatstate.optim.moments import (
     FORMAT_DEFAULTS,
     global_shape,
@@ -44,6 +45,7 @@ from coatstate.optim.release import GradientRelease
 from coatstate.optim.state_dict import convert_param_state
 
 logger = logging.getLogger("coatstate")
+
 
 def _options(group: dict) -> tuple:
     """The param-group options a prepared launch depends on (a change, e.g. amsgrad switched on,
@@ -136,7 +138,13 @@ class CompressedAdamW(torch.optim.Optimizer):
         max_grad_norm: float | None = None,
     ) -> None:
         _check_arguments(
-            lr, betas, eps, weight_decay, capturable or differentiable, group_size, (exp_avg_format, exp_avg_sq_format)
+            lr,
+            betas,
+            eps,
+            weight_decay,
+            capturable or differentiable,
+            group_size,
+            (exp_avg_format, exp_avg_sq_format),
         )
         _check_master_arguments(master_seed, gradient_release, max_grad_norm)
         defaults = dict(
@@ -259,8 +267,12 @@ class CompressedAdamW(torch.optim.Optimizer):
             for name in names:
                 init_moment(state, name, local, formats[name])
             if master_mode(group, p) in CORRECTION_DTYPES:  # the weight is exactly its master
-                state[MASTER_CORRECTION] = torch.zeros_like(local, dtype=CORRECTION_DTYPES[master_mode(group, p)])
-        elif group["amsgrad"] and "max_exp_avg_sq" not in state and not is_compressed(state, "max_exp_avg_sq"):
+                state[MASTER_CORRECTION] = torch.zeros_like(
+                    local, dtype=CORRECTION_DTYPES[master_mode(group, p)]
+                )
+        elif (
+            group["amsgrad"] and "max_exp_avg_sq" not in state and not is_compressed(state, "max_exp_avg_sq")
+        ):
             init_moment(state, "max_exp_avg_sq", local_tensor(p), formats["max_exp_avg_sq"])
         if is_dtensor(p):
             wrap_state(state, p)
@@ -268,7 +280,9 @@ class CompressedAdamW(torch.optim.Optimizer):
 
     def _index_params(self) -> None:
         # built here, never inside step(): torch.compile refuses attribute writes in a traced step
-        self._param_index = {id(q): k for k, q in enumerate(q for g in self.param_groups for q in g["params"])}
+        self._param_index = {
+            id(q): k for k, q in enumerate(q for g in self.param_groups for q in g["params"])
+        }
 
     def _rounding_seed(self, group: dict, p: torch.Tensor) -> int:
         """master_bits=16's seed for p: the group's master_seed and p's place in the optimizer, so
@@ -290,22 +304,18 @@ class CompressedAdamW(torch.optim.Optimizer):
         if group.get("fused") is False:
             return False
         local = local_tensor(p)
-        device = local.device
-        if group.get("fused") is None and device.type != "cuda":
-            return False  # (decided before importing Triton, which a CPU-only run never needs)
-        from coatstate.kernels import adamw_launch
-
+        required = bool(group.get("fused"))
+        if not triton_usable(local.device, interpreter=required):
+            if required:
+                raise ValueError(
+                    f"fused=True needs CUDA tensors with Triton (got a parameter on {local.device}); "
+                    "pass fused=None to fall back to the pure-torch step"
+                )
+            return False
         if not local.is_contiguous() or local.data_ptr() % 16:
-            if group.get("fused"):
+            if required:
                 raise ValueError("fused=True needs contiguous, 16-byte aligned parameters; pass fused=None")
             return False  # a strided or oddly offset view: the pure-torch step handles it
-        if group.get("fused") is None:
-            return adamw_launch.available()
-        if not adamw_launch.usable(device):
-            raise ValueError(
-                f"fused=True needs CUDA tensors with Triton (got a parameter on {device}); "
-                "pass fused=None to fall back to the pure-torch step"
-            )
         return True
 
     def nonfinite_parameters(self) -> list[dict[str, Any]]:
