@@ -446,6 +446,9 @@ class CompressedAdamW(torch.optim.Optimizer):
                 self._fused_cache[("released", id(p))] = _LaunchRecord([p], launch)
             adamw_launch.run(launches, group, grads, None, None)
 
+    # under torch.compile: run eagerly (one graph break per step) instead of tracing the per-parameter
+    # math once per shape and step count, which hits the recompile limit on any real model
+    @torch.compiler.disable
     def _twin_step(self, group, params, grad_scale, found_inf) -> None:
         if found_inf is not None and bool(found_inf.item()):
             return  # GradScaler found Inf/NaN in the gradients: skip, as torch does
