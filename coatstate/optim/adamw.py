@@ -32,6 +32,7 @@ from coatstate.formats.optimizer_state import (
     is_compressed,
 )
 from coatstate.kernels.runtime import triton_usable
+from coatstate.optim.external_writes import ExternalWrites
 from coatstate.optim.moments import (
     FORMAT_DEFAULTS,
     global_shape,
@@ -67,6 +68,8 @@ class _Prepared:
     launches: list
     options: tuple
     """the group's options that shape states and launches (amsgrad, formats) when prepared"""
+    masters: list
+    """the parameters that keep a master correction (master_bits 24 or 32 on bfloat16)"""
 
 
 @dataclasses.dataclass
@@ -176,6 +179,7 @@ class CompressedAdamW(torch.optim.Optimizer):
         self._prepared: dict[int, _Prepared] = {}
         """per param group (by id): its parameters sorted into paths, with the fused launches"""
         self._twin_nonfinite: dict = {}
+        self._external_writes = ExternalWrites()
         self._index_params()
         self._released_launches: dict = {}
         self._release = GradientRelease(self, max_grad_norm) if gradient_release else None
@@ -366,6 +370,7 @@ class CompressedAdamW(torch.optim.Optimizer):
                 or prepared.options != _options(group)
             ):
                 prepared = self._prepare(group, with_grad)
+            self._external_writes.drop_stale(prepared.masters, self.state, self._param_name)
             grads = [local_tensor(p.grad) for p in prepared.fused]
             if prepared.fused:
                 from coatstate.kernels import adamw_launch
@@ -379,6 +384,7 @@ class CompressedAdamW(torch.optim.Optimizer):
                         raise RuntimeError("coatstate: the fused step could not be prepared (please report)")
             if prepared.twin:
                 self._twin_step(group, prepared.twin, grad_scale, found_inf)
+            self._external_writes.record(prepared.masters)
         return loss
 
     def _prepare(self, group: dict, with_grad: list) -> _Prepared:
@@ -417,15 +423,19 @@ class CompressedAdamW(torch.optim.Optimizer):
                 self._fused_cache[(id(group), id(launch))] = _LaunchRecord(
                     [fused[i] for i in launch.index], launch
                 )
+        masters = [p for p in with_grad if master_mode(group, p) in CORRECTION_DTYPES]
         prepared = self._prepared[id(group)] = _Prepared(
-            list(with_grad), fused, twin, launches, _options(group)
+            list(with_grad), fused, twin, launches, _options(group), masters
         )
         return prepared
 
     def _step_released(self, group: dict, p: torch.Tensor) -> None:
         """One parameter's step from its gradient-release hook (its launch prepared once)."""
+        masters = [p] if master_mode(group, p) in CORRECTION_DTYPES else []
+        self._external_writes.drop_stale(masters, self.state, self._param_name)
         if not self._use_fused(group, p):
             self._twin_step(group, [p], None, None)
+            self._external_writes.record(masters)
             return
         from coatstate.kernels import adamw_launch
 
@@ -445,6 +455,7 @@ class CompressedAdamW(torch.optim.Optimizer):
             for launch in launches:
                 self._fused_cache[("released", id(p))] = _LaunchRecord([p], launch)
             adamw_launch.run(launches, group, grads, None, None)
+        self._external_writes.record(masters)
 
     # under torch.compile: run eagerly (one graph break per step) instead of tracing the per-parameter
     # math once per shape and step count, which hits the recompile limit on any real model
@@ -514,6 +525,7 @@ class CompressedAdamW(torch.optim.Optimizer):
         self._prepared.clear()
         self._released_launches.clear()
         self._twin_nonfinite.clear()
+        self._external_writes.forget()
         self._index_params()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
