@@ -23,9 +23,9 @@ from coatstate.distributed import (
     wrap_state,
 )
 from coatstate.formats import FP8Format
+from coatstate.formats.defaults import OPTIMIZER_DEFAULTS
 from coatstate.formats.master_weights import CORRECTION_DTYPES, MASTER_BITS
 from coatstate.formats.optimizer_state import (
-    DEFAULT_GROUP_SIZE,
     MASTER_CORRECTION,
     MOMENTS,
     init_moment,
@@ -35,6 +35,7 @@ from coatstate.kernels.runtime import triton_usable
 from coatstate.optim.external_writes import ExternalWrites
 from coatstate.optim.moments import (
     FORMAT_DEFAULTS,
+    check_group,
     global_shape,
     master_mode,
     moment_formats,
@@ -46,6 +47,7 @@ from coatstate.optim.release import GradientRelease
 from coatstate.optim.state_dict import convert_param_state
 
 logger = logging.getLogger("coatstate")
+_DEFAULTS = OPTIMIZER_DEFAULTS
 
 
 def _options(group: dict) -> tuple:
@@ -127,16 +129,16 @@ class CompressedAdamW(torch.optim.Optimizer):
         capturable: bool = False,
         differentiable: bool = False,
         fused: bool | None = None,
-        compress: bool = True,
-        group_size: int = DEFAULT_GROUP_SIZE,
-        exp_avg_format: str = "e4m3",
-        exp_avg_sq_format: str = "e4m3",
-        exp_avg_expand: bool = False,
-        exp_avg_sq_expand: bool = False,
-        min_numel: int = 4096,
-        compress_1d: bool = False,
-        master_bits: int | str | None = "auto",
-        master_seed: int = 0,
+        compress: bool = _DEFAULTS["compress"],
+        group_size: int = _DEFAULTS["group_size"],
+        exp_avg_format: str = _DEFAULTS["exp_avg_format"],
+        exp_avg_sq_format: str = _DEFAULTS["exp_avg_sq_format"],
+        exp_avg_expand: bool = _DEFAULTS["exp_avg_expand"],
+        exp_avg_sq_expand: bool = _DEFAULTS["exp_avg_sq_expand"],
+        min_numel: int = _DEFAULTS["min_numel"],
+        compress_1d: bool = _DEFAULTS["compress_1d"],
+        master_bits: int | str | None = _DEFAULTS["master_bits"],
+        master_seed: int = _DEFAULTS["master_seed"],
         gradient_release: bool = False,
         max_grad_norm: float | None = None,
     ) -> None:
@@ -186,27 +188,14 @@ class CompressedAdamW(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
+        try:
+            _settle_group(len(self.param_groups) - 1, self.param_groups[-1])
+        except (ValueError, TypeError):
+            self.param_groups.pop()  # refused: the optimizer stays as it was
+            raise
         self._index_params()
         if getattr(self, "_release", None) is not None:
             self._release.hook_new_groups()
-        group = self.param_groups[-1]
-        dtypes = {p.dtype for p in group["params"]}
-        if group.get("master_bits") == "auto":  # resolved here: state dicts and checkpoints hold ints
-            group["master_bits"] = 24 if torch.bfloat16 in dtypes and torch.float16 not in dtypes else None
-        if group.get("master_bits") is not None and group["master_bits"] not in MASTER_BITS:
-            raise ValueError(f"master_bits must be 'auto', None, 16, 24 or 32; got {group['master_bits']!r}")
-        if group.get("master_bits") is not None and torch.float16 in dtypes:
-            raise ValueError(
-                "master_bits is for bfloat16 parameters (a float16 value is not the top half of a "
-                "float32 one); cast the model with coatstate.cast_model(model, torch.bfloat16), or "
-                "keep float16 parameters with master_bits=None"
-            )
-        if group.get("master_bits") is None and dtypes & {torch.bfloat16, torch.float16}:
-            logger.info(
-                "coatstate: 16-bit parameters without master_bits: each update rounds to the "
-                "parameter's precision (small updates can vanish); master_bits=24 or 32 keeps a "
-                "master correction, 16 rounds stochastically"
-            )
 
     # ---- reporting -------------------------------------------------------------------------
 
@@ -529,6 +518,34 @@ class CompressedAdamW(torch.optim.Optimizer):
         self._index_params()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+
+def _settle_group(gi: int, group: dict) -> None:
+    """Resolve a new param group's master_bits="auto" and check all its options: a bad option
+    fails here, when the group is added, not at the first step."""
+    dtypes = {p.dtype for p in group["params"]}
+    if group.get("master_bits") == "auto":  # resolved here: state dicts and checkpoints hold ints
+        group["master_bits"] = 24 if torch.bfloat16 in dtypes and torch.float16 not in dtypes else None
+    if group.get("master_bits") is not None and group["master_bits"] not in MASTER_BITS:
+        raise ValueError(f"master_bits must be 'auto', None, 16, 24 or 32; got {group['master_bits']!r}")
+    if group.get("master_bits") is not None and torch.float16 in dtypes:
+        raise ValueError(
+            "master_bits is for bfloat16 parameters (a float16 value is not the top half of a "
+            "float32 one); cast the model with coatstate.cast_model(model, torch.bfloat16), or "
+            "keep float16 parameters with master_bits=None"
+        )
+    for key in ("exp_avg_format", "exp_avg_sq_format"):  # one spelling in state dicts and launches
+        try:
+            group[key] = FP8Format.parse(group[key]).value
+        except (ValueError, TypeError):
+            pass  # check_group names the group and the option
+    check_group(gi, group)
+    if group.get("master_bits") is None and dtypes & {torch.bfloat16, torch.float16}:
+        logger.info(
+            "coatstate: 16-bit parameters without master_bits: each update rounds to the "
+            "parameter's precision (small updates can vanish); master_bits=24 or 32 keeps a "
+            "master correction, 16 rounds stochastically"
+        )
 
 
 def _check_arguments(lr, betas, eps, weight_decay, unsupported_mode, group_size, formats) -> None:
