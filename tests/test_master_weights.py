@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 
 import pytest
 import torch
@@ -378,3 +379,14 @@ def test_weights_written_outside_drop_the_stale_correction(bits, fused, release,
     for (name, p), q in zip(model.named_parameters(), fresh_model.parameters(), strict=True):
         assert torch.equal(p, q), f"{name}: the step used the correction of the old weight"
         assert torch.equal(opt.state[p][MASTER_CORRECTION], fresh.state[q][MASTER_CORRECTION]), name
+
+
+def test_gradient_release_warns_that_clip_grad_norm_sees_no_gradients():
+    m = _model()
+    with pytest.warns(UserWarning, match="clip_grad_norm_ called afterwards sees none") as caught:
+        coatstate.CompressedAdamW(m.parameters(), gradient_release=True)
+    assert caught[0].filename == __file__, "the warning points at the user's constructor call"
+    assert "max_grad_norm=" in str(caught[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # with max_grad_norm the user clips the way release can
+        coatstate.CompressedAdamW(m.parameters(), gradient_release=True, max_grad_norm=1.0)
