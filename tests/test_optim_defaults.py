@@ -4,6 +4,8 @@ options are checked when the group is added, not at the first step."""
 from __future__ import annotations
 
 import inspect
+import pydoc
+import re
 
 import pytest
 import torch
@@ -72,3 +74,13 @@ def test_a_group_format_is_stored_in_one_spelling():
     opt = CompressedAdamW([a])
     opt.add_param_group({"params": [b], "exp_avg_format": "E5M2", "exp_avg_sq_format": FP8Format.E5M2})
     assert opt.param_groups[1]["exp_avg_format"] == opt.param_groups[1]["exp_avg_sq_format"] == "e5m2"
+
+
+def test_the_docstring_renders_in_help_with_a_runnable_example():
+    text = pydoc.render_doc(CompressedAdamW, renderer=pydoc.plaintext)
+    for section in ("Args:", "Returns:", "Raises:", "Example:"):
+        assert section in text, f"help(CompressedAdamW) lacks {section}"
+    doc = inspect.getdoc(CompressedAdamW)
+    assert not re.search(r"\d+(\.\d+)?%|20\d\d-\d\d", doc), "measurements belong in docs/benchmarks.md"
+    example = doc.split("```python\n", 1)[1].split("```", 1)[0]
+    exec(compile(example, "CompressedAdamW docstring", "exec"), {})

@@ -89,28 +89,65 @@ class _LaunchRecord:
 class CompressedAdamW(torch.optim.Optimizer):
     """AdamW with FP8 (COAT) first and second moments.
 
-    Takes every argument of torch.optim.AdamW with the same defaults and meaning, plus:
-      compress: store moments in FP8 (False: exactly torch.optim.AdamW).
-      group_size: elements per quantization group along a row (128).
-      exp_avg_format / exp_avg_sq_format: "e4m3" or "e5m2".
-      exp_avg_expand / exp_avg_sq_expand: COAT's dynamic range expansion per moment. Off by
-        default: with it on both moments a 100M-parameter GPT trained measurably worse than
-        AdamW, with it off (or on one moment) within the seed noise (docs/benchmarks.md).
-      min_numel: parameters with fewer elements keep float32 moments (4096).
-      compress_1d: also compress 1-D parameters (off: norm weights and biases stay float32).
-      master_bits: for bfloat16 parameters, what stands for their float32 master weights
-        (coatstate.formats.master_weights): 32 (an int16 remainder: exactly the float32 master,
-        so training is bit for bit that of float32 parameters), 24 (an int8 correction: within
-        2**-15 relative), 16 (none: stochastic rounding of each update), or None (updates round
-        to the parameter's precision). The default "auto" is 24 for a param group of bfloat16
-        parameters: in the H200 parity run (docs/benchmarks.md) 24 ended 1.6% below the AdamW
-        reference (seed spread 1.46%), 16 3.9% above it. float32 parameters are their own master in every mode.
-      master_seed: keys master_bits=16's rounding (saved with the param group: resume is exact).
-      gradient_release: step each parameter in its post-accumulate-grad hook during backward and
-        free its gradient (no full gradient buffer); `max_grad_norm` then clips by the previous
-        step's global norm. opt.step() and zero_grad() end the iteration.
-    The decision uses each parameter's global shape, so sharding never changes precision.
-    `fused=None/True` runs the Triton step on CUDA; `fused=False` forces the pure-torch step.
+    A `torch.optim.Optimizer` with torch.optim.AdamW's semantics, defaults and hyperparameter
+    checks; with `compress=False` it steps exactly as torch.optim.AdamW. Which parameters keep
+    float32 moments is decided from each parameter's global shape, so sharding never changes
+    precision (`uncompressed_parameters()` lists them). Each default is in the signature; those
+    of coatstate's own options come from one table, coatstate.formats.defaults (the measurements
+    behind them: docs/benchmarks.md).
+
+    Args:
+        params (`Iterable`): parameters or param groups, as for torch.optim.AdamW; a group may
+            override any option below.
+        lr, betas, eps, weight_decay, amsgrad, maximize, foreach: as torch.optim.AdamW.
+        fused (`bool | None`): `None` runs the Triton step on CUDA and the pure-torch step
+            elsewhere; `True` requires the Triton step; `False` forces pure torch.
+        compress (`bool`): store moments in the FP8 group format.
+        group_size (`int`): elements per quantization group along a row.
+        exp_avg_format, exp_avg_sq_format (`str`): `"e4m3"` or `"e5m2"`.
+        exp_avg_expand, exp_avg_sq_expand (`bool`): COAT's dynamic range expansion, per moment.
+        min_numel (`int`): parameters with fewer elements keep float32 moments.
+        compress_1d (`bool`): also compress 1-D parameters (norm weights and biases stay float32
+            otherwise).
+        master_bits (`int | str | None`): for bfloat16 parameters, what stands for their float32
+            master (coatstate.formats.master_weights): `32` (an int16 remainder: training is bit for
+            bit that of float32 parameters), `24` (an int8 correction, within 2**-15 relative), `16`
+            (stochastic rounding, no correction) or `None` (updates round to the parameter's
+            precision). `"auto"` is 24 for a group of bfloat16 parameters, None otherwise. A weight
+            written outside the optimizer (`model.load_state_dict`, `p.copy_` under no_grad, a new
+            `p.data`) drops its correction at the next step; a write through `p.data.copy_` is not
+            seen.
+        master_seed (`int`): keys master_bits=16's rounding (saved with the group, so a resume
+            rounds as the original run).
+        gradient_release (`bool`): step each parameter in its post-accumulate-grad hook during
+            backward and free its gradient; opt.step() and zero_grad() end the iteration.
+            `torch.nn.utils.clip_grad_norm_` then sees no gradients: clip with `max_grad_norm`.
+        max_grad_norm (`float | None`): with gradient_release, scale each gradient by min(1,
+            max_grad_norm / norm) with the previous step's global norm.
+
+    Returns:
+        The optimizer. `step(closure=None)` returns the closure's loss (or None); under
+        torch.compile the pure-torch step runs eagerly, behind one graph break.
+
+    Raises:
+        ValueError: a hyperparameter or a param group's option out of range (checked when the
+            group is added), `fused=True` where Triton cannot run, `capturable` or
+            `differentiable`, master_bits on float16 parameters.
+        TypeError: sparse gradients or complex parameters (at the first step).
+        RuntimeError: GradScaler or gradient accumulation with gradient_release=True.
+
+    Example:
+
+    ```python
+    import torch
+    from coatstate import CompressedAdamW
+
+    model = torch.nn.Linear(256, 256)
+    opt = CompressedAdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+    model(torch.randn(8, 256)).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    ```
     """
 
     _step_supports_amp_scaling = True  # GradScaler hands us grad_scale/found_inf, as to fused AdamW
