@@ -24,7 +24,7 @@ from coatstate.distributed import (
 )
 from coatstate.formats import FP8Format
 from coatstate.formats.defaults import OPTIMIZER_DEFAULTS
-from coatstate.formats.master_weights import CORRECTION_DTYPES, MASTER_BITS
+from coatstate.formats.master_weights import CORRECTION_DTYPES
 from coatstate.formats.optimizer_state import (
     MASTER_CORRECTION,
     MOMENTS,
@@ -35,13 +35,13 @@ from coatstate.kernels.runtime import triton_usable
 from coatstate.optim.external_writes import ExternalWrites
 from coatstate.optim.moments import (
     FORMAT_DEFAULTS,
-    check_group,
     global_shape,
     master_mode,
     moment_formats,
     optimizer_state_bytes,
     why_uncompressed,
 )
+from coatstate.optim.options import check_arguments, check_master_arguments, settle_group
 from coatstate.optim.reference_step import adamw_step_reference
 from coatstate.optim.release import GradientRelease
 from coatstate.optim.state_dict import convert_param_state
@@ -179,7 +179,7 @@ class CompressedAdamW(torch.optim.Optimizer):
         gradient_release: bool = False,
         max_grad_norm: float | None = None,
     ) -> None:
-        _check_arguments(
+        check_arguments(
             lr,
             betas,
             eps,
@@ -188,7 +188,7 @@ class CompressedAdamW(torch.optim.Optimizer):
             group_size,
             (exp_avg_format, exp_avg_sq_format),
         )
-        _check_master_arguments(master_seed, gradient_release, max_grad_norm)
+        check_master_arguments(master_seed, gradient_release, max_grad_norm)
         defaults = dict(
             lr=lr,
             betas=tuple(betas),
@@ -226,7 +226,7 @@ class CompressedAdamW(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
         try:
-            _settle_group(len(self.param_groups) - 1, self.param_groups[-1])
+            settle_group(len(self.param_groups) - 1, self.param_groups[-1])
         except (ValueError, TypeError):
             self.param_groups.pop()  # refused: the optimizer stays as it was
             raise
@@ -555,72 +555,3 @@ class CompressedAdamW(torch.optim.Optimizer):
         self._index_params()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
-
-
-def _settle_group(gi: int, group: dict) -> None:
-    """Resolve a new param group's master_bits="auto" and check all its options: a bad option
-    fails here, when the group is added, not at the first step."""
-    dtypes = {p.dtype for p in group["params"]}
-    if group.get("master_bits") == "auto":  # resolved here: state dicts and checkpoints hold ints
-        group["master_bits"] = 24 if torch.bfloat16 in dtypes and torch.float16 not in dtypes else None
-    if group.get("master_bits") is not None and group["master_bits"] not in MASTER_BITS:
-        raise ValueError(f"master_bits must be 'auto', None, 16, 24 or 32; got {group['master_bits']!r}")
-    if group.get("master_bits") is not None and torch.float16 in dtypes:
-        raise ValueError(
-            "master_bits is for bfloat16 parameters (a float16 value is not the top half of a "
-            "float32 one); cast the model with coatstate.cast_model(model, torch.bfloat16), or "
-            "keep float16 parameters with master_bits=None"
-        )
-    for key in ("exp_avg_format", "exp_avg_sq_format"):  # one spelling in state dicts and launches
-        try:
-            group[key] = FP8Format.parse(group[key]).value
-        except (ValueError, TypeError):
-            pass  # check_group names the group and the option
-    check_group(gi, group)
-    if group.get("master_bits") is None and dtypes & {torch.bfloat16, torch.float16}:
-        logger.info(
-            "coatstate: 16-bit parameters without master_bits: each update rounds to the "
-            "parameter's precision (small updates can vanish); master_bits=24 or 32 keeps a "
-            "master correction, 16 rounds stochastically"
-        )
-
-
-def _check_arguments(lr, betas, eps, weight_decay, unsupported_mode, group_size, formats) -> None:
-    """torch.optim.AdamW's validation (same messages), plus coatstate's format options."""
-    if isinstance(lr, torch.Tensor):
-        if lr.numel() != 1:
-            raise ValueError(f"Tensor lr must be 1-element; got shape {tuple(lr.shape)}")
-    elif not 0.0 <= lr:
-        raise ValueError(f"Invalid learning rate: {lr}")
-    if not 0.0 <= eps:
-        raise ValueError(f"Invalid epsilon value: {eps}")
-    for i, b in enumerate(betas):
-        if isinstance(b, torch.Tensor):
-            raise ValueError("tensor betas are not supported by CompressedAdamW; pass floats")
-        if not 0.0 <= b < 1.0:
-            raise ValueError(f"Invalid beta parameter at index {i}: {b}")
-    if not 0.0 <= weight_decay:
-        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-    if unsupported_mode:
-        raise ValueError(
-            "CompressedAdamW does not support capturable=True or differentiable=True: its "
-            "states are requantized in place each step; use torch.optim.AdamW for those modes"
-        )
-    if not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"group_size must be a positive int; got {group_size!r}")
-    for name, value in zip(("exp_avg_format", "exp_avg_sq_format"), formats, strict=True):
-        try:
-            FP8Format.parse(value)
-        except ValueError as e:
-            raise ValueError(f"{name}: {e}") from None
-
-
-def _check_master_arguments(master_seed, gradient_release, max_grad_norm) -> None:
-    # (master_bits is checked per param group, in add_param_group, which also sees overrides)
-    if not isinstance(master_seed, int):
-        raise TypeError(f"master_seed must be an int; got {type(master_seed).__name__}")
-    if max_grad_norm is not None and not gradient_release:
-        raise ValueError(
-            "max_grad_norm is for gradient_release=True; without release, clip as usual with "
-            "torch.nn.utils.clip_grad_norm_ before opt.step()"
-        )

@@ -24,7 +24,8 @@ from coatstate.formats.optimizer_state import (
     read_moment,
     write_moment,
 )
-from coatstate.optim.moments import FORMAT_DEFAULTS, check_group, global_shape, master_mode, moment_formats
+from coatstate.optim.moments import FORMAT_DEFAULTS, global_shape, master_mode, moment_formats
+from coatstate.optim.options import check_group
 
 logger = logging.getLogger("coatstate")
 
