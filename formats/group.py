@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from . import portable_math
+from .defaults import EXPAND, FORMAT, GROUP_SIZE
 from .fp8 import FLOAT_DTYPES, FP8Format, round_to_fp8_grid
 
 EXPONENT_DENOMINATOR = 16
@@ -34,7 +35,6 @@ relative precision (its absolute error stays below 2**-130), never produces Inf 
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 """Dequantized magnitudes are clamped here: scale * FP8_MAX may round past float32's range."""
-
 
 
 def group_layout(shape: torch.Size | tuple[int, ...], group_size: int) -> tuple[int, int, int]:
@@ -134,16 +134,23 @@ class GroupQuantized:
         if missing:
             raise ValueError(f"compressed tensor is missing {sorted(missing)}; header {dict(header)}")
         codes = tensors["codes"]
-        if list(codes.shape) != list(header["shape"]) or FP8Format.parse(codes.dtype).value != header["format"]:
+        if (
+            list(codes.shape) != list(header["shape"])
+            or FP8Format.parse(codes.dtype).value != header["format"]
+        ):
             raise ValueError(
                 f"codes are {codes.dtype} {tuple(codes.shape)} but the header says "
                 f"{header['format']} {header['shape']}"
             )
-        return cls(codes, tensors["scales"], tensors.get("exponents") if header.get("expand") else None,
-                   int(header["group_size"]))
+        return cls(
+            codes,
+            tensors["scales"],
+            tensors.get("exponents") if header.get("expand") else None,
+            int(header["group_size"]),
+        )
 
 
-def storage_bytes(shape: tuple[int, ...], *, group_size: int = 128, expand: bool = True) -> int:
+def storage_bytes(shape: tuple[int, ...], *, group_size: int = GROUP_SIZE, expand: bool = EXPAND) -> int:
     """Bytes a tensor of `shape` takes in the group format, without building it."""
     rows, cols, groups = group_layout(tuple(shape), group_size)
     per_group = 4 + (1 if expand else 0)
@@ -183,7 +190,9 @@ def quantize_groups(
             torch.tensor(EXPONENT_DENOMINATOR * math.log2(fmt.expansion_range), dtype=torch.float32)
             / log_range
         )
-        k16 = torch.where(mx > 0, k16.clamp(MIN_EXPONENT_CODE, MAX_EXPONENT_CODE), float(EXPONENT_DENOMINATOR))
+        k16 = torch.where(
+            mx > 0, k16.clamp(MIN_EXPONENT_CODE, MAX_EXPONENT_CODE), float(EXPONENT_DENOMINATOR)
+        )
         inv_k = EXPONENT_DENOMINATOR / k16
         k = k16 / EXPONENT_DENOMINATOR
         # a = mx / FP8_MAX**(1/k), taken in the log domain
@@ -198,7 +207,9 @@ def quantize_groups(
         # the upper clamp keeps FP8_MAX * scale finite for groups whose max is near float32's max
         # a tensor divisor: CUDA torch turns `tensor / python_float` into a multiply by the
         # reciprocal, which would round differently from the kernels' (and the CPU's) true division
-        scales = (mx / torch.full_like(mx, fp8_max)).clamp(min=MIN_SCALE, max=FLOAT32_MAX / fp8_max * (1 - 2.0**-20))
+        scales = (mx / torch.full_like(mx, fp8_max)).clamp(
+            min=MIN_SCALE, max=FLOAT32_MAX / fp8_max * (1 - 2.0**-20)
+        )
         scales = torch.where(mx > 0, scales, 0.0)
         inv = torch.where(scales > 0, 1.0 / scales, 0.0)
         y = torch.where(finite, x * inv.unsqueeze(-1), torch.nan)
@@ -236,7 +247,7 @@ def _check_finite(x: torch.Tensor) -> None:
 
 
 def quantize(
-    x: torch.Tensor, *, group_size: int = 128, fmt: FP8Format | str = "e4m3", expand: bool = True
+    x: torch.Tensor, *, group_size: int = GROUP_SIZE, fmt: FP8Format | str = FORMAT, expand: bool = EXPAND
 ) -> GroupQuantized:
     """Compress a float32/bfloat16/float16 tensor into the FP8 group format (pure torch)."""
     fmt = FP8Format.parse(fmt)

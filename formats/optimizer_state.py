@@ -11,6 +11,7 @@ import dataclasses
 
 import torch
 
+from .defaults import EXPAND, FORMAT, GROUP_SIZE
 from .fp8 import FP8Format
 from .group import dequantize_groups, group_layout, quantize_groups
 
@@ -21,8 +22,8 @@ CODES, SCALES, EXPONENTS = "_codes", "_scales", "_exponents"
 COMPRESSED_SUFFIXES = (CODES, SCALES, EXPONENTS)
 MASTER_CORRECTION = "master_correction"
 """State key of a 16-bit parameter's master-weight correction (formats.master_weights)."""
-DEFAULT_GROUP_SIZE = 128
-"""Elements per group of an optimizer moment along a row (COAT's choice)."""
+DEFAULT_GROUP_SIZE = GROUP_SIZE
+"""Elements per group of an optimizer moment along a row (formats.defaults)."""
 SECOND_MOMENTS = ("exp_avg_sq", "max_exp_avg_sq")
 """Moments that read a stored NaN code back as +Inf. The codec stores NaN and Inf alike as the
 FP8 NaN code (e4m3 has no Inf). A second moment is a sum of squares: it is NaN only where a NaN
@@ -35,9 +36,9 @@ exp_avg is NaN the parameter goes NaN either way, as in torch."""
 class MomentFormat:
     """How one optimizer moment is stored."""
 
-    fmt: FP8Format = FP8Format.E4M3
+    fmt: FP8Format = FP8Format(FORMAT)
     """FP8 format of the codes."""
-    expand: bool = True
+    expand: bool = EXPAND
     """Dynamic range expansion (COAT sec. 4) on or off."""
     group_size: int = DEFAULT_GROUP_SIZE
     """Elements per group along a row."""

@@ -10,35 +10,24 @@ torch.ops.coatstate.fused_adamw_, whose fake implementation lets fake tensors tr
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import triton
 
 from ..formats.fp8 import FP8Format
 from ..formats.group import group_layout
-from ..formats.optimizer_state import CODES, DEFAULT_GROUP_SIZE, EXPONENTS, MASTER_CORRECTION
-from ..formats.optimizer_state import MOMENTS, SCALES, MomentFormat, is_compressed, state_keys
+from ..formats.optimizer_state import (
+    CODES,
+    DEFAULT_GROUP_SIZE,
+    EXPONENTS,
+    MASTER_CORRECTION,
+    MOMENTS,
+    SCALES,
+    MomentFormat,
+    is_compressed,
+    state_keys,
+)
 from . import adamw_fused as kernel
-from .adamw_fused import META, M_CODES, NPTR, STEP, V_CODES, X_CODES, C, G, P, _adamw_kernel, _constants
-
-
-def usable(device: torch.device) -> bool:
-    """Whether the kernel can run for tensors on `device` (CUDA, or any device under TRITON_INTERPRET=1)."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return True
-    return device.type == "cuda" and available()
-
-
-@functools.cache
-def available() -> bool:
-    try:
-        return (
-            torch.cuda.is_available() and triton.runtime.driver.active.get_current_target().backend == "cuda"
-        )
-    except Exception:  # noqa: BLE001 - no usable GPU driver: the pure-torch path runs
-        return False
+from .adamw_fused import M_CODES, META, NPTR, STEP, V_CODES, X_CODES, C, G, P, _adamw_kernel, _constants
 
 
 class _Plan:
@@ -69,7 +58,8 @@ class _Plan:
                 table[i, C] = _offset(s[MASTER_CORRECTION], self.bases[C])
             rows, cols, gpr = group_layout(p.shape, group_size)
             n_groups = rows * gpr if p.numel() else 0
-            seed = 0 if seeds is None else (seeds[i] * 0x9E3779B1) & 0xFFFFFFFF  # as master_weights.random_bits
+            # keyed as master_weights.random_bits keys it
+            seed = 0 if seeds is None else (seeds[i] * 0x9E3779B1) & 0xFFFFFFFF
             meta[i] = torch.tensor([cols, gpr, n_groups, seed])
             nb = triton.cdiv(n_groups, self.gpp)
             blocks.append(
@@ -133,7 +123,9 @@ class Launch:
     formats, with their states and the launch plan (address tables). Built by `prepare` when the
     parameter set changes, then reused every step while parameters and states stay in place."""
 
-    def __init__(self, index, params, grads, states, fm, fv, group_size, master_bits=None, seeds=None) -> None:
+    def __init__(
+        self, index, params, grads, states, fm, fv, group_size, master_bits=None, seeds=None
+    ) -> None:
         self.index = index
         """positions of these parameters in the caller's list"""
         self.params, self.states, self.fm, self.fv = params, states, fm, fv
@@ -154,9 +146,13 @@ class Launch:
         self.plan.nonfinite = self.nonfinite
         self.plan.master_bits = master_bits
         self.steps = [s["step"] for s in states]
-        names = MOMENTS[: 3 if "max_exp_avg_sq" in states[0] or is_compressed(states[0], "max_exp_avg_sq") else 2]
+        names = MOMENTS[
+            : 3 if "max_exp_avg_sq" in states[0] or is_compressed(states[0], "max_exp_avg_sq") else 2
+        ]
         extra = (MASTER_CORRECTION,) if master_bits in (32, 24) else ()
-        self.flat = [s[key] for s in states for key in [k for n in names for k in _state_keys(n, fm, fv)] + list(extra)]
+        self.flat = [
+            s[key] for s in states for key in [k for n in names for k in _state_keys(n, fm, fv)] + list(extra)
+        ]
         """the states flattened for the custom op (per parameter: each moment's codes, scales[,
         exponents] or float32 tensor, then the master correction where there is one)"""
 

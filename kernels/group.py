@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..formats.defaults import EXPAND, FORMAT, GROUP_SIZE
 from ..formats.fp8 import FLOAT_DTYPES, FP8Format
 from ..formats.group import GroupQuantized, group_layout
 from .fp8_triton import encode_store, fp8_constants, group_offsets, load_decode
@@ -88,7 +89,7 @@ def _check_group_size(group_size: int) -> None:
 
 
 def quantize(
-    x: torch.Tensor, *, group_size: int = 128, fmt: FP8Format | str = "e4m3", expand: bool = True
+    x: torch.Tensor, *, group_size: int = GROUP_SIZE, fmt: FP8Format | str = FORMAT, expand: bool = EXPAND
 ) -> GroupQuantized:
     """Triton twin of coatstate.formats.quantize (no finiteness check: it would synchronise)."""
     fmt = FP8Format.parse(fmt)

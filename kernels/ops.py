@@ -20,6 +20,7 @@ from ..formats.fp8 import FP8Format
 from ..formats.group import GroupQuantized, group_layout
 from . import adamw_launch
 from . import group as codec
+from .runtime import triton_usable
 
 fused_adamw_ = adamw_launch.fused_adamw_
 
@@ -34,7 +35,7 @@ def group_quantize(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x in the FP8 group format (docs/FORMAT.md). Non-finite inputs are not checked (that would
     synchronise): they give NaN codes, as the fused step's inputs do."""
-    if x.device.type == "cuda" and adamw_launch.available():
+    if triton_usable(x.device):
         q = codec.quantize(x, group_size=group_size, fmt=fmt, expand=expand)
     else:
         rows, cols, _ = group_layout(x.shape, group_size)
@@ -68,7 +69,7 @@ def group_dequantize(
     """The values of a tensor in the FP8 group format, as `dtype`."""
     codes = codes.view(FP8Format.parse(fmt).dtype)
     q = GroupQuantized(codes, scales, exponents if exponents.numel() else None, group_size)
-    if codes.device.type == "cuda" and adamw_launch.available():
+    if triton_usable(codes.device):
         return codec.dequantize(q, dtype)
     return _twin.dequantize(q, dtype).contiguous()
 

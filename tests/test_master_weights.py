@@ -8,14 +8,16 @@ the twin's masters, and gradient release must equal the ordinary step where both
 
 from __future__ import annotations
 
+import copy
 import math
+import warnings
 
 import pytest
 import torch
-
-import coatstate
 from coatstate.formats import master_weights as mw
 from coatstate.formats.optimizer_state import MASTER_CORRECTION
+
+import coatstate
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -154,8 +156,10 @@ def test_master24_step_is_within_its_bound_of_the_float32_step():
         ref = torch.nn.Parameter(start.clone())
         opt_ref = coatstate.CompressedAdamW([ref], lr=1e-2, min_numel=1, compress_1d=True, fused=False)
         opt_ref.load_state_dict(
-            {"state": {0: {k: v.clone() for k, v in opt.state[p].items() if k != MASTER_CORRECTION}},
-             "param_groups": [{**opt.param_groups[0], "params": [0], "master_bits": None}]}
+            {
+                "state": {0: {k: v.clone() for k, v in opt.state[p].items() if k != MASTER_CORRECTION}},
+                "param_groups": [{**opt.param_groups[0], "params": [0], "master_bits": None}],
+            }
         )
         g = (torch.randn(p.shape) * 1e-2).to(torch.bfloat16).to(DEVICE)
         p.grad, ref.grad = g, g.float()
@@ -207,8 +211,9 @@ def test_master_state_is_saved_and_resumes_bit_for_bit(tmp_path):
     header = coatstate.checkpoint.read_header(url)
     assert any(MASTER_CORRECTION in k for k in header["tensors"]) or "master_correction" in str(header)
     copy = [torch.nn.Parameter(p.detach().clone()) for p in half]
-    opt2 = coatstate.CompressedAdamW(_groups(copy), lr=1e-2, min_numel=1, compress_1d=True, fused=False,
-                                     master_bits=24)
+    opt2 = coatstate.CompressedAdamW(
+        _groups(copy), lr=1e-2, min_numel=1, compress_1d=True, fused=False, master_bits=24
+    )
     coatstate.load(opt2, url)
     for grads in _grads(_shapes(), 2, seed=9):
         for params, o in ((half, opt), (copy, opt2)):
@@ -216,7 +221,9 @@ def test_master_state_is_saved_and_resumes_bit_for_bit(tmp_path):
                 p.grad = g.to(DEVICE)
             o.step()
     for p, q in zip(half, copy, strict=True):
-        assert torch.equal(p, q) and torch.equal(opt.state[p][MASTER_CORRECTION], opt2.state[q][MASTER_CORRECTION])
+        assert torch.equal(p, q) and torch.equal(
+            opt.state[p][MASTER_CORRECTION], opt2.state[q][MASTER_CORRECTION]
+        )
 
 
 def test_state_bytes_count_the_correction():
@@ -295,7 +302,10 @@ def test_cast_model_keeps_norms_in_float32_and_trains_with_a_master():
         out.float().square().mean().backward()
         opt.step()
         opt.zero_grad()
-    assert MASTER_CORRECTION in opt.state[model[0].weight] and MASTER_CORRECTION not in opt.state[model[1].weight]
+    assert (
+        MASTER_CORRECTION in opt.state[model[0].weight]
+        and MASTER_CORRECTION not in opt.state[model[1].weight]
+    )
     assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     with pytest.raises(ValueError, match="bfloat16 or torch.float16"):
         coatstate.cast_model(model, torch.float32)
@@ -314,3 +324,69 @@ def test_bfloat16_parameters_default_to_a_24_bit_master(caplog):
     with caplog.at_level("INFO", logger="coatstate"):
         coatstate.CompressedAdamW([bf16], master_bits=None)
     assert "without master_bits" in caplog.text
+
+
+# ------------------------------------------------------------- weights written outside the optimizer
+def _write(model, weights, how):
+    if how == "load_state_dict":
+        model.load_state_dict(weights)
+    elif how == "no_grad_copy":
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(weights[name])
+    else:  # an EMA-style swap: the parameter now holds another tensor
+        for name, p in model.named_parameters():
+            p.data = weights[name].clone()
+
+
+@pytest.mark.parametrize(
+    ("bits", "fused", "release", "how"),
+    [
+        (24, False, False, "load_state_dict"),
+        (32, False, False, "no_grad_copy"),
+        (24, False, False, "data_swap"),
+        (24, False, True, "no_grad_copy"),
+        (24, True, False, "no_grad_copy"),
+        (32, True, True, "load_state_dict"),
+    ],
+    ids=["24-load", "32-copy", "24-swap", "24-release-copy", "24-fused-copy", "32-fused-release-load"],
+)
+def test_weights_written_outside_drop_the_stale_correction(bits, fused, release, how):
+    """After new weights are written in, the step equals a fresh optimizer's on those weights
+    (same moments, no correction), bit for bit; without the check it rebuilt new weight + old
+    correction as the master."""
+    kw = dict(lr=1e-2, min_numel=1, master_bits=bits, fused=fused, gradient_release=release)
+    model = _model().to(torch.bfloat16)
+    opt = coatstate.CompressedAdamW(model.parameters(), **kw)
+    gen = torch.Generator().manual_seed(3)
+    xs = [torch.randn(8, 32, generator=gen).to(DEVICE, torch.bfloat16) for _ in range(2)]
+    model(xs[0]).float().square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    assert all(s[MASTER_CORRECTION].any() for s in opt.state.values()), "a correction to go stale"
+    new = {k: v.clone() for k, v in _model(seed=5).to(torch.bfloat16).state_dict().items()}
+    fresh_model = _model(seed=5).to(torch.bfloat16)
+    fresh = coatstate.CompressedAdamW(fresh_model.parameters(), **kw)
+    state = copy.deepcopy(opt.state_dict())  # the moments as they are, no correction
+    for s in state["state"].values():
+        s[MASTER_CORRECTION] = torch.zeros_like(s[MASTER_CORRECTION])
+    fresh.load_state_dict(state)
+    _write(model, new, how)
+    for m, o in ((model, opt), (fresh_model, fresh)):
+        m(xs[1]).float().square().mean().backward()
+        o.step()
+        o.zero_grad()
+    for (name, p), q in zip(model.named_parameters(), fresh_model.parameters(), strict=True):
+        assert torch.equal(p, q), f"{name}: the step used the correction of the old weight"
+        assert torch.equal(opt.state[p][MASTER_CORRECTION], fresh.state[q][MASTER_CORRECTION]), name
+
+
+def test_gradient_release_warns_that_clip_grad_norm_sees_no_gradients():
+    m = _model()
+    with pytest.warns(UserWarning, match="clip_grad_norm_ called afterwards sees none") as caught:
+        coatstate.CompressedAdamW(m.parameters(), gradient_release=True)
+    assert caught[0].filename == __file__, "the warning points at the user's constructor call"
+    assert "max_grad_norm=" in str(caught[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # with max_grad_norm the user clips the way release can
+        coatstate.CompressedAdamW(m.parameters(), gradient_release=True, max_grad_norm=1.0)

@@ -88,6 +88,7 @@ from coatstate.activations.stats import ActivationStats, KeepReason
 from coatstate.activations.unpack import _Unpacker, kernels
 from coatstate.formats import activation as codec
 from coatstate.formats.fp8 import FLOAT_DTYPES
+from coatstate.kernels.runtime import triton_usable
 
 __all__ = ["compress_activations"]
 
@@ -469,7 +470,7 @@ class compress_activations(_Unpacker):  # noqa: N801  (a context manager used li
             else:
                 packed.codes = x.as_strided((n,), (1,), start).to(torch.bfloat16)
             nbytes = 2 * n
-        elif self._triton or (self._auto and x.is_cuda):
+        elif self._triton or (self._auto and triton_usable(x.device)):
             K = kernels()
             base = x if off == start else x.as_strided((n,), (1,), start)
             packed.kernel = True

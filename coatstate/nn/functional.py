@@ -57,8 +57,10 @@ import logging
 import weakref
 
 import torch
+
 from coatstate.formats import tensorwise
 from coatstate.formats.fp8 import FP8Format, round_to_fp8_grid
+from coatstate.kernels.runtime import triton_usable
 
 logger = logging.getLogger("coatstate")
 
@@ -92,7 +94,7 @@ def _quantize(t: torch.Tensor, fmt: FP8Format) -> tuple[torch.Tensor, torch.Tens
     """(codes in t's shape, float32 scale of one element) by the per-tensor two-stage max."""
     if _is_compiling():
         return _quantize_traceable(t, fmt)
-    if has_fp8_cores(t.device):
+    if has_fp8_cores(t.device) and triton_usable(t.device):
         from coatstate.kernels import tensorwise as tensorwise_kernels
 
         codes, scale = tensorwise_kernels.pack_tensorwise(t.contiguous(), fmt)

@@ -14,15 +14,6 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from coatstate.formats import FP8Format
-from coatstate.formats.master_weights import CORRECTION_DTYPES, MASTER_BITS
-from coatstate.formats.optimizer_state import (
-    DEFAULT_GROUP_SIZE,
-    MASTER_CORRECTION,
-    MOMENTS,
-    init_moment,
-    is_compressed,
-)
 
 from coatstate.distributed import (
     check_compressible,
@@ -31,6 +22,17 @@ from coatstate.distributed import (
     local_tensor,
     wrap_state,
 )
+from coatstate.formats import FP8Format
+from coatstate.formats.defaults import OPTIMIZER_DEFAULTS
+from coatstate.formats.master_weights import CORRECTION_DTYPES
+from coatstate.formats.optimizer_state import (
+    MASTER_CORRECTION,
+    MOMENTS,
+    init_moment,
+    is_compressed,
+)
+from coatstate.kernels.runtime import triton_usable
+from coatstate.optim.external_writes import ExternalWrites
 from coatstate.optim.moments import (
     FORMAT_DEFAULTS,
     global_shape,
@@ -39,11 +41,14 @@ from coatstate.optim.moments import (
     optimizer_state_bytes,
     why_uncompressed,
 )
+from coatstate.optim.options import check_arguments, check_master_arguments, settle_group
 from coatstate.optim.reference_step import adamw_step_reference
 from coatstate.optim.release import GradientRelease
 from coatstate.optim.state_dict import convert_param_state
 
 logger = logging.getLogger("coatstate")
+_DEFAULTS = OPTIMIZER_DEFAULTS
+
 
 def _options(group: dict) -> tuple:
     """The param-group options a prepared launch depends on (a change, e.g. amsgrad switched on,
@@ -65,6 +70,8 @@ class _Prepared:
     launches: list
     options: tuple
     """the group's options that shape states and launches (amsgrad, formats) when prepared"""
+    masters: list
+    """the parameters that keep a master correction (master_bits 24 or 32 on bfloat16)"""
 
 
 @dataclasses.dataclass
@@ -82,28 +89,65 @@ class _LaunchRecord:
 class CompressedAdamW(torch.optim.Optimizer):
     """AdamW with FP8 (COAT) first and second moments.
 
-    Takes every argument of torch.optim.AdamW with the same defaults and meaning, plus:
-      compress: store moments in FP8 (False: exactly torch.optim.AdamW).
-      group_size: elements per quantization group along a row (128).
-      exp_avg_format / exp_avg_sq_format: "e4m3" or "e5m2".
-      exp_avg_expand / exp_avg_sq_expand: COAT's dynamic range expansion per moment. Off by
-        default: with it on both moments a 100M-parameter GPT trained measurably worse than
-        AdamW, with it off (or on one moment) within the seed noise (docs/benchmarks.md).
-      min_numel: parameters with fewer elements keep float32 moments (4096).
-      compress_1d: also compress 1-D parameters (off: norm weights and biases stay float32).
-      master_bits: for bfloat16 parameters, what stands for their float32 master weights
-        (coatstate.formats.master_weights): 32 (an int16 remainder: exactly the float32 master,
-        so training is bit for bit that of float32 parameters), 24 (an int8 correction: within
-        2**-15 relative), 16 (none: stochastic rounding of each update), or None (updates round
-        to the parameter's precision). The default "auto" is 24 for a param group of bfloat16
-        parameters: in the H200 parity run (docs/benchmarks.md) 24 ended 1.6% below the AdamW
-        reference (seed spread 1.46%), 16 3.9% above it. float32 parameters are their own master in every mode.
-      master_seed: keys master_bits=16's rounding (saved with the param group: resume is exact).
-      gradient_release: step each parameter in its post-accumulate-grad hook during backward and
-        free its gradient (no full gradient buffer); `max_grad_norm` then clips by the previous
-        step's global norm. opt.step() and zero_grad() end the iteration.
-    The decision uses each parameter's global shape, so sharding never changes precision.
-    `fused=None/True` runs the Triton step on CUDA; `fused=False` forces the pure-torch step.
+    A `torch.optim.Optimizer` with torch.optim.AdamW's semantics, defaults and hyperparameter
+    checks; with `compress=False` it steps exactly as torch.optim.AdamW. Which parameters keep
+    float32 moments is decided from each parameter's global shape, so sharding never changes
+    precision (`uncompressed_parameters()` lists them). Each default is in the signature; those
+    of coatstate's own options come from one table, coatstate.formats.defaults (the measurements
+    behind them: docs/benchmarks.md).
+
+    Args:
+        params (`Iterable`): parameters or param groups, as for torch.optim.AdamW; a group may
+            override any option below.
+        lr, betas, eps, weight_decay, amsgrad, maximize, foreach: as torch.optim.AdamW.
+        fused (`bool | None`): `None` runs the Triton step on CUDA and the pure-torch step
+            elsewhere; `True` requires the Triton step; `False` forces pure torch.
+        compress (`bool`): store moments in the FP8 group format.
+        group_size (`int`): elements per quantization group along a row.
+        exp_avg_format, exp_avg_sq_format (`str`): `"e4m3"` or `"e5m2"`.
+        exp_avg_expand, exp_avg_sq_expand (`bool`): COAT's dynamic range expansion, per moment.
+        min_numel (`int`): parameters with fewer elements keep float32 moments.
+        compress_1d (`bool`): also compress 1-D parameters (norm weights and biases stay float32
+            otherwise).
+        master_bits (`int | str | None`): for bfloat16 parameters, what stands for their float32
+            master (coatstate.formats.master_weights): `32` (an int16 remainder: training is bit for
+            bit that of float32 parameters), `24` (an int8 correction, within 2**-15 relative), `16`
+            (stochastic rounding, no correction) or `None` (updates round to the parameter's
+            precision). `"auto"` is 24 for a group of bfloat16 parameters, None otherwise. A weight
+            written outside the optimizer (`model.load_state_dict`, `p.copy_` under no_grad, a new
+            `p.data`) drops its correction at the next step; a write through `p.data.copy_` is not
+            seen.
+        master_seed (`int`): keys master_bits=16's rounding (saved with the group, so a resume
+            rounds as the original run).
+        gradient_release (`bool`): step each parameter in its post-accumulate-grad hook during
+            backward and free its gradient; opt.step() and zero_grad() end the iteration.
+            `torch.nn.utils.clip_grad_norm_` then sees no gradients: clip with `max_grad_norm`.
+        max_grad_norm (`float | None`): with gradient_release, scale each gradient by min(1,
+            max_grad_norm / norm) with the previous step's global norm.
+
+    Returns:
+        The optimizer. `step(closure=None)` returns the closure's loss (or None); under
+        torch.compile the pure-torch step runs eagerly, behind one graph break.
+
+    Raises:
+        ValueError: a hyperparameter or a param group's option out of range (checked when the
+            group is added), `fused=True` where Triton cannot run, `capturable` or
+            `differentiable`, master_bits on float16 parameters.
+        TypeError: sparse gradients or complex parameters (at the first step).
+        RuntimeError: GradScaler or gradient accumulation with gradient_release=True.
+
+    Example:
+
+    ```python
+    import torch
+    from coatstate import CompressedAdamW
+
+    model = torch.nn.Linear(256, 256)
+    opt = CompressedAdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+    model(torch.randn(8, 256)).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    ```
     """
 
     _step_supports_amp_scaling = True  # GradScaler hands us grad_scale/found_inf, as to fused AdamW
@@ -122,23 +166,29 @@ class CompressedAdamW(torch.optim.Optimizer):
         capturable: bool = False,
         differentiable: bool = False,
         fused: bool | None = None,
-        compress: bool = True,
-        group_size: int = DEFAULT_GROUP_SIZE,
-        exp_avg_format: str = "e4m3",
-        exp_avg_sq_format: str = "e4m3",
-        exp_avg_expand: bool = True,
-        exp_avg_sq_expand: bool = True,
-        min_numel: int = 4096,
-        compress_1d: bool = False,
-        master_bits: int | str | None = "auto",
-        master_seed: int = 0,
+        compress: bool = _DEFAULTS["compress"],
+        group_size: int = _DEFAULTS["group_size"],
+        exp_avg_format: str = _DEFAULTS["exp_avg_format"],
+        exp_avg_sq_format: str = _DEFAULTS["exp_avg_sq_format"],
+        exp_avg_expand: bool = _DEFAULTS["exp_avg_expand"],
+        exp_avg_sq_expand: bool = _DEFAULTS["exp_avg_sq_expand"],
+        min_numel: int = _DEFAULTS["min_numel"],
+        compress_1d: bool = _DEFAULTS["compress_1d"],
+        master_bits: int | str | None = _DEFAULTS["master_bits"],
+        master_seed: int = _DEFAULTS["master_seed"],
         gradient_release: bool = False,
         max_grad_norm: float | None = None,
     ) -> None:
-        _check_arguments(
-            lr, betas, eps, weight_decay, capturable or differentiable, group_size, (exp_avg_format, exp_avg_sq_format)
+        check_arguments(
+            lr,
+            betas,
+            eps,
+            weight_decay,
+            capturable or differentiable,
+            group_size,
+            (exp_avg_format, exp_avg_sq_format),
         )
-        _check_master_arguments(master_seed, gradient_release, max_grad_norm)
+        check_master_arguments(master_seed, gradient_release, max_grad_norm)
         defaults = dict(
             lr=lr,
             betas=tuple(betas),
@@ -168,33 +218,21 @@ class CompressedAdamW(torch.optim.Optimizer):
         self._prepared: dict[int, _Prepared] = {}
         """per param group (by id): its parameters sorted into paths, with the fused launches"""
         self._twin_nonfinite: dict = {}
+        self._external_writes = ExternalWrites()
         self._index_params()
         self._released_launches: dict = {}
         self._release = GradientRelease(self, max_grad_norm) if gradient_release else None
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
+        try:
+            settle_group(len(self.param_groups) - 1, self.param_groups[-1])
+        except (ValueError, TypeError):
+            self.param_groups.pop()  # refused: the optimizer stays as it was
+            raise
         self._index_params()
         if getattr(self, "_release", None) is not None:
             self._release.hook_new_groups()
-        group = self.param_groups[-1]
-        dtypes = {p.dtype for p in group["params"]}
-        if group.get("master_bits") == "auto":  # resolved here: state dicts and checkpoints hold ints
-            group["master_bits"] = 24 if torch.bfloat16 in dtypes and torch.float16 not in dtypes else None
-        if group.get("master_bits") is not None and group["master_bits"] not in MASTER_BITS:
-            raise ValueError(f"master_bits must be 'auto', None, 16, 24 or 32; got {group['master_bits']!r}")
-        if group.get("master_bits") is not None and torch.float16 in dtypes:
-            raise ValueError(
-                "master_bits is for bfloat16 parameters (a float16 value is not the top half of a "
-                "float32 one); cast the model with coatstate.cast_model(model, torch.bfloat16), or "
-                "keep float16 parameters with master_bits=None"
-            )
-        if group.get("master_bits") is None and dtypes & {torch.bfloat16, torch.float16}:
-            logger.info(
-                "coatstate: 16-bit parameters without master_bits: each update rounds to the "
-                "parameter's precision (small updates can vanish); master_bits=24 or 32 keeps a "
-                "master correction, 16 rounds stochastically"
-            )
 
     # ---- reporting -------------------------------------------------------------------------
 
@@ -259,8 +297,12 @@ class CompressedAdamW(torch.optim.Optimizer):
             for name in names:
                 init_moment(state, name, local, formats[name])
             if master_mode(group, p) in CORRECTION_DTYPES:  # the weight is exactly its master
-                state[MASTER_CORRECTION] = torch.zeros_like(local, dtype=CORRECTION_DTYPES[master_mode(group, p)])
-        elif group["amsgrad"] and "max_exp_avg_sq" not in state and not is_compressed(state, "max_exp_avg_sq"):
+                state[MASTER_CORRECTION] = torch.zeros_like(
+                    local, dtype=CORRECTION_DTYPES[master_mode(group, p)]
+                )
+        elif (
+            group["amsgrad"] and "max_exp_avg_sq" not in state and not is_compressed(state, "max_exp_avg_sq")
+        ):
             init_moment(state, "max_exp_avg_sq", local_tensor(p), formats["max_exp_avg_sq"])
         if is_dtensor(p):
             wrap_state(state, p)
@@ -268,7 +310,9 @@ class CompressedAdamW(torch.optim.Optimizer):
 
     def _index_params(self) -> None:
         # built here, never inside step(): torch.compile refuses attribute writes in a traced step
-        self._param_index = {id(q): k for k, q in enumerate(q for g in self.param_groups for q in g["params"])}
+        self._param_index = {
+            id(q): k for k, q in enumerate(q for g in self.param_groups for q in g["params"])
+        }
 
     def _rounding_seed(self, group: dict, p: torch.Tensor) -> int:
         """master_bits=16's seed for p: the group's master_seed and p's place in the optimizer, so
@@ -290,22 +334,18 @@ class CompressedAdamW(torch.optim.Optimizer):
         if group.get("fused") is False:
             return False
         local = local_tensor(p)
-        device = local.device
-        if group.get("fused") is None and device.type != "cuda":
-            return False  # (decided before importing Triton, which a CPU-only run never needs)
-        from coatstate.kernels import adamw_launch
-
+        required = bool(group.get("fused"))
+        if not triton_usable(local.device, interpreter=required):
+            if required:
+                raise ValueError(
+                    f"fused=True needs CUDA tensors with Triton (got a parameter on {local.device}); "
+                    "pass fused=None to fall back to the pure-torch step"
+                )
+            return False
         if not local.is_contiguous() or local.data_ptr() % 16:
-            if group.get("fused"):
+            if required:
                 raise ValueError("fused=True needs contiguous, 16-byte aligned parameters; pass fused=None")
             return False  # a strided or oddly offset view: the pure-torch step handles it
-        if group.get("fused") is None:
-            return adamw_launch.available()
-        if not adamw_launch.usable(device):
-            raise ValueError(
-                f"fused=True needs CUDA tensors with Triton (got a parameter on {device}); "
-                "pass fused=None to fall back to the pure-torch step"
-            )
         return True
 
     def nonfinite_parameters(self) -> list[dict[str, Any]]:
@@ -356,6 +396,7 @@ class CompressedAdamW(torch.optim.Optimizer):
                 or prepared.options != _options(group)
             ):
                 prepared = self._prepare(group, with_grad)
+            self._external_writes.drop_stale(prepared.masters, self.state, self._param_name)
             grads = [local_tensor(p.grad) for p in prepared.fused]
             if prepared.fused:
                 from coatstate.kernels import adamw_launch
@@ -369,6 +410,7 @@ class CompressedAdamW(torch.optim.Optimizer):
                         raise RuntimeError("coatstate: the fused step could not be prepared (please report)")
             if prepared.twin:
                 self._twin_step(group, prepared.twin, grad_scale, found_inf)
+            self._external_writes.record(prepared.masters)
         return loss
 
     def _prepare(self, group: dict, with_grad: list) -> _Prepared:
@@ -407,15 +449,19 @@ class CompressedAdamW(torch.optim.Optimizer):
                 self._fused_cache[(id(group), id(launch))] = _LaunchRecord(
                     [fused[i] for i in launch.index], launch
                 )
+        masters = [p for p in with_grad if master_mode(group, p) in CORRECTION_DTYPES]
         prepared = self._prepared[id(group)] = _Prepared(
-            list(with_grad), fused, twin, launches, _options(group)
+            list(with_grad), fused, twin, launches, _options(group), masters
         )
         return prepared
 
     def _step_released(self, group: dict, p: torch.Tensor) -> None:
         """One parameter's step from its gradient-release hook (its launch prepared once)."""
+        masters = [p] if master_mode(group, p) in CORRECTION_DTYPES else []
+        self._external_writes.drop_stale(masters, self.state, self._param_name)
         if not self._use_fused(group, p):
             self._twin_step(group, [p], None, None)
+            self._external_writes.record(masters)
             return
         from coatstate.kernels import adamw_launch
 
@@ -435,7 +481,11 @@ class CompressedAdamW(torch.optim.Optimizer):
             for launch in launches:
                 self._fused_cache[("released", id(p))] = _LaunchRecord([p], launch)
             adamw_launch.run(launches, group, grads, None, None)
+        self._external_writes.record(masters)
 
+    # under torch.compile: run eagerly (one graph break per step) instead of tracing the per-parameter
+    # math once per shape and step count, which hits the recompile limit on any real model
+    @torch.compiler.disable
     def _twin_step(self, group, params, grad_scale, found_inf) -> None:
         if found_inf is not None and bool(found_inf.item()):
             return  # GradScaler found Inf/NaN in the gradients: skip, as torch does
@@ -501,47 +551,7 @@ class CompressedAdamW(torch.optim.Optimizer):
         self._prepared.clear()
         self._released_launches.clear()
         self._twin_nonfinite.clear()
+        self._external_writes.forget()
         self._index_params()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
-
-
-def _check_arguments(lr, betas, eps, weight_decay, unsupported_mode, group_size, formats) -> None:
-    """torch.optim.AdamW's validation (same messages), plus coatstate's format options."""
-    if isinstance(lr, torch.Tensor):
-        if lr.numel() != 1:
-            raise ValueError(f"Tensor lr must be 1-element; got shape {tuple(lr.shape)}")
-    elif not 0.0 <= lr:
-        raise ValueError(f"Invalid learning rate: {lr}")
-    if not 0.0 <= eps:
-        raise ValueError(f"Invalid epsilon value: {eps}")
-    for i, b in enumerate(betas):
-        if isinstance(b, torch.Tensor):
-            raise ValueError("tensor betas are not supported by CompressedAdamW; pass floats")
-        if not 0.0 <= b < 1.0:
-            raise ValueError(f"Invalid beta parameter at index {i}: {b}")
-    if not 0.0 <= weight_decay:
-        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-    if unsupported_mode:
-        raise ValueError(
-            "CompressedAdamW does not support capturable=True or differentiable=True: its "
-            "states are requantized in place each step; use torch.optim.AdamW for those modes"
-        )
-    if not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"group_size must be a positive int; got {group_size!r}")
-    for name, value in zip(("exp_avg_format", "exp_avg_sq_format"), formats, strict=True):
-        try:
-            FP8Format.parse(value)
-        except ValueError as e:
-            raise ValueError(f"{name}: {e}") from None
-
-
-def _check_master_arguments(master_seed, gradient_release, max_grad_norm) -> None:
-    # (master_bits is checked per param group, in add_param_group, which also sees overrides)
-    if not isinstance(master_seed, int):
-        raise TypeError(f"master_seed must be an int; got {type(master_seed).__name__}")
-    if max_grad_norm is not None and not gradient_release:
-        raise ValueError(
-            "max_grad_norm is for gradient_release=True; without release, clip as usual with "
-            "torch.nn.utils.clip_grad_norm_ before opt.step()"
-        )

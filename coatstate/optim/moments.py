@@ -7,22 +7,14 @@ import math
 from typing import Any
 
 import torch
-from coatstate.formats import FP8Format
-from coatstate.formats.optimizer_state import DEFAULT_GROUP_SIZE, MOMENTS, MomentFormat
 
-FORMAT_DEFAULTS: dict[str, Any] = {
-    "compress": True,
-    "group_size": DEFAULT_GROUP_SIZE,
-    "exp_avg_format": "e4m3",
-    "exp_avg_sq_format": "e4m3",
-    "exp_avg_expand": True,
-    "exp_avg_sq_expand": True,
-    "min_numel": 4096,
-    "compress_1d": False,
-    "master_bits": None,
-    "master_seed": 0,
-}
-"""coatstate's own param-group keys (beside torch.optim.AdamW's) and their defaults."""
+from coatstate.formats import FP8Format
+from coatstate.formats.defaults import OPTIMIZER_DEFAULTS
+from coatstate.formats.optimizer_state import MOMENTS, MomentFormat
+
+FORMAT_DEFAULTS: dict[str, Any] = dict(OPTIMIZER_DEFAULTS)
+"""coatstate's own param-group keys (beside torch.optim.AdamW's) and their defaults, as
+formats.defaults holds them (the one table)."""
 
 
 def global_shape(p: torch.Tensor) -> torch.Size:
@@ -30,22 +22,26 @@ def global_shape(p: torch.Tensor) -> torch.Size:
     return p.shape  # DTensor.shape is the global shape
 
 
+def _option(group: dict, key: str) -> Any:
+    return group.get(key, FORMAT_DEFAULTS[key])
+
+
 def moment_formats(group: dict, shape: torch.Size) -> dict[str, MomentFormat | None]:
     """How each moment of a parameter of global `shape` is stored (None: float32)."""
     numel = math.prod(shape)
     compress = (
-        group.get("compress", True)
-        and numel >= group.get("min_numel", FORMAT_DEFAULTS["min_numel"])
-        and (len(shape) >= 2 or group.get("compress_1d", False))
+        _option(group, "compress")
+        and numel >= _option(group, "min_numel")
+        and (len(shape) >= 2 or _option(group, "compress_1d"))
     )
     if not compress:
         return dict.fromkeys(MOMENTS)
-    g = group.get("group_size", DEFAULT_GROUP_SIZE)
+    g = _option(group, "group_size")
     first = MomentFormat(
-        FP8Format.parse(group.get("exp_avg_format", "e4m3")), group.get("exp_avg_expand", FORMAT_DEFAULTS["exp_avg_expand"]), g
+        FP8Format.parse(_option(group, "exp_avg_format")), _option(group, "exp_avg_expand"), g
     )
     second = MomentFormat(
-        FP8Format.parse(group.get("exp_avg_sq_format", "e4m3")), group.get("exp_avg_sq_expand", FORMAT_DEFAULTS["exp_avg_sq_expand"]), g
+        FP8Format.parse(_option(group, "exp_avg_sq_format")), _option(group, "exp_avg_sq_expand"), g
     )
     return {"exp_avg": first, "exp_avg_sq": second, "max_exp_avg_sq": second}
 
@@ -58,11 +54,11 @@ def master_mode(group: dict, p: torch.Tensor) -> int | None:
 
 
 def why_uncompressed(group: dict, shape: torch.Size) -> str:
-    if not group.get("compress", True):
+    if not _option(group, "compress"):
         return "compression is off for its param group"
-    if len(shape) < 2 and not group.get("compress_1d", False):
+    if len(shape) < 2 and not _option(group, "compress_1d"):
         return "1-D parameter (norm weight or bias)"
-    return f"{math.prod(shape)} elements < min_numel={group.get('min_numel')}"
+    return f"{math.prod(shape)} elements < min_numel={_option(group, 'min_numel')}"
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:

@@ -6,10 +6,16 @@ opt.step() would be gradient accumulation (the first micro-batch has already ste
 global-norm clip needs every gradient before the first step. `max_grad_norm` offers the nearest
 thing: each gradient is scaled by min(1, max_grad_norm / norm), with the norm of the PREVIOUS
 iteration's gradients (no clipping on the first), which is documented as such.
+
+torch.nn.utils.clip_grad_norm_ after backward finds every gradient already freed: it returns
+tensor(0.) and clips nothing. No hook sees that call, so the constructor warns instead, once,
+when release is on without max_grad_norm: a warning a user who never clips can filter, rather
+than a silent clip-nothing for one who does.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -22,12 +28,22 @@ _ACCUMULATION = (
 )
 
 
+_NO_CLIP = (
+    "coatstate: gradient_release=True frees each gradient during backward, so "
+    "torch.nn.utils.clip_grad_norm_ called afterwards sees none: it returns tensor(0.) and clips "
+    "nothing. To clip, pass CompressedAdamW(..., max_grad_norm=...) (it clips by the previous "
+    "step's global norm); if you do not clip, ignore this warning."
+)
+
+
 class GradientRelease:
     """The hooks and per-iteration bookkeeping of CompressedAdamW(gradient_release=True)."""
 
     def __init__(self, optimizer: Any, max_grad_norm: float | None) -> None:
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be a positive float; got {max_grad_norm!r}")
+        if max_grad_norm is None:
+            warnings.warn(_NO_CLIP, UserWarning, stacklevel=3)  # at the user's CompressedAdamW(...)
         self.optimizer = optimizer
         self.max_grad_norm = max_grad_norm
         self.stepped: set[int] = set()

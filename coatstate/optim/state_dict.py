@@ -11,11 +11,21 @@ from typing import Any
 import torch
 
 from coatstate.distributed import check_compressible, is_dtensor, local_chunk, local_tensor, wrap_state
-from coatstate.formats import FP8Format
-from coatstate.formats.master_weights import CORRECTION_DTYPES, MASTER_BITS
-from coatstate.formats.optimizer_state import CODES, DEFAULT_GROUP_SIZE, EXPONENTS, MASTER_CORRECTION, MOMENTS
-from coatstate.formats.optimizer_state import SCALES, init_moment, is_compressed, read_moment, write_moment
+from coatstate.formats.master_weights import CORRECTION_DTYPES
+from coatstate.formats.optimizer_state import (
+    CODES,
+    DEFAULT_GROUP_SIZE,
+    EXPONENTS,
+    MASTER_CORRECTION,
+    MOMENTS,
+    SCALES,
+    init_moment,
+    is_compressed,
+    read_moment,
+    write_moment,
+)
 from coatstate.optim.moments import FORMAT_DEFAULTS, global_shape, master_mode, moment_formats
+from coatstate.optim.options import check_group
 
 logger = logging.getLogger("coatstate")
 
@@ -84,37 +94,6 @@ def loaded_state(
         except (ValueError, TypeError, KeyError, RuntimeError) as e:
             raise ValueError(f"state of parameter {pid!r}: {e}") from e
     return new_groups, new_state
-
-
-def _number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def check_group(gi: int, group: dict[str, Any]) -> None:
-    """A loaded param group's hyperparameters, as CompressedAdamW's constructor checks them."""
-    lr, betas = group["lr"], group["betas"]
-    if isinstance(lr, torch.Tensor):
-        if lr.numel() != 1:
-            raise ValueError(f"param group {gi}: tensor lr must have one element; got {tuple(lr.shape)}")
-    elif not (_number(lr) and lr >= 0):
-        raise ValueError(f"param group {gi}: lr must be a number >= 0; got {lr!r:.40}")
-    if not (
-        isinstance(betas, (tuple, list)) and len(betas) == 2 and all(_number(b) and 0 <= b < 1 for b in betas)
-    ):
-        raise ValueError(f"param group {gi}: betas must be two floats in [0, 1); got {betas!r:.60}")
-    for key in ("eps", "weight_decay"):
-        if not (_number(group[key]) and group[key] >= 0):
-            raise ValueError(f"param group {gi}: {key} must be a number >= 0; got {group[key]!r:.40}")
-    g = group["group_size"]
-    if isinstance(g, bool) or not isinstance(g, int) or g < 1:
-        raise ValueError(f"param group {gi}: group_size must be a positive int; got {g!r:.40}")
-    if isinstance(group["master_bits"], bool) or group["master_bits"] not in (None, *MASTER_BITS):
-        raise ValueError(f"param group {gi}: master_bits must be None, 16, 24 or 32")
-    for key in ("exp_avg_format", "exp_avg_sq_format"):
-        try:
-            FP8Format.parse(group[key])
-        except (ValueError, TypeError) as e:
-            raise ValueError(f"param group {gi}: {key}: {e}") from None
 
 
 def convert_param_state(saved: dict, p: torch.Tensor, group: dict) -> dict:
@@ -198,7 +177,10 @@ def _format_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     unknown = set(kwargs) - set(FORMAT_DEFAULTS)
     if unknown:
         raise TypeError(f"unknown format option(s) {sorted(unknown)}; allowed: {sorted(FORMAT_DEFAULTS)}")
-    return {**FORMAT_DEFAULTS, **kwargs}
+    options = {**FORMAT_DEFAULTS, **kwargs}
+    if options["master_bits"] == "auto":  # a torch AdamW state names no parameter dtypes to decide from
+        options["master_bits"] = None
+    return options
 
 
 def compress_adamw_state_dict(state_dict: dict[str, Any], **format_options: Any) -> dict[str, Any]:

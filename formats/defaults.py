@@ -1,0 +1,38 @@
+"""The optimizer-state defaults: one table that every default is read from.
+
+CompressedAdamW's signature, its param-group fallbacks (coatstate.optim.moments), MomentFormat
+and the group codecs' keyword defaults (formats.group, kernels.group) all read these names, so
+that a default changes here, once, and nowhere disagrees.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Any
+
+GROUP_SIZE = 128
+"""Elements per group of an optimizer moment along a row (COAT's choice)."""
+FORMAT = "e4m3"
+"""FP8 format of both moments' codes."""
+EXPAND = True
+"""COAT's dynamic range expansion, for both moments and the codecs. On: training runs cannot tell
+it from plain E4M3, and on real Adam moments it loses far less of the update m / sqrt(v)
+(README, "Does it keep AdamW's accuracy?"). Flip this line to change the default."""
+
+OPTIMIZER_DEFAULTS: MappingProxyType[str, Any] = MappingProxyType(
+    {
+        "compress": True,
+        "group_size": GROUP_SIZE,
+        "exp_avg_format": FORMAT,
+        "exp_avg_sq_format": FORMAT,
+        "exp_avg_expand": EXPAND,
+        "exp_avg_sq_expand": EXPAND,
+        "min_numel": 4096,
+        "compress_1d": False,
+        "master_bits": "auto",
+        "master_seed": 0,
+    }
+)
+"""CompressedAdamW's own param-group options (beside torch.optim.AdamW's) and their defaults.
+min_numel: smaller tensors keep float32 moments (bitsandbytes' threshold); master_bits "auto"
+is resolved per param group when it is added (24 for bfloat16 parameters)."""
