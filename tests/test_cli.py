@@ -78,7 +78,7 @@ def test_convert_options_and_zstd(adamw_pt, tmp_path):
 def test_inspect_reports_formats_sizes_and_step(adamw_pt, tmp_path, capsys):
     pt, _, _ = adamw_pt
     st = str(tmp_path / "o.safetensors")
-    assert main(["convert", pt, st, "--expand"]) == 0  # (expansion is off by default)
+    assert main(["convert", pt, st, "--expand"]) == 0
     capsys.readouterr()
     assert main(["inspect", st, "--json", "--verify"]) == 0
     report = json.loads(capsys.readouterr().out)

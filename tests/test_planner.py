@@ -96,7 +96,7 @@ def test_fsdp2_shards_states_and_keeps_precision_decisions():
     one = optimizer_bytes(shapes, "compressed")
     four = optimizer_bytes(shapes, "compressed", shards=4)
     # rank 0 holds ceil(1000/4)=250 rows of the big matrix, ceil(3000/4) of the 1-D (fp32 either way)
-    per_group = 4  # a float32 scale per group of 128 (no exponent: expansion is off by default)
+    per_group = 5  # a float32 scale and a uint8 exponent per group of 128 (expansion is on by default)
     big = 250 * 512 + 250 * 4 * per_group
     assert four == 2 * big + 2 * 4 * 750 + 2 * 4 * 2 * 100
     assert one == 2 * (1000 * 512 + 1000 * 4 * per_group) + 2 * 4 * 3000 + 2 * 4 * 700
