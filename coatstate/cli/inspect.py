@@ -13,7 +13,7 @@ from coatstate.cli.common import PT_EXTENSIONS, checkpoint_error, extension, hum
 
 VERIFIED = "all verified"
 NOT_VERIFIED = "not verified (--verify reads and checks every tensor)"
-PT_CHECKSUMS = "none: a torch .pt file holds no checksums (torch.load read it with weights_only=True)"
+PT_CHECKSUMS = "none, as a torch .pt file holds no checksums (torch.load read it with weights_only=True)"
 """What `inspect` says of checksums for a .pt, with or without --verify (there is nothing to check)."""
 
 
