@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import uuid
 
+import fsspec
 import pytest
 import torch
 from coatstate.formats import GroupQuantized, error_bound
@@ -141,3 +144,168 @@ def test_python_dash_m_entry_point(adamw_pt):
     done = subprocess.run([sys.executable, "-m", "coatstate", "inspect", pt], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "fp32" in done.stdout
+
+
+# ----------------------------------------------------------------- convert never breaks its input
+def _trained_compressed():
+    from coatstate.optim import CompressedAdamW
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(32, 32)
+    opt = CompressedAdamW(model.parameters(), lr=1e-2, min_numel=1)
+    model(torch.randn(4, 32)).square().mean().backward()
+    opt.step()
+    return model, opt
+
+
+def _directory(kind: str, tmp_path) -> str:
+    return str(tmp_path) if kind == "local" else f"memory://coatstate-cli/{uuid.uuid4().hex}"
+
+
+def _contents(url: str) -> bytes:
+    with fsspec.open(url, "rb") as f:
+        return f.read()
+
+
+@pytest.mark.parametrize("kind", ["local", "memory"])
+@pytest.mark.parametrize("layout", ["per_rank", "sharded"])
+def test_convert_refuses_a_file_its_source_reads(kind, layout, tmp_path, capsys):
+    model, opt = _trained_compressed()
+    root = f"{_directory(kind, tmp_path)}/ckpt.safetensors"
+    if layout == "per_rank":
+        ck.save(opt, root, model=model, distributed="per_rank")
+        names = [f["file"] for f in ck.read_header(root)["per_rank"]["files"]]
+    else:
+        ck.save(opt, root, model=model, shard_size=2048)
+        names = [s["file"] for s in ck.read_header(root)["shards"]]
+    files = [root] + [root.rsplit("/", 1)[0] + "/" + n for n in names]
+    before = {f: _contents(f) for f in files}
+    capsys.readouterr()
+    for dst in files[1:]:
+        if kind == "local":
+            dst = "file://" + dst  # another spelling of the same file
+        for force in ([], ["--force"]):  # --force never makes an input writable
+            assert main(["convert", root, dst, "--to", "adamw", *force]) == 2, dst
+            err = capsys.readouterr().err
+            what = "a rank file" if layout == "per_rank" else "a shard"
+            assert f"is {what} of SRC" in err and "never overwrites its input" in err, err
+            assert err.count("\n") == 1
+    assert {f: _contents(f) for f in files} == before
+    ck.read_state_dict(root)  # still whole
+
+
+@pytest.mark.parametrize("spelling", ["plain", "file", "dotdot", "symlink", "memory"])
+def test_convert_refuses_its_source_under_another_name(spelling, adamw_pt, tmp_path, capsys):
+    pt, _, _ = adamw_pt
+    if spelling == "memory":
+        pt = f"memory://coatstate-cli/{uuid.uuid4().hex}/optimizer.pt"
+        with fsspec.open(pt, "wb") as f:
+            f.write((tmp_path / "optimizer.pt").read_bytes())
+        dst = pt.replace("memory://", "memory:///")
+    else:
+        dst = {
+            "plain": pt,
+            "file": "file://" + pt,
+            "dotdot": str(tmp_path / ".." / tmp_path.name / "optimizer.pt"),
+            "symlink": str(tmp_path / "link.pt"),
+        }[spelling]
+        os.symlink(pt, tmp_path / "link.pt")
+    before = _contents(pt)
+    capsys.readouterr()
+    assert main(["convert", pt, dst, "--to", "compressed", "--force"]) == 2
+    assert "is the same file as SRC" in capsys.readouterr().err
+    assert _contents(pt) == before
+
+
+def test_convert_replaces_an_existing_dst_only_with_force(adamw_pt, tmp_path, capsys):
+    pt, _, _ = adamw_pt
+    st = str(tmp_path / "optim.safetensors")
+    assert main(["convert", pt, st]) == 0
+    first = _contents(st)
+    capsys.readouterr()
+    assert main(["convert", pt, st, "--group-size", "64"]) == 2
+    err = capsys.readouterr().err
+    assert st in err and "--force" in err and err.count("\n") == 1
+    assert _contents(st) == first
+    assert main(["convert", pt, st, "--group-size", "64", "--force"]) == 0
+    assert ck.read_header(st)["params"]["0"]["compressed"]["exp_avg"]["group_size"] == 64
+
+
+def test_convert_into_a_new_file_of_a_dcp_directory_is_allowed_an_existing_one_is_not(tmp_path, capsys):
+    (tmp_path / "old.safetensors").write_bytes(b"x")
+    assert main(["convert", str(tmp_path), str(tmp_path / "old.safetensors"), "--force"]) == 2
+    assert "inside SRC's torch.distributed.checkpoint directory" in capsys.readouterr().err
+    assert main(["convert", str(tmp_path), str(tmp_path / "new.safetensors")]) == 1  # (no .metadata)
+    assert "usage error" not in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- numbers are checked before reading
+@pytest.mark.parametrize(
+    "option, value",
+    [
+        ("--group-size", "1000000000000"),
+        ("--group-size", str(2**63)),
+        ("--group-size", "0"),
+        ("--group-size", "65537"),
+        ("--min-numel", str(2**63)),
+        ("--min-numel", "-1"),
+    ],
+)
+def test_convert_numbers_out_of_range_are_usage_errors_before_reading(option, value, tmp_path, capsys):
+    missing = str(tmp_path / "missing.pt")  # never opened: the check comes first
+    assert main(["convert", missing, str(tmp_path / "o.safetensors"), option, value]) == 2
+    err = capsys.readouterr().err
+    assert option in err and "must be an integer from" in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize(
+    "option, value",
+    [
+        ("--batch", "0"),
+        ("--seq", "0"),
+        ("--seq", str(2**63)),
+        ("--gpus", "0"),
+        ("--heads", "0"),
+        ("--kv-heads", "-1"),
+        ("--ffn", "0"),
+        ("--vocab", "0"),
+        ("--layers", "-2"),
+        ("--layers", "1000000"),
+        ("--hidden", str(2**40)),
+        ("--loss-chunks", "0"),
+        ("--params", "0"),
+        ("--params", "1e400"),
+        ("--gpu-memory", "0"),
+        ("--gpu-memory", "1e400GB"),
+    ],
+)
+def test_plan_numbers_out_of_range_are_usage_errors(option, value, capsys):
+    argv = ["plan", "--layers", "2", "--hidden", "64", "--vocab", "128", option, value]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert option in err and "Traceback" not in err and err.count("\n") == 1, err
+
+
+# ------------------------------------------------------------------------------ what the CLI says
+def test_version_prints_the_version(capsys):
+    import coatstate
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"coatstate {coatstate.__version__}\n"
+
+
+def test_inspect_says_why_a_pt_has_no_checksums(adamw_pt, capsys):
+    pt, _, _ = adamw_pt
+    assert main(["inspect", pt, "--verify"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("checksums:"))
+    assert "holds no checksums" in line and "not verified" not in line
+    assert main(["inspect", pt, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["checksums_verified"] is False and "holds no checksums" in report["checksums"]
+
+
+@pytest.mark.parametrize("command", ["inspect", "convert", "clean", "plan"])
+def test_each_help_says_what_the_command_prints(command, capsys):
+    assert main([command, "--help"]) == 0
+    description = capsys.readouterr().out.split("positional arguments")[0]
+    assert "rints" in description, description  # "Prints ..." / "prints ..."

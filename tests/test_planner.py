@@ -12,11 +12,10 @@ import torch
 from torch import nn
 
 from coatstate import CompressedAdamW, compress_activations
-from coatstate.optim import optimizer_state_bytes
 from coatstate.activations import KEEP_ALL
 from coatstate.cli import main
-from coatstate.planner import Variant, plan, resolve_model
-from coatstate.planner import optimizer_bytes
+from coatstate.optim import optimizer_state_bytes
+from coatstate.planner import Variant, optimizer_bytes, plan, resolve_model
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -127,9 +126,13 @@ def test_cli_json_config_without_transformers(tmp_path, capsys):
     assert names[:3] == ["torch AdamW + BF16", "CompressedAdamW", "CompressedAdamW + compress_activations"]
     for r in out["rows"]:
         assert r["bytes"]["peak"] == sum(v for k, v in r["bytes"].items() if k != "peak")
-    for r in out["rows"][:3]:  # (the master_bits + release variant: test_master_bits_and_gradient_release_variants)
+    for i, r in enumerate(
+        out["rows"][:3]
+    ):  # (the release variant: test_master_bits_and_gradient_release_variants)
         b = r["bytes"]
-        assert b["params"] == b["grads"] == 2 * out["params"] and b["master"] == 4 * out["params"]
+        assert b["params"] == b["grads"] == 2 * out["params"]
+        # torch AdamW keeps an fp32 copy, CompressedAdamW its default 24-bit master (1 byte)
+        assert b["master"] == (4 if i == 0 else 1) * out["params"], r["variant"]
     bf16, comp, both = out["rows"][:3]
     assert bf16["bytes"]["optimizer"] == 8 * out["params"]
     assert comp["bytes"]["optimizer"] < bf16["bytes"]["optimizer"] / 2
@@ -202,15 +205,75 @@ def test_bad_memory_size_is_a_usage_error(capsys):
 
 
 def test_master_bits_and_gradient_release_variants():
-    from coatstate.planner import Variant
-
     spec = resolve_model(None, arch="llama", layers=2, hidden=256, heads=4, ffn=512, vocab=1000)
-    base = Variant("c", "compressed", "none")
-    lean = Variant("c24r", "compressed", "none", master_bits=24, gradient_release=True)
-    p = plan(spec, seq=128, param_dtype="bf16", variants=[base, lean])
-    a, b = (r.bytes for r in p.rows)
+    variants = [
+        Variant("adamw", "adamw", "none"),
+        Variant("c", "compressed", "none"),  # master_bits="auto", as CompressedAdamW's default
+        Variant("c32", "compressed", "none", master_bits=32),
+        Variant("c16", "compressed", "none", master_bits=16),
+        Variant("none", "compressed", "none", master_bits=None),
+        Variant("c24r", "compressed", "none", master_bits=24, gradient_release=True),
+    ]
+    p = plan(spec, seq=128, param_dtype="bf16", variants=variants, progress=False)
+    adamw, auto, c32, c16, none, lean = (r.bytes for r in p.rows)
     n = p.params
-    assert a["master"] == 4 * n and b["master"] == n  # float32 master vs an int8 correction
+    # a float32 copy; an int8, an int16 or no correction
+    assert [b["master"] for b in (adamw, auto, c32, c16, none, lean)] == [4 * n, n, 2 * n, 0, 0, n]
     largest = max(math.prod(s) for s in p.shapes)
-    assert a["grads"] == 2 * n and b["grads"] == 2 * largest
-    assert b["optimizer"] == a["optimizer"] and b["peak"] < a["peak"]
+    assert auto["grads"] == 2 * n and lean["grads"] == 2 * largest
+    assert lean["optimizer"] == auto["optimizer"] and lean["peak"] < auto["peak"]
+    fp32 = plan(spec, seq=128, param_dtype="fp32", variants=variants[:3], progress=False)
+    assert all(r.bytes["master"] == 0 for r in fp32.rows)  # fp32 params are their own master
+    with pytest.raises(ValueError, match="master_bits"):
+        Variant("x", "adamw", "none", master_bits=24)  # torch AdamW has no master_bits
+
+
+def test_compressed_rows_hold_what_compressed_adamw_keeps_for_bf16_params():
+    """The CompressedAdamW rows' master column is CompressedAdamW's default for bf16 params
+    (master_bits="auto"), byte for byte what a real optimizer holds after a step."""
+    spec = resolve_model(None, arch="llama", layers=2, hidden=64, heads=2, vocab=128, max_seq=64)
+    torch.manual_seed(0)
+    model = spec.build(2).to(torch.bfloat16)  # the full model: both of its layers
+    opt = CompressedAdamW(model.parameters())
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    held = sum(
+        t.numel() * t.element_size() for s in opt.state.values() for k, t in s.items() if "master" in k
+    )
+    p = plan(spec, seq=64, variants=[Variant("c", "compressed", "none")], progress=False)
+    assert held > 0 and p.rows[0].bytes["master"] == held
+
+
+def test_row_labels_follow_the_param_dtype():
+    from coatstate.planner.planning import default_variants
+
+    bf16, _ = default_variants("bf16")
+    fp32, _ = default_variants("fp32")
+    assert bf16[0].name == "torch AdamW + BF16" and fp32[0].name == "torch AdamW + FP32"
+    assert not any("BF16" in v.name or "bf16" in v.name for v in fp32)
+    assert [v.name for v in bf16[1:]] == [v.name for v in fp32[1:]]
+
+
+def test_long_labels_keep_the_table_columns_aligned():
+    spec = resolve_model(None, arch="llama", layers=2, hidden=64, heads=2, vocab=128, max_seq=64)
+    long = "CompressedAdamW + compress_activations + gradient release + FP8 linear + more"
+    variants = [Variant("a", "adamw", "none"), Variant(long, "compressed", "none")]
+    lines = plan(spec, seq=64, variants=variants, progress=False).table().splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("GB per GPU"))
+    rows = lines[head : head + 1 + len(variants)]
+    assert rows[2].startswith(long + " ")
+    assert len({len(line) for line in rows}) == 1, "\n".join(rows)  # every column ends where its header does
+
+
+def test_the_docs_list_every_row_plan_prints():
+    from coatstate.planner.planning import default_variants, fp8_linear_converter
+
+    variants, _ = default_variants("bf16")
+    assert fp8_linear_converter()[0] is not None  # coatstate.nn is there: all five rows
+    docs = (ROOT / "docs" / "planner.md").read_text()
+    intro = docs.split("```", 1)[0]
+    count = {4: "four", 5: "five", 6: "six"}[len(variants)]
+    assert f"answers for {count} ways of training" in intro
+    for v in variants:
+        assert f"\n| {v.name} " in intro, v.name

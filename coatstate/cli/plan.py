@@ -10,6 +10,7 @@ import json
 import os
 import stat
 
+from coatstate.cli.common import in_range, int_in
 from coatstate.planner.units import parse_bytes, parse_count
 
 MAX_CONFIG_BYTES = 64 * 2**20
@@ -18,14 +19,46 @@ MAX_CONFIG_DEPTH = 64
 """Nesting a config may have (transformers' are a few levels deep)."""
 
 
+# Each range is what the planner can build and trace in seconds, wide enough for any model
+# trained today; a value outside it is a usage error before anything is read or built.
+RANGES = {
+    "params": (1, 10**15),
+    "layers": (1, 1024),
+    "hidden": (1, 2**17),
+    "heads": (1, 2**17),
+    "kv_heads": (1, 2**17),
+    "ffn": (1, 2**20),
+    "vocab": (1, 2**24),
+    "seq": (1, 2**22),
+    "batch": (1, 2**20),
+    "gpus": (1, 2**16),
+    "gpu_memory": (1, 2**50),
+    "loss_chunks": (1, 2**16),
+}
+"""The documented range of each numeric option of `coatstate plan` (docs/planner.md)."""
+
+
+def _int(name: str):
+    return int_in(*RANGES[name])
+
+
+def _span(name: str) -> str:
+    low, high = RANGES[name]
+    return f"{low:,} to {high:,}"
+
+
 def add_plan_parser(sub) -> None:
     """Register `plan` on the `coatstate` subcommand parser."""
     p = sub.add_parser(
         "plan",
-        help="memory per GPU, GPUs needed and largest micro-batch: AdamW+BF16 vs compressed",
-        description="Predict training memory per GPU for torch AdamW + BF16, CompressedAdamW and "
-        "CompressedAdamW + compress_activations, from the model's real parameter shapes and a short "
-        "CPU trace of its activations (docs/planner.md).",
+        help="memory per GPU, GPUs needed and largest micro-batch: torch AdamW vs CompressedAdamW",
+        description="Predict training memory per GPU for torch AdamW, CompressedAdamW, CompressedAdamW "
+        "+ compress_activations (also with gradient release, and with FP8 linear layers when "
+        "coatstate.nn has them), from the model's real parameter shapes and a short CPU trace of its "
+        "activations (docs/planner.md). Prints the job, then one row per way of training: GB per GPU "
+        "of params, grads, master weights, optimizer states, saved activations, the step's transient "
+        "memory and the peak, whether it fits --gpu-memory, the fewest GPUs that hold it and the "
+        "largest micro-batch that fits (--json: the same as one JSON object).",
     )
     p.add_argument(
         "model",
@@ -36,17 +69,47 @@ def add_plan_parser(sub) -> None:
     )
     m = p.add_argument_group("model from numbers")
     m.add_argument("--arch", choices=("llama", "gpt"), default="llama", help="block layout (default llama)")
-    m.add_argument("--params", type=parse_count, help="total parameters, e.g. 6.7B (sets the vocabulary)")
-    m.add_argument("--layers", type=int, help="transformer blocks (with --hidden: the model from numbers)")
-    m.add_argument("--hidden", type=int, help="model width (hidden size)")
-    m.add_argument("--heads", type=int, help="attention heads (default hidden / 128, at least 1)")
-    m.add_argument("--kv-heads", type=int, help="key/value heads for grouped-query attention (llama)")
-    m.add_argument("--ffn", type=int, help="MLP width (default: llama 8/3 hidden rounded to 256, gpt 4x)")
-    m.add_argument("--vocab", type=int, help="vocabulary size (default: from --params, else 32000)")
+    m.add_argument(
+        "--params",
+        type=in_range(parse_count, *RANGES["params"], "--params"),
+        help=f"total parameters, e.g. 6.7B (sets the vocabulary; {_span('params')})",
+    )
+    m.add_argument(
+        "--layers",
+        type=_int("layers"),
+        help=f"transformer blocks (with --hidden: the model from numbers; {_span('layers')})",
+    )
+    m.add_argument("--hidden", type=_int("hidden"), help=f"model width (hidden size; {_span('hidden')})")
+    m.add_argument(
+        "--heads",
+        type=_int("heads"),
+        help=f"attention heads (default hidden / 128, at least 1; {_span('heads')})",
+    )
+    m.add_argument(
+        "--kv-heads",
+        type=_int("kv_heads"),
+        help=f"key/value heads for grouped-query attention (llama; {_span('kv_heads')})",
+    )
+    m.add_argument(
+        "--ffn",
+        type=_int("ffn"),
+        help=f"MLP width (default: llama 8/3 hidden rounded to 256, gpt 4x; {_span('ffn')})",
+    )
+    m.add_argument(
+        "--vocab",
+        type=_int("vocab"),
+        help=f"vocabulary size (default: from --params, else 32000; {_span('vocab')})",
+    )
     j = p.add_argument_group("job")
-    j.add_argument("--seq", type=int, help="sequence length (default: the config's maximum, else 2048)")
-    j.add_argument("--batch", type=int, default=1, help="micro-batch per GPU (default 1)")
-    j.add_argument("--gpus", type=int, default=1, help="GPUs (default 1)")
+    j.add_argument(
+        "--seq",
+        type=_int("seq"),
+        help=f"sequence length (default: the config's maximum, else 2048; {_span('seq')})",
+    )
+    j.add_argument(
+        "--batch", type=_int("batch"), default=1, help=f"micro-batch per GPU (default 1; {_span('batch')})"
+    )
+    j.add_argument("--gpus", type=_int("gpus"), default=1, help=f"GPUs (default 1; {_span('gpus')})")
     j.add_argument(
         "--sharding",
         choices=("none", "fsdp2"),
@@ -55,22 +118,31 @@ def add_plan_parser(sub) -> None:
         "optimizer states sharded over --gpus",
     )
     j.add_argument(
-        "--gpu-memory", type=parse_bytes, default=parse_bytes("80GB"), help="memory per GPU (default 80GB)"
+        "--gpu-memory",
+        type=in_range(parse_bytes, *RANGES["gpu_memory"], "--gpu-memory"),
+        default=parse_bytes("80GB"),
+        help="memory per GPU (default 80GB; 1 byte to 1 PiB)",
     )
     j.add_argument(
         "--param-dtype",
         choices=("bf16", "fp32"),
         default="bf16",
-        help="bf16: bf16 params and grads (+ fp32 master weights); fp32: fp32 params and grads "
-        "with bf16 autocast (default bf16)",
+        help="bf16: bf16 params and grads, with master weights (torch AdamW: an fp32 copy; "
+        "CompressedAdamW: its default master_bits=24 correction); fp32: fp32 params and grads with "
+        "bf16 autocast (default bf16)",
     )
-    j.add_argument("--no-master-weights", action="store_true", help="bf16 params without an fp32 copy")
+    j.add_argument(
+        "--no-master-weights",
+        action="store_true",
+        help="bf16 params without master weights (no fp32 copy; CompressedAdamW master_bits=None)",
+    )
     j.add_argument("--no-autocast", action="store_true", help="with --param-dtype fp32: run in fp32")
     j.add_argument(
         "--loss-chunks",
-        type=int,
+        type=_int("loss_chunks"),
         default=1,
-        help="head + loss over this many checkpointed chunks of tokens (built models only)",
+        help=f"head + loss over this many checkpointed chunks of tokens (built models only; "
+        f"{_span('loss_chunks')})",
     )
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
     p.set_defaults(run=cmd_plan)

@@ -3,8 +3,9 @@
 Per GPU, for one variant, micro-batch B and N GPUs:
   params, grads   numel of rank 0's shard x bytes of the param dtype (FSDP2 splits dim 0 in
                   chunks of ceil(rows / N); rank 0 holds the largest)
-  master          4 bytes per shard element with bf16 params (off with master_weights=False), or
-                  the master_bits correction (2, 1 or 0 bytes) for a variant that sets it
+  master          with bf16 params (none with master_weights=False): torch AdamW a float32 copy
+                  (4 bytes per shard element), CompressedAdamW its master_bits correction (2, 1
+                  or 0 bytes; "auto", its default, is 24 bits: 1 byte)
   (grads)         with gradient release, only the largest parameter's gradient
   optimizer       torch AdamW: fp32 m and v; CompressedAdamW: its moment_formats on the GLOBAL
                   shape and formats.group.storage_bytes of the shard
@@ -25,14 +26,19 @@ from typing import Any
 import torch
 
 from coatstate.formats.group import storage_bytes
+from coatstate.formats.master_weights import CORRECTION_DTYPES, MASTER_BITS
 from coatstate.optim.moments import FORMAT_DEFAULTS, moment_formats
 from coatstate.planner.trace import ActivationModel
 
 GB = 1e9
 PARAM_BYTES = {"bf16": 2, "fp32": 4}
 COLUMNS = ("params", "grads", "master", "optimizer", "activations", "transient")
-MASTER_CORRECTION_BYTES = {32: 2, 24: 1, 16: 0}
+MASTER_CORRECTION_BYTES = {
+    b: CORRECTION_DTYPES[b].itemsize if b in CORRECTION_DTYPES else 0 for b in MASTER_BITS
+}
 """Bytes per parameter of CompressedAdamW's master correction (formats.master_weights)."""
+AUTO_MASTER_BITS = 24
+"""What CompressedAdamW's master_bits="auto" resolves to for bfloat16 parameters."""
 
 
 def local_shape(shape: tuple[int, ...], shards: int) -> tuple[int, ...]:
@@ -78,12 +84,32 @@ class Variant:
     """'adamw' (torch, fp32 moments) or 'compressed' (CompressedAdamW)."""
     activations: str
     """Trace kind: 'none', 'compressed' (compress_activations) or 'fp8' (+ FP8 linear layers)."""
-    master_bits: int | None = None
-    """CompressedAdamW's master_bits for 16-bit parameters: the master column holds its correction
-    (2, 1 or 0 bytes per parameter) instead of a float32 master (4)."""
+    master_bits: int | str | None = "auto"
+    """CompressedAdamW's master_bits for bf16 parameters, with its meaning and default ("auto":
+    24; None: no master); the master column holds its correction (2, 1 or 0 bytes per
+    parameter). torch AdamW ('adamw') keeps a float32 copy (4 bytes) and takes only "auto"."""
     gradient_release: bool = False
     """Each parameter steps during backward and frees its gradient: the grads column holds the
     largest parameter's gradient, not all of them."""
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in ("adamw", "compressed"):
+            raise ValueError(f"optimizer must be 'adamw' or 'compressed'; got {self.optimizer!r}")
+        allowed = ("auto",) if self.optimizer == "adamw" else ("auto", None, *MASTER_BITS)
+        if self.master_bits not in allowed:
+            raise ValueError(
+                f"Variant {self.name!r}: master_bits must be one of {allowed} for optimizer "
+                f"{self.optimizer!r}; got {self.master_bits!r}"
+            )
+
+    def master_bytes(self, param_dtype: str, master_weights: bool) -> int:
+        """Bytes per parameter that stand for its float32 master weight."""
+        if param_dtype == "fp32" or not master_weights:  # fp32 params are their own master
+            return 0
+        if self.optimizer == "adamw":
+            return 4
+        bits = AUTO_MASTER_BITS if self.master_bits == "auto" else self.master_bits
+        return 0 if bits is None else MASTER_CORRECTION_BYTES[bits]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,11 +162,10 @@ class Plan:
         if n > 1:  # unsharded root params stay for the step; a layer is gathered, prefetched, reduced
             fsdp = self.root_numel * pb - math.ceil(self.root_numel / n) * pb + 3 * self.layer_numel * pb
         largest = max((math.prod(local_shape(x, n)) for x in self.shapes), default=0)
-        master_bytes = 4 if v.master_bits is None else MASTER_CORRECTION_BYTES[v.master_bits]
         out = {
             "params": local * pb,
             "grads": (largest if v.gradient_release else local) * pb,
-            "master": local * master_bytes if s["master_weights"] and s["param_dtype"] != "fp32" else 0,
+            "master": local * v.master_bytes(s["param_dtype"], s["master_weights"]),
             "optimizer": optimizer_bytes(self.shapes, v.optimizer, n, self.optimizer_options),
             "activations": saved,
             "transient": max(peak_act - saved, 0) + fsdp,  # the fitted peak can dip below the saved bytes
@@ -185,8 +210,12 @@ class Plan:
     # ---- output ----------------------------------------------------------------------------
     def describe(self) -> str:
         s = self.setup
+        masters = (
+            " with master weights (torch AdamW: an fp32 copy; CompressedAdamW: its master_bits "
+            f"correction, {AUTO_MASTER_BITS} bits by default)"
+        )
         prec = (
-            "bf16 params and grads" + (" + fp32 master weights" if s["master_weights"] else "")
+            "bf16 params and grads" + (masters if s["master_weights"] else ", no master weights")
             if s["param_dtype"] == "bf16"
             else "fp32 params and grads" + (" + bf16 autocast" if s["autocast"] else "")
         )
@@ -198,15 +227,15 @@ class Plan:
         )
 
     def table(self) -> str:
-        head = f"{'GB per GPU':<52}" + "".join(f"{c[:11]:>12}" for c in (*COLUMNS, "peak"))
+        width = max([len("GB per GPU"), *(len(r.variant.name) for r in self.rows)]) + 2
+        head = f"{'GB per GPU':<{width}}" + "".join(f"{c[:11]:>12}" for c in (*COLUMNS, "peak"))
         head += f"{'fits':>6}{'min GPUs':>10}{'max batch':>11}"
         lines = [self.describe(), "", head]
         for r in self.rows:
             cells = "".join(f"{r.bytes[c] / GB:12.2f}" for c in (*COLUMNS, "peak"))
             gpus = "-" if r.min_gpus is None else str(r.min_gpus)
-            lines.append(
-                f"{r.variant.name:<52}{cells}{'yes' if r.fits else 'no':>6}{gpus:>10}{r.max_batch:>11}"
-            )
+            fits = "yes" if r.fits else "no"
+            lines.append(f"{r.variant.name:<{width}}{cells}{fits:>6}{gpus:>10}{r.max_batch:>11}")
         points = next(iter(self.activations.values())).trace_points
         lines += [
             "",

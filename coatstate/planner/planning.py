@@ -3,8 +3,9 @@
     from coatstate.planner import plan, resolve_model
     print(plan(resolve_model("config.json"), seq=2048, batch=2, gpus=4, sharding="fsdp2").table())
 
-Per GPU, for torch AdamW + BF16, CompressedAdamW, CompressedAdamW + compress_activations (and
-+ FP8 linear when coatstate.nn.FP8Linear exists): parameters, gradients, master weights and
+Per GPU, for torch AdamW, CompressedAdamW, CompressedAdamW + compress_activations, the same with
+gradient release (and + FP8 linear when coatstate.nn.FP8Linear exists), each with CompressedAdamW's
+defaults (master_bits=24 for bf16 params): parameters, gradients, master weights and
 optimizer states from the model's real parameter shapes (on the meta device) and the library's
 own rules (CompressedAdamW's moment_formats: group size, formats, expansion, min_numel, 1-D
 params; formats.group.storage_bytes), FSDP2 shards as dim-0 chunks; activation bytes and the
@@ -183,16 +184,17 @@ def fp8_linear_converter() -> tuple[Callable[[nn.Module], nn.Module] | None, str
     return convert, "coatstate.nn.convert_to_fp8"
 
 
-def default_variants() -> tuple[list[Variant], str]:
+def default_variants(param_dtype: str = "bf16") -> tuple[list[Variant], str]:
+    """The ways of training `plan` compares, with CompressedAdamW's defaults (for bf16 params:
+    master_bits=24), and why the FP8 linear one is left out ("" when it is in)."""
     variants = [
-        Variant("torch AdamW + BF16", "adamw", "none"),
+        Variant(f"torch AdamW + {param_dtype.upper()}", "adamw", "none"),
         Variant("CompressedAdamW", "compressed", "none"),
         Variant("CompressedAdamW + compress_activations", "compressed", "compressed"),
         Variant(
-            "CompressedAdamW master_bits=24 + gradient release + compress_activations",
+            "CompressedAdamW + compress_activations + gradient release",
             "compressed",
             "compressed",
-            master_bits=24,
             gradient_release=True,
         ),
     ]
@@ -268,7 +270,7 @@ def plan(
     use_autocast = autocast and param_dtype == "fp32"
     notes = []
     if variants is None:
-        variants, note = default_variants()
+        variants, note = default_variants(param_dtype)
         notes += [note] if note else []
 
     kinds = {v.activations for v in variants}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import re
 
 _UNITS = {
@@ -24,16 +25,33 @@ def parse_bytes(text: str) -> int:
     """'80GB', '141 GiB', '8e10' -> bytes (a bare number is bytes; GB = 1e9, GiB = 2**30)."""
     m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", str(text))
     unit = m.group(2).lower() if m else None
-    if m is None or unit not in _UNITS:
+    number = _number(m.group(1)) if m else None
+    if number is None or unit not in _UNITS:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a memory size: write e.g. 80GB, 141GiB or a number of bytes"
         )
-    return int(float(m.group(1)) * _UNITS[unit])
+    return _whole(number * _UNITS[unit], text, "memory size")
 
 
 def parse_count(text: str) -> int:
     """'6.7B', '355M', '7e9' -> an integer count."""
     m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([kKmMbBtT]?)\s*", str(text))
-    if m is None:
+    number = _number(m.group(1)) if m else None
+    if number is None:
         raise argparse.ArgumentTypeError(f"{text!r} is not a count: write e.g. 6.7B, 355M or 7e9")
-    return int(float(m.group(1)) * _COUNT_SUFFIX[m.group(2).lower()])
+    return _whole(number * _COUNT_SUFFIX[m.group(2).lower()], text, "count")
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:  # '..', '1e': the pattern lets through what float() refuses
+        return None
+
+
+def _whole(value: float, text: str, what: str) -> int:
+    # float('1e400') is infinity, which has no int (OverflowError is no ValueError: argparse
+    # would let it through as a traceback)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is too large for a {what}")
+    return int(value)
