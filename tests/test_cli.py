@@ -78,6 +78,16 @@ def test_convert_options_and_zstd(adamw_pt, tmp_path):
     }
 
 
+def test_convert_expands_as_compressed_adamw_does_unless_told(adamw_pt, tmp_path):
+    """Without --expand / --no-expand, convert writes the optimizer's default format (expansion on)."""
+    pt, _, _ = adamw_pt
+    for flags, expand in (([], True), (["--no-expand"], False), (["--expand"], True)):
+        st = str(tmp_path / f"o{len(flags)}{expand}.safetensors")
+        assert main(["convert", pt, st, *flags]) == 0
+        formats = ck.read_header(st)["params"]["0"]["compressed"]
+        assert {f["expand"] for f in formats.values()} == {expand}, (flags, formats)
+
+
 def test_inspect_reports_formats_sizes_and_step(adamw_pt, tmp_path, capsys):
     pt, _, _ = adamw_pt
     st = str(tmp_path / "o.safetensors")

@@ -79,10 +79,14 @@ def add_convert_parser(sub) -> None:
     )
     c.add_argument(
         "--expand",
-        action="store_true",
-        help="COAT's dynamic range expansion on both moments (off by default, as CompressedAdamW's)",
+        action="store_const",
+        const=True,
+        default=None,
+        help="COAT's dynamic range expansion on both moments (CompressedAdamW's default: on)",
     )
-    c.add_argument("--no-expand", action="store_false", dest="expand", help="no expansion (the default)")
+    c.add_argument(
+        "--no-expand", action="store_const", const=False, dest="expand", help="plain E4M3/E5M2 groups"
+    )
     c.add_argument(
         "--min-numel",
         type=int_in(0, MAX_MIN_NUMEL),
@@ -208,7 +212,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
         options = {
             k: getattr(args, k) for k in ("group_size", "exp_avg_format", "exp_avg_sq_format", "min_numel")
         }
-        options.update(exp_avg_expand=args.expand, exp_avg_sq_expand=args.expand)
+        if args.expand is not None:  # else compress_adamw_state_dict's own default, the optimizer's
+            options.update(exp_avg_expand=args.expand, exp_avg_sq_expand=args.expand)
         what = "compress its states (are they torch.optim.AdamW's?)"
         sd = _converted(what, args.src, compress_adamw_state_dict, sd, **options)
     elif has_codes:
