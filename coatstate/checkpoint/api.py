@@ -315,8 +315,7 @@ def _write(url, sd, shapes, names, kind, model_sd, compress, shard_size) -> None
     tensors, header = _flatten(sd, shapes, names, model_sd)
     header["optimizer"]["class"] = kind
     stored = _encode_zstd(tensors, header) if compress == "zstd" else tensors
-    previous = rank_cleanup.current_root(url)
-    shards.write(url, stored, header, shard_size, _metadata)
+    previous = shards.write(url, stored, header, shard_size, _metadata)
     if previous is not None and rank_read.is_per_rank(previous):  # its rank files are orphans now
         rank_cleanup.after_commit(url, None, previous)
 

@@ -86,12 +86,15 @@ def root_header(header: dict[str, Any], reports: list[dict | None], save_id: str
     return header
 
 
-def _commit(url: str, header: dict, reports: list, save_id: str, world_size: int, metadata: Callable) -> None:
-    """Rank 0: write the root (the commit point), then remove what no checkpoint names any more."""
-    previous = rank_cleanup.current_root(url)
+def _commit(
+    url: str, header: dict, reports: list, save_id: str, world_size: int, metadata: Callable
+) -> Callable[[], None]:
+    """Rank 0: write the root (the commit point); returns the cleanup to start once this rank's
+    lock is released (as shards.write does: a concurrent commit must then see this save over)."""
     meta = metadata(root_header(header, reports, save_id, world_size))
+    previous = rank_cleanup.current_root(url)  # read last: the root this commit really replaces
     storage.atomic_write(url, lambda f: container.write_safetensors(f, {}, meta))
-    background.after(lambda: rank_cleanup.after_commit(url, save_id, previous))
+    return lambda: background.after(lambda: rank_cleanup.after_commit(url, save_id, previous))
 
 
 # ------------------------------------------------------------------------------ entry point
@@ -180,7 +183,7 @@ def _snapshot(pieces: dict, clone_cpu: bool = True) -> tuple[dict, Any]:
 def _save_blocking(url, pieces, header, metadata, save_id: str, rank: int, world_size: int) -> None:
     import torch.distributed as dist
 
-    report, error, outcome, lock = None, None, None, None
+    report, error, outcome, lock, cleanup = None, None, None, None, None
     try:
         try:
             lock = shards._SaveLock(url, lock_id(save_id, rank))  # (in here: a failure is told to all)
@@ -199,13 +202,16 @@ def _save_blocking(url, pieces, header, metadata, save_id: str, rank: int, world
             outcome = "; ".join(failed) or None
             if outcome is None:
                 try:
-                    _commit(url, header, [g["report"] for g in gathered], save_id, world_size, metadata)
+                    reports = [g["report"] for g in gathered]
+                    cleanup = _commit(url, header, reports, save_id, world_size, metadata)
                 except Exception as e:  # noqa: BLE001 - told to every rank below
                     outcome = f"rank 0 could not commit the root: {type(e).__name__}: {e}"
         outcome = distributed.broadcast_from_main(outcome)
     finally:
         if lock is not None:
             lock.release()
+    if cleanup is not None:
+        cleanup()
     if outcome is not None and report is not None:  # certainly not committed: this save's file goes
         storage.remove_quietly(url, [report["file"]])
     if error is not None:
@@ -279,7 +285,7 @@ def _committed(url: str, save_id: str) -> bool | None:
 
 def _save_in_background(url, pieces, header, metadata, save_id: str, rank: int, world_size: int) -> None:
     lock = shards._SaveLock(url, lock_id(save_id, rank))
-    report, failed = None, False
+    report, failed, cleanup = None, False, None
     try:
         try:
             if pieces:
@@ -299,7 +305,7 @@ def _save_in_background(url, pieces, header, metadata, save_id: str, rank: int, 
                 raise
             return
         try:
-            _commit(url, header, _collect(url, save_id, world_size), save_id, world_size, metadata)
+            cleanup = _commit(url, header, _collect(url, save_id, world_size), save_id, world_size, metadata)
         except BaseException as e:
             _put(_marker_url(url, save_id, None, "failed"), f"{type(e).__name__}: {e}")
             failed = True
@@ -308,3 +314,5 @@ def _save_in_background(url, pieces, header, metadata, save_id: str, rank: int, 
         lock.release()
         if failed and report is not None:
             storage.remove_quietly(url, [report["file"]])
+    if cleanup is not None:
+        cleanup()
