@@ -29,8 +29,16 @@ from coatstate.checkpoint import (
 )
 from coatstate.checkpoint.dcp import load_failure, read_dcp, weights_only_load
 from coatstate.formats import schema
-from coatstate.formats.optimizer_state import CODES, EXPONENTS, MOMENTS, is_compressed, moment_of
+from coatstate.formats.optimizer_state import (
+    CODES,
+    EXPONENTS,
+    MASTER_CORRECTION,
+    MOMENTS,
+    is_compressed,
+    moment_of,
+)
 from coatstate.formats.schema import CheckpointError
+from coatstate.optim.master_convert import join_master
 
 __all__ = ["Checkpoint", "CheckpointError", "load", "read", "read_header", "read_state_dict", "save"]
 
@@ -506,6 +514,43 @@ def _restore(optimizer, snapshot: tuple) -> None:
             getattr(optimizer, cache).clear()
 
 
+def _join_masters(optimizer, model, ckpt: Checkpoint, names: dict[int, str], url: str) -> Checkpoint:
+    """`ckpt` with each 16-bit weight that has a master correction joined into its float32
+    master (join_master) where it loads into a float32 parameter: loading the weight alone would
+    drop the correction, and with it the master the run stepped on."""
+    state = ckpt.optimizer["state"]
+    with_master = [pid for pid, s in state.items() if MASTER_CORRECTION in s]
+    if not with_master:
+        return ckpt
+    ids = [pid for g in ckpt.optimizer["param_groups"] for pid in g["params"]]
+    flat = [p for g in optimizer.param_groups for p in g["params"]]
+    into = {pid: p.dtype for pid, p in zip(ids, flat, strict=False)}  # (counts are checked later)
+    wide = sorted(pid for pid in with_master if into.get(pid) == torch.float32)
+    if not wide:
+        return ckpt  # 16-bit parameters: the weights and corrections load as they are
+    if model is None or ckpt.model is None or len(wide) != len(with_master):
+        why = (
+            "pass model= so that load joins each weight with its correction into the float32 parameter"
+            if len(wide) == len(with_master)
+            else "the optimizer mixes float32 and 16-bit parameters that have corrections"
+        )
+        raise CheckpointError(
+            f"{url}: holds 16-bit weights with master corrections (master_bits) for parameters that "
+            f"are float32 in this optimizer ({len(wide)} of them); {why}, or turn the file into a float32 "
+            "one first: `coatstate convert SRC DST --master-bits none`"
+        )
+    by_pid = {pid: names[i] for i, pid in enumerate(ids) if i in names}
+    for pid in ids:  # names the header recorded stand in for parameters the model does not name
+        recorded = (ckpt.header.get("params") or {}).get(str(pid), {}).get("name")
+        if recorded is not None:
+            by_pid.setdefault(pid, recorded)
+    try:
+        model_sd, optimizer_sd = join_master(ckpt.model, ckpt.optimizer, param_names=by_pid)
+    except ValueError as e:
+        raise CheckpointError(f"{url}: cannot join the master weights for a float32 model ({e})") from None
+    return dataclasses.replace(ckpt, optimizer=optimizer_sd, model=model_sd)
+
+
 def load(
     optimizer: torch.optim.Optimizer,
     url: str | os.PathLike,
@@ -530,6 +575,7 @@ def load(
         by_obj = {id(p): n for n, p in model.named_parameters()}
         flat = [p for g in optimizer.param_groups for p in g["params"]]
         names = {i: by_obj[id(p)] for i, p in enumerate(flat) if id(p) in by_obj}
+    ckpt = _join_masters(optimizer, model, ckpt, names, url)
     sd = ckpt.optimizer
     has_codes = any(is_compressed(s, name) for s in sd["state"].values() for name in MOMENTS)
     validate.check_class(optimizer, (ckpt.header.get("optimizer") or {}).get("class"), has_codes, url)
