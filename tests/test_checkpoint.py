@@ -218,8 +218,6 @@ def test_save_rejects_bad_arguments(tmp_path):
         ck.save(opt, str(tmp_path / "x.safetensors"), shard_size=0)
     with pytest.raises(TypeError, match="state dict"):
         ck.save([1, 2], str(tmp_path / "x.safetensors"))
-    with pytest.raises(FileNotFoundError):
-        ck.save(opt, str(tmp_path / "no" / "x.safetensors"))
 
 
 def test_size_is_at_most_0_28_of_torch_adamw(tmp_path):
@@ -470,13 +468,29 @@ def test_a_lone_surrogate_in_the_header_is_a_checkpoint_error(tmp_path):
         ck.read(path)
 
 
-@pytest.mark.parametrize("layout", ["gathered", "per_rank"])
-def test_a_missing_directory_is_named_before_anything_is_written(tmp_path, layout):
+@pytest.mark.parametrize("kind", ["local", "memory"])
+@pytest.mark.parametrize("layout", ["gathered", "per_rank", "sharded"])
+def test_a_save_into_a_missing_directory_makes_it(tmp_path, layout, kind):
     model = _model()
     opt = CompressedAdamW(model.parameters(), min_numel=1)
-    with pytest.raises(FileNotFoundError, match="directory .* does not exist"):
-        ck.save(opt, tmp_path / "missing" / "c.safetensors", distributed=layout)
-    assert not (tmp_path / "missing").exists()
+    _train(model, opt, 1, seed=0)
+    root = str(tmp_path) if kind == "local" else f"memory://coatstate-tests/{uuid.uuid4().hex}"
+    url = f"{root}/missing/deeper/c.safetensors"
+    distributed, shard_size = ("gathered", 20_000) if layout == "sharded" else (layout, ck.DEFAULT_SHARD_SIZE)
+    ck.save(opt, url, model=model, distributed=distributed, shard_size=shard_size)
+    _assert_same(ck.read(url).optimizer, ck.read_state_dict(url))
+    fresh = CompressedAdamW(_model(seed=1).parameters(), min_numel=1)
+    ck.load(fresh, url)
+    _assert_same(fresh.state_dict(), opt.state_dict())
+
+
+@pytest.mark.parametrize("layout", ["gathered", "per_rank"])
+def test_a_file_where_the_directory_should_be_is_named(tmp_path, layout):
+    model = _model()
+    opt = CompressedAdamW(model.parameters(), min_numel=1)
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(NotADirectoryError, match="a_file"):
+        ck.save(opt, tmp_path / "a_file" / "sub" / "c.safetensors", distributed=layout)
 
 
 def test_a_per_rank_root_is_version_2_and_a_version_1_reader_refuses_it(tmp_path, monkeypatch):

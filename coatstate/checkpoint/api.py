@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from coatstate import __version__
 from coatstate import distributed as dtensors
 from coatstate.checkpoint import (
     background,
@@ -38,7 +39,7 @@ from coatstate.formats.optimizer_state import (
     moment_of,
 )
 from coatstate.formats.schema import CheckpointError
-from coatstate.optim.master_convert import join_master
+from coatstate.optim import CompressedAdamW, join_master, to_adamw_state_dict
 
 __all__ = ["Checkpoint", "CheckpointError", "load", "read", "read_header", "read_state_dict", "save"]
 
@@ -63,12 +64,6 @@ class Checkpoint:
 
 
 # ------------------------------------------------------------------------------------ saving
-def _library_version() -> str:
-    from coatstate import __version__
-
-    return __version__
-
-
 def _cpu(t: torch.Tensor) -> torch.Tensor:
     t = t.detach()
     if t.device.type != "cpu":
@@ -184,7 +179,7 @@ def _flatten(
     header = {
         "format": schema.FORMAT_NAME,
         "format_version": schema.SINGLE_FILE_FORMAT_VERSION,
-        "library_version": _library_version(),
+        "library_version": __version__,
         "created_unix": round(time.time(), 3),
         "optimizer": {"class": None, "variant": "compressed" if compressed else "full"},
         "param_groups": groups,
@@ -320,6 +315,7 @@ def save(
 
 
 def _write(url, sd, shapes, names, kind, model_sd, compress, shard_size) -> None:
+    storage.check_directory(url)
     tensors, header = _flatten(sd, shapes, names, model_sd)
     header["optimizer"]["class"] = kind
     stored = _encode_zstd(tensors, header) if compress == "zstd" else tensors
@@ -477,9 +473,7 @@ def _read_for(optimizer: torch.optim.Optimizer, url: str, model) -> Checkpoint:
         except CheckpointError:
             return read(url)  # (a zip without a .pt extension; or raised again, by read)
         compressed = any(info.get("compressed") for info in header["params"].values())
-        if not rank_read.is_per_rank(header) or (
-            compressed and not validate.is_compressed_optimizer(optimizer)
-        ):
+        if not rank_read.is_per_rank(header) or (compressed and not isinstance(optimizer, CompressedAdamW)):
             return read(url)  # a plain optimizer decompresses whole tensors
         try:
             return _assemble(url, header, rank_read.read_local(url, header, optimizer, model), False)
@@ -578,15 +572,14 @@ def load(
     ckpt = _join_masters(optimizer, model, ckpt, names, url)
     sd = ckpt.optimizer
     has_codes = any(is_compressed(s, name) for s in sd["state"].values() for name in MOMENTS)
-    validate.check_class(optimizer, (ckpt.header.get("optimizer") or {}).get("class"), has_codes, url)
+    compressed_optimizer = isinstance(optimizer, CompressedAdamW)
+    saved_class = (ckpt.header.get("optimizer") or {}).get("class")
+    validate.check_class(optimizer, saved_class, has_codes, compressed_optimizer, url)
     validate.check_optimizer(optimizer, ckpt, names, url)
     if model is not None:
         validate.check_model(model, ckpt.model, url)
-    compressed_optimizer = validate.is_compressed_optimizer(optimizer)
     try:
         if has_codes and not compressed_optimizer:
-            from coatstate.optim import to_adamw_state_dict
-
             sd = to_adamw_state_dict(sd)
         if not compressed_optimizer:  # CompressedAdamW cuts full tensors itself
             sd = dtensors.shard_like_params(sd, optimizer)

@@ -12,26 +12,17 @@ rule is the same on every filesystem; only how a cleaner learns that a save is o
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 from coatstate.checkpoint import container, storage
-from coatstate.checkpoint.rank_files import MANIFEST_KEY, rank_file_pattern, stem_of
-
-SHARD_KEY = "coatstate.shard"
-"""safetensors metadata key of a shard: {"save_id", "index", "of"}."""
-
-
-def shard_pattern(stem: str) -> re.Pattern:
-    """A finished shard of `stem` (group 1: its save id)."""
-    return re.compile(re.escape(stem) + r"-([0-9a-f]{8})-\d{5}-of-\d{5}\.safetensors")
-
-
-def temp_shard_pattern(stem: str) -> re.Pattern:
-    """The temporary file of a shard being written (storage.atomic_write's name for it)."""
-    return re.compile(
-        r"\." + re.escape(stem) + r"-([0-9a-f]{8})-\d{5}-of-\d{5}\.safetensors\.tmp-[0-9a-f]{12}"
-    )
+from coatstate.checkpoint.layout import (  # noqa: F401 - SHARD_KEY and the patterns: re-exported
+    MANIFEST_KEY,
+    SHARD_KEY,
+    rank_file_pattern,
+    shard_pattern,
+    stem_of,
+    temp_shard_pattern,
+)
 
 
 def parse(name: str, stem: str) -> tuple[str, str] | None:

@@ -25,7 +25,7 @@ import uuid
 from typing import Any, BinaryIO
 
 from coatstate.checkpoint import container, ownership, storage
-from coatstate.checkpoint.ownership import SHARD_KEY, shard_pattern, temp_shard_pattern
+from coatstate.checkpoint.layout import SHARD_KEY, shard_name, shard_pattern, stem_of, temp_shard_pattern
 from coatstate.formats.schema import CheckpointError
 
 __all__ = ["SHARD_KEY", "ShardMissing", "read", "remove_orphans", "write"]
@@ -33,14 +33,6 @@ __all__ = ["SHARD_KEY", "ShardMissing", "read", "remove_orphans", "write"]
 
 class ShardMissing(CheckpointError):
     """A shard the root names is not there (a newer save may have replaced the root)."""
-
-
-def stem_of(url: str) -> str:
-    return os.path.basename(url.rstrip("/")).removesuffix(".safetensors")
-
-
-def shard_name(stem: str, save_id: str, i: int, n: int) -> str:
-    return f"{stem}-{save_id}-{i:05d}-of-{n:05d}.safetensors"
 
 
 def _marker_pattern(stem: str) -> re.Pattern:

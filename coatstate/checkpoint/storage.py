@@ -176,10 +176,16 @@ class _HalfwayHook(io.RawIOBase):
 
 
 def check_directory(url: str) -> None:
-    """A save to a local path whose directory is missing fails before anything is written."""
+    """Make the directory of `url` and its parents where missing (as save_pretrained does), on
+    any fsspec filesystem; raises OSError when a parent is a file or cannot be made."""
     fs, path = url_to_fs(url)
-    if is_local(fs):
-        _existing_directory(path, url)
+    parent = os.path.dirname(path) if is_local(fs) else (path.rsplit("/", 1)[0] if "/" in path else "")
+    if not parent or (is_local(fs) and os.path.isdir(parent)):
+        return
+    try:
+        fs.makedirs(parent, exist_ok=True)
+    except FileExistsError:  # (a file where a directory should be)
+        raise NotADirectoryError(f"cannot save to {url}: {parent} is not a directory") from None
 
 
 def _existing_directory(path: str, url: str) -> str:
