@@ -20,7 +20,7 @@ from conftest import requires_cuda
 from safetensors import safe_open
 
 from coatstate.checkpoint import api as ck
-from coatstate.checkpoint import container, storage
+from coatstate.checkpoint import container, encoding, storage
 from coatstate.optim import CompressedAdamW
 
 
@@ -341,10 +341,10 @@ def test_garbage_headers_raise(compressed_file, tmp_path):
 def _rewrite_header(path, out, edit) -> None:
     """Write `out`: the tensors of `path` under an edited header (with a valid header checksum)."""
     got = ck.read(path)
-    tensors, header = ck._flatten(got.optimizer, {}, {}, got.model)
+    tensors, header = encoding.flatten(got.optimizer, {}, {}, got.model)
     edit(header, tensors)
     with open(out, "wb") as f:
-        container.write_safetensors(f, tensors, ck._metadata(header))
+        container.write_safetensors(f, tensors, encoding.metadata(header))
 
 
 def test_wrong_version_magic_and_missing_tensors_raise(compressed_file, tmp_path):
@@ -521,3 +521,40 @@ def test_a_shard_symlinked_out_of_the_directory_is_refused(compressed_file, tmp_
     os.symlink(inside / name, inside / name)  # a loop
     with pytest.raises(CheckpointError):
         ck.read(path)
+
+
+def test_a_checkpoint_prints_as_a_short_summary(compressed_file):
+    path, _, _ = compressed_file
+    text = repr(ck.read(path))
+    assert len(text) < 300 and "tensor(" not in text, text
+    assert text.startswith("Checkpoint(CompressedAdamW, 1 param groups, 4 params with state, ")
+    assert "float8_e4m3fn x" in text and "model 4 tensors" in text and "KiB" in text, text
+
+
+@pytest.mark.parametrize("name", ["save", "load", "read"])
+def test_entry_points_document_args_returns_raises_and_an_example(name):
+    import coatstate
+
+    doc = getattr(coatstate, name).__doc__
+    assert all(f"\n    {section}:\n" in doc for section in ("Args", "Returns", "Raises", "Example")), name
+    assert all(f"\n    {section}:\n" in coatstate.Checkpoint.__doc__ for section in ("Args", "Example"))
+    assert "\n    Example:\n" in coatstate.CheckpointError.__doc__
+
+
+def test_the_documented_signatures_are_the_real_ones():
+    """docs/CHECKPOINT.md's first code block names each function where it lives, with its arguments."""
+    import inspect
+    import re
+
+    import coatstate
+
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "CHECKPOINT.md")).read()
+    block = doc.split("```python\n", 1)[1].split("```", 1)[0]
+    calls = re.findall(r"^(coatstate(?:\.\w+)+)\((.*?)\)\s*(?:#|$)", block.replace(",\n", ", "), re.M)
+    assert len(calls) == 6, calls
+    for dotted, args in calls:
+        obj = coatstate
+        for part in dotted.split(".")[1:]:
+            obj = getattr(obj, part)  # AttributeError: documented where it does not live
+        documented = [a.split("=")[0].strip(" *") for a in args.split(",") if a.strip(" *")]
+        assert documented == list(inspect.signature(obj).parameters), dotted

@@ -17,7 +17,7 @@ import torch
 from coatstate.formats.schema import CheckpointError
 
 from coatstate.checkpoint import api as ck
-from coatstate.checkpoint import container, shards
+from coatstate.checkpoint import container, encoding, shards
 
 SHARD = 8_000
 """Bytes per shard: the states below make two or three shards."""
@@ -62,7 +62,7 @@ def _assert_only_the_root_and_its_files(directory: str, url: str) -> None:
 def _crafted_root(url: str, header: dict, first_shard: str) -> None:
     """A root whose header (with a valid checksum) names `first_shard` as its first shard."""
     header["shards"][0]["file"] = first_shard
-    meta = ck._metadata(header)
+    meta = encoding.metadata(header)
     fs, path = fsspec.core.url_to_fs(url)
     with fs.open(path, "wb") as f:
         container.write_safetensors(f, {}, meta)
