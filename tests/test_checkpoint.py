@@ -558,3 +558,25 @@ def test_the_documented_signatures_are_the_real_ones():
             obj = getattr(obj, part)  # AttributeError: documented where it does not live
         documented = [a.split("=")[0].strip(" *") for a in args.split(",") if a.strip(" *")]
         assert documented == list(inspect.signature(obj).parameters), dotted
+
+
+@pytest.mark.parametrize("kind", ["local", "memory"])
+@pytest.mark.parametrize("layout", ["single", "sharded", "per_rank"])
+def test_each_call_resolves_its_url_once(tmp_path, monkeypatch, kind, layout):
+    """save, read and load resolve (fs, path) from the URL once and pass it down."""
+    model = _model()
+    opt = CompressedAdamW(model.parameters(), min_numel=1)
+    _train(model, opt, 1, seed=0)
+    url = _url(kind, tmp_path)
+    options = {"sharded": {"shard_size": 20_000}, "per_rank": {"distributed": "per_rank"}}.get(layout, {})
+    ck.save(opt, url, model=model, **options)  # (a previous root, as most saves replace one)
+    real, calls = fsspec.core.url_to_fs, []
+    monkeypatch.setattr(fsspec.core, "url_to_fs", lambda u, *a, **k: calls.append(u) or real(u, *a, **k))
+    for run in (
+        lambda: ck.save(opt, url, model=model, **options),
+        lambda: ck.read(url),
+        lambda: ck.load(opt, url, model=model),
+    ):
+        calls.clear()
+        run()
+        assert calls == [url], calls

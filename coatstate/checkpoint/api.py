@@ -174,7 +174,7 @@ def save(
             f"shard_size={shard_size} does not apply to distributed='per_rank': a per-rank save writes one "
             "file per rank; drop shard_size, or save a single file (distributed='gathered') to shard it"
         )
-    url = os.fspath(url)
+    url = os.fspath(url)  # resolved by the rank that writes (_write, rank_commit._start)
     # every save waits for the one in flight (whose failure is raised here, before anything else):
     # two saves of one process never race for a file, nor for the per-rank pinned buffers
     background.wait_for_saves()
@@ -224,6 +224,7 @@ def save(
 
 
 def _write(url, sd, shapes, names, kind, model_sd, compress, shard_size) -> None:
+    url = storage.locate(url)  # resolved once: every function below takes the Location
     storage.check_directory(url)
     tensors, header = encoding.flatten(sd, shapes, names, model_sd)
     header["optimizer"]["class"] = kind
@@ -251,7 +252,7 @@ def read_header(url: str | os.PathLike) -> dict[str, Any]:
         >>> coatstate.checkpoint.read_header("run/step1000.safetensors")["optimizer"]
         {'class': 'CompressedAdamW', 'variant': 'compressed'}
     """
-    url = os.fspath(url)
+    url = storage.locate(url)  # resolved once: every function below takes the Location
     _, _, st_header = container.read_head(url, url)
     return container.coatstate_header(st_header, url)
 
@@ -339,7 +340,7 @@ def read(url: str | os.PathLike, *, verify: bool = True) -> Checkpoint:
         >>> lr = ckpt.optimizer["param_groups"][0]["lr"]
         >>> weights = ckpt.model  # None unless saved with model=
     """
-    url = os.fspath(url)
+    url = storage.locate(url)  # resolved once: every function below takes the Location
     try:
         if os.path.isdir(url):
             return _read_dcp(url)
@@ -494,7 +495,7 @@ def load(
         >>> coatstate.load(opt, "run/step1000.safetensors", model=model)
         Checkpoint(CompressedAdamW, 1 param groups, 4 params with state, ...)
     """
-    url = os.fspath(url)
+    url = storage.locate(url)  # resolved once: every function below takes the Location
     ckpt = _read_for(optimizer, url, model)
     local_model = ckpt.model is not None and any(dtensors.is_dtensor(t) for t in ckpt.model.values())
     names = {}

@@ -207,13 +207,14 @@ def remove_unreferenced(url: str | os.PathLike, *, dry_run: bool = True) -> list
     missing root with files of its stem is a first save killed before it committed, or a root
     lost while its files stay; coatstate does not guess which (remove them by hand).
     """
-    url = os.fspath(url)
+    url = storage.locate(url)  # resolved once: every function below takes the Location
     return [storage.sibling_url(url, name) for name, _ in sweep(url, dry_run=dry_run).removed]
 
 
 def sweep(url: str, *, dry_run: bool) -> Sweep:
     """remove_unreferenced, with the sizes of the files and the ones kept (for the CLI)."""
-    fs, path = storage.url_to_fs(url)
+    url = storage.locate(url)
+    fs, path = url.fs, url.path
     patterns = _Patterns(stem_of(url), os.path.basename(path))
     listing = storage.sibling_sizes(fs, path)
     found = {n: owner for n in sorted(listing) if (owner := patterns.owner(n))}

@@ -107,7 +107,7 @@ def save(
     as its other collectives. `header`: the checkpoint header without checksums (global shapes).
     """
     rank, world_size = _world()
-    pieces, save_id = _start(url, tensors, rank, world_size)
+    pieces, save_id, url = _start(url, tensors, rank, world_size)
     if blocking:
         pieces, ready = _snapshot(pieces, clone_cpu=False)
         if ready is not None:
@@ -122,13 +122,14 @@ def save(
     return background.start(url, work, ready)
 
 
-def _start(url: str, tensors: dict, rank: int, world_size: int) -> tuple[dict, str]:
-    """(this rank's pieces, the save id) once every rank can start. The local checks (the
-    directory, placements it cannot store) run before any I/O; then one collective tells every
-    rank whether all passed, since a rank that raised alone would leave the others waiting in
-    the save's next collective, and carries rank 0's fresh save id."""
+def _start(url: str, tensors: dict, rank: int, world_size: int) -> tuple[dict, str, storage.Location]:
+    """(this rank's pieces, the save id, `url` resolved) once every rank can start. The local
+    checks (the URL, the directory, placements it cannot store) run before any I/O; then one
+    collective tells every rank whether all passed, since a rank that raised alone would leave
+    the others waiting in the save's next collective, and carries rank 0's fresh save id."""
     pieces, error = {}, None
     try:
+        url = storage.locate(url)  # resolved once: every function below takes the Location
         storage.check_directory(url)
         pieces = rank_files.local_pieces(tensors, rank)
     except Exception as e:  # noqa: BLE001 - told to every rank below, then raised here
@@ -145,7 +146,7 @@ def _start(url: str, tensors: dict, rank: int, world_size: int) -> tuple[dict, s
     failed = [f"rank {r}: {problem}" for r, (problem, _) in enumerate(gathered) if problem]
     if failed:
         raise CheckpointError(f"{url}: the per-rank save cannot start ({'; '.join(failed)})")
-    return pieces, gathered[0][1]
+    return pieces, gathered[0][1], url
 
 
 _pinned: dict[str, torch.Tensor] = {}
