@@ -60,8 +60,21 @@ DTYPES: dict[str, tuple[str, int]] = {
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be read or does not fit: truncated, corrupt, wrong magic or
-    version, missing tensors, or a mismatch with the optimizer/model it is loaded into."""
+    """A checkpoint that cannot be read or does not fit what it is loaded into.
+
+    Raised by `coatstate.save`, `load`, `read` and the CLI for: a truncated or corrupt file
+    (header or tensor checksum mismatch, bad offsets, a corrupt zstd frame), wrong magic or an
+    unsupported format version, a header that breaks the schema, a missing shard or rank file, a
+    path that is not a regular file, and, in `load`, a mismatch with the optimizer or model (class,
+    param counts, shapes, model keys or dtypes). The message starts with the file and names the
+    problem; a subclass of ValueError, so `except ValueError` catches it too.
+
+    Example:
+        >>> try:
+        ...     coatstate.load(opt, "run/step1000.safetensors")
+        ... except coatstate.CheckpointError as e:
+        ...     print(e)  # run/step1000.safetensors: header checksum mismatch: the file is corrupt
+    """
 
 
 # ---------------------------------------------------------------------------------------- keys

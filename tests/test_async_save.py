@@ -3,6 +3,10 @@ call (training may go on at once), and a failure is raised at the next save or w
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from conftest import requires_cuda
@@ -115,3 +119,58 @@ def test_saves_snapshot_at_the_call_and_equal_blocking_ones(tmp_path, distribute
     for got, want in (("bg0", "ref0"), ("block1", "ref1"), ("bg1", "ref1")):
         assert _same(_tensors(read(urls[got])), _tensors(read(urls[want]))), got
     assert not _same(_tensors(read(urls["ref0"])), _tensors(read(urls["ref1"])))  # (the steps did change it)
+
+
+_EXIT_CHILD = """
+import shutil, sys, torch, coatstate
+from coatstate.checkpoint import container
+url, mode, fail = sys.argv[1], sys.argv[2], sys.argv[3] == "fail"
+torch.manual_seed(0)
+m = torch.nn.Linear(64, 64) if fail else torch.nn.Linear(512, 512)
+o = coatstate.CompressedAdamW(m.parameters())
+m(torch.randn(2, m.in_features)).sum().backward()
+o.step()
+if fail:
+    coatstate.save(o, url, model=m)  # the previous checkpoint, which must survive
+    shutil.copy(url, url + ".before")
+
+    def broken(f, tensors, metadata, before_each=None):
+        f.write(b"partial")
+        raise OSError("disk full (injected)")
+
+    container.write_safetensors = broken
+    with torch.no_grad():
+        m.weight.add_(1.0)
+coatstate.save(o, url, model=m, blocking=False, distributed=mode)
+"""  # and the script ends at once, the save still running
+
+
+def _run_and_exit(url: str, mode: str, fail: bool) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", _EXIT_CHILD, url, mode, "fail" if fail else "ok"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize("mode", ["gathered", "per_rank"])
+def test_a_save_in_flight_when_the_script_ends_completes(tmp_path, mode):
+    """Interpreter exit waits for the save before the thread pools its hashing uses shut down."""
+    url = str(tmp_path / "ck.safetensors")
+    done = _run_and_exit(url, mode, fail=False)
+    assert done.returncode == 0, done.stderr
+    assert "failed" not in done.stderr, done.stderr
+    ckpt = read(url)  # (checksums verified)
+    assert ckpt.model["weight"].shape == (512, 512)
+    assert len(ckpt.optimizer["state"]) == 2
+
+
+def test_a_save_that_fails_at_exit_fails_the_process_and_keeps_the_previous_file(tmp_path):
+    url = str(tmp_path / "ck.safetensors")
+    done = _run_and_exit(url, "gathered", fail=True)
+    assert done.returncode == 1, done.stderr
+    assert "background save to" in done.stderr and "disk full (injected)" in done.stderr, done.stderr
+    with open(url, "rb") as now, open(url + ".before", "rb") as before:
+        assert now.read() == before.read()  # the blocking save's file, intact
+    assert sorted(os.listdir(tmp_path)) == ["ck.safetensors", "ck.safetensors.before"]  # (no temp files)

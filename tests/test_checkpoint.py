@@ -20,7 +20,7 @@ from conftest import requires_cuda
 from safetensors import safe_open
 
 from coatstate.checkpoint import api as ck
-from coatstate.checkpoint import container, storage
+from coatstate.checkpoint import container, encoding, storage
 from coatstate.optim import CompressedAdamW
 
 
@@ -218,8 +218,6 @@ def test_save_rejects_bad_arguments(tmp_path):
         ck.save(opt, str(tmp_path / "x.safetensors"), shard_size=0)
     with pytest.raises(TypeError, match="state dict"):
         ck.save([1, 2], str(tmp_path / "x.safetensors"))
-    with pytest.raises(FileNotFoundError):
-        ck.save(opt, str(tmp_path / "no" / "x.safetensors"))
 
 
 def test_size_is_at_most_0_28_of_torch_adamw(tmp_path):
@@ -343,10 +341,10 @@ def test_garbage_headers_raise(compressed_file, tmp_path):
 def _rewrite_header(path, out, edit) -> None:
     """Write `out`: the tensors of `path` under an edited header (with a valid header checksum)."""
     got = ck.read(path)
-    tensors, header = ck._flatten(got.optimizer, {}, {}, got.model)
+    tensors, header = encoding.flatten(got.optimizer, {}, {}, got.model)
     edit(header, tensors)
     with open(out, "wb") as f:
-        container.write_safetensors(f, tensors, ck._metadata(header))
+        container.write_safetensors(f, tensors, encoding.metadata(header))
 
 
 def test_wrong_version_magic_and_missing_tensors_raise(compressed_file, tmp_path):
@@ -470,13 +468,29 @@ def test_a_lone_surrogate_in_the_header_is_a_checkpoint_error(tmp_path):
         ck.read(path)
 
 
-@pytest.mark.parametrize("layout", ["gathered", "per_rank"])
-def test_a_missing_directory_is_named_before_anything_is_written(tmp_path, layout):
+@pytest.mark.parametrize("kind", ["local", "memory"])
+@pytest.mark.parametrize("layout", ["gathered", "per_rank", "sharded"])
+def test_a_save_into_a_missing_directory_makes_it(tmp_path, layout, kind):
     model = _model()
     opt = CompressedAdamW(model.parameters(), min_numel=1)
-    with pytest.raises(FileNotFoundError, match="directory .* does not exist"):
-        ck.save(opt, tmp_path / "missing" / "c.safetensors", distributed=layout)
-    assert not (tmp_path / "missing").exists()
+    _train(model, opt, 1, seed=0)
+    root = str(tmp_path) if kind == "local" else f"memory://coatstate-tests/{uuid.uuid4().hex}"
+    url = f"{root}/missing/deeper/c.safetensors"
+    distributed, shard_size = ("gathered", 20_000) if layout == "sharded" else (layout, ck.DEFAULT_SHARD_SIZE)
+    ck.save(opt, url, model=model, distributed=distributed, shard_size=shard_size)
+    _assert_same(ck.read(url).optimizer, ck.read_state_dict(url))
+    fresh = CompressedAdamW(_model(seed=1).parameters(), min_numel=1)
+    ck.load(fresh, url)
+    _assert_same(fresh.state_dict(), opt.state_dict())
+
+
+@pytest.mark.parametrize("layout", ["gathered", "per_rank"])
+def test_a_file_where_the_directory_should_be_is_named(tmp_path, layout):
+    model = _model()
+    opt = CompressedAdamW(model.parameters(), min_numel=1)
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(NotADirectoryError, match="a_file"):
+        ck.save(opt, tmp_path / "a_file" / "sub" / "c.safetensors", distributed=layout)
 
 
 def test_a_per_rank_root_is_version_2_and_a_version_1_reader_refuses_it(tmp_path, monkeypatch):
@@ -507,3 +521,62 @@ def test_a_shard_symlinked_out_of_the_directory_is_refused(compressed_file, tmp_
     os.symlink(inside / name, inside / name)  # a loop
     with pytest.raises(CheckpointError):
         ck.read(path)
+
+
+def test_a_checkpoint_prints_as_a_short_summary(compressed_file):
+    path, _, _ = compressed_file
+    text = repr(ck.read(path))
+    assert len(text) < 300 and "tensor(" not in text, text
+    assert text.startswith("Checkpoint(CompressedAdamW, 1 param groups, 4 params with state, ")
+    assert "float8_e4m3fn x" in text and "model 4 tensors" in text and "KiB" in text, text
+
+
+@pytest.mark.parametrize("name", ["save", "load", "read"])
+def test_entry_points_document_args_returns_raises_and_an_example(name):
+    import coatstate
+
+    doc = getattr(coatstate, name).__doc__
+    assert all(f"\n    {section}:\n" in doc for section in ("Args", "Returns", "Raises", "Example")), name
+    assert all(f"\n    {section}:\n" in coatstate.Checkpoint.__doc__ for section in ("Args", "Example"))
+    assert "\n    Example:\n" in coatstate.CheckpointError.__doc__
+
+
+def test_the_documented_signatures_are_the_real_ones():
+    """docs/CHECKPOINT.md's first code block names each function where it lives, with its arguments."""
+    import inspect
+    import re
+
+    import coatstate
+
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "CHECKPOINT.md")).read()
+    block = doc.split("```python\n", 1)[1].split("```", 1)[0]
+    calls = re.findall(r"^(coatstate(?:\.\w+)+)\((.*?)\)\s*(?:#|$)", block.replace(",\n", ", "), re.M)
+    assert len(calls) == 6, calls
+    for dotted, args in calls:
+        obj = coatstate
+        for part in dotted.split(".")[1:]:
+            obj = getattr(obj, part)  # AttributeError: documented where it does not live
+        documented = [a.split("=")[0].strip(" *") for a in args.split(",") if a.strip(" *")]
+        assert documented == list(inspect.signature(obj).parameters), dotted
+
+
+@pytest.mark.parametrize("kind", ["local", "memory"])
+@pytest.mark.parametrize("layout", ["single", "sharded", "per_rank"])
+def test_each_call_resolves_its_url_once(tmp_path, monkeypatch, kind, layout):
+    """save, read and load resolve (fs, path) from the URL once and pass it down."""
+    model = _model()
+    opt = CompressedAdamW(model.parameters(), min_numel=1)
+    _train(model, opt, 1, seed=0)
+    url = _url(kind, tmp_path)
+    options = {"sharded": {"shard_size": 20_000}, "per_rank": {"distributed": "per_rank"}}.get(layout, {})
+    ck.save(opt, url, model=model, **options)  # (a previous root, as most saves replace one)
+    real, calls = fsspec.core.url_to_fs, []
+    monkeypatch.setattr(fsspec.core, "url_to_fs", lambda u, *a, **k: calls.append(u) or real(u, *a, **k))
+    for run in (
+        lambda: ck.save(opt, url, model=model, **options),
+        lambda: ck.read(url),
+        lambda: ck.load(opt, url, model=model),
+    ):
+        calls.clear()
+        run()
+        assert calls == [url], calls

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,6 +19,7 @@ from coatstate import distributed as dtensors
 from coatstate.checkpoint import (
     background,
     container,
+    encoding,
     rank_cleanup,
     rank_commit,
     rank_read,
@@ -29,8 +29,13 @@ from coatstate.checkpoint import (
 )
 from coatstate.checkpoint.dcp import load_failure, read_dcp, weights_only_load
 from coatstate.formats import schema
-from coatstate.formats.optimizer_state import CODES, EXPONENTS, MOMENTS, is_compressed, moment_of
+from coatstate.formats.optimizer_state import (
+    MASTER_CORRECTION,
+    MOMENTS,
+    is_compressed,
+)
 from coatstate.formats.schema import CheckpointError
+from coatstate.optim import CompressedAdamW, join_master, to_adamw_state_dict
 
 __all__ = ["Checkpoint", "CheckpointError", "load", "read", "read_header", "read_state_dict", "save"]
 
@@ -42,184 +47,59 @@ READ_ATTEMPTS = 8
 """Roots re-read when a newer save removed a shard mid-read."""
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(repr=False)
 class Checkpoint:
-    """What a checkpoint file holds."""
+    """What a checkpoint holds, as `coatstate.read` and `coatstate.load` return it.
+
+    Args:
+        optimizer (`dict`): the optimizer state dict (`{"state": ..., "param_groups": ...}`),
+            tensors on the CPU (DTensors of this rank's rows where `load` read only those).
+        model (`dict[str, torch.Tensor]` or `None`): the model state dict saved with it.
+        header (`dict`): the JSON header (docs/CHECKPOINT.md); `{}` for a .pt input.
+
+    Example:
+        >>> model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 64))
+        >>> opt = coatstate.CompressedAdamW(model.parameters(), min_numel=1)
+        >>> model(torch.randn(2, 64)).sum().backward(); opt.step()
+        >>> coatstate.save(opt, "c.safetensors", model=model)
+        >>> ckpt = coatstate.read("c.safetensors")
+        >>> ckpt
+        Checkpoint(CompressedAdamW, 1 param groups, 4 params with state, 16 optimizer tensors
+        (float32 x12, float8_e4m3fn x4), model 4 tensors, 99.8 KiB)
+        >>> ckpt.optimizer["state"][0]["exp_avg_codes"].dtype
+        torch.float8_e4m3fn
+    """
 
     optimizer: dict[str, Any]
-    """The optimizer state dict ({"state": ..., "param_groups": ...}), tensors on the CPU."""
     model: dict[str, torch.Tensor] | None
-    """The model state dict saved with it, or None."""
     header: dict[str, Any]
-    """The JSON header (formats.schema); {} for a .pt input."""
+
+    def __repr__(self) -> str:
+        state = self.optimizer.get("state", {})
+        tensors = [v for s in state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        model = [t for t in (self.model or {}).values() if isinstance(t, torch.Tensor)]
+        dtypes: dict[str, int] = {}
+        for t in tensors:
+            name = str(t.dtype).removeprefix("torch.")
+            dtypes[name] = dtypes.get(name, 0) + 1
+        kind = (self.header.get("optimizer") or {}).get("class") or "optimizer state dict"
+        formats = ", ".join(f"{k} x{n}" for k, n in sorted(dtypes.items()))
+        nbytes = sum(t.numel() * t.element_size() for t in tensors + model)
+        return (
+            f"Checkpoint({kind}, {len(self.optimizer.get('param_groups', []))} param groups, "
+            f"{len(state)} params with state, {len(tensors)} optimizer tensors ({formats or 'none'}), "
+            f"model {'None' if self.model is None else f'{len(model)} tensors'}, {_size(nbytes)})"
+        )
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} B"
 
 
 # ------------------------------------------------------------------------------------ saving
-def _library_version() -> str:
-    from coatstate import __version__
-
-    return __version__
-
-
-def _cpu(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    return t if t.is_contiguous() else t.contiguous()
-
-
-def _source(
-    obj: Any, model: Any, param_names: Any
-) -> tuple[dict, dict[int, list[int]], dict[int, str], str | None]:
-    """(state dict, {pid: shape}, {pid: name}, optimizer class name) from what save() was given."""
-    shapes: dict[int, list[int]] = {}
-    names: dict[int, str] = {}
-    if isinstance(obj, torch.optim.Optimizer):
-        sd = obj.state_dict()
-        by_obj = {}
-        if isinstance(model, torch.nn.Module):
-            by_obj = {id(p): n for n, p in model.named_parameters()}
-        pid = 0
-        for group in obj.param_groups:
-            for p in group["params"]:
-                shapes[pid] = list(p.shape)
-                if id(p) in by_obj:
-                    names[pid] = by_obj[id(p)]
-                pid += 1
-        kind = type(obj).__name__
-    elif isinstance(obj, Mapping) and "state" in obj and "param_groups" in obj:
-        sd, kind = dict(obj), None
-    else:
-        raise TypeError(
-            "save() takes a torch.optim.Optimizer or an optimizer state dict (a mapping with 'state' "
-            f"and 'param_groups'); got {type(obj).__name__}"
-        )
-    for group in sd["param_groups"]:  # torch >= 2.6 optimizers built from named_parameters()
-        for pid, name in zip(group["params"], group.get("param_names", ()), strict=False):
-            names.setdefault(pid, name)
-    if param_names is not None:
-        items = param_names.items() if isinstance(param_names, Mapping) else enumerate(param_names)
-        names.update({int(k): str(v) for k, v in items})
-    if isinstance(model, torch.nn.Module):
-        by_name = {n: list(p.shape) for n, p in model.named_parameters()}
-    elif isinstance(model, Mapping):
-        by_name = {n: list(t.shape) for n, t in model.items() if isinstance(t, torch.Tensor)}
-    else:
-        by_name = {}
-    for pid, name in names.items():  # a parameter without state has no other record of its shape
-        if pid not in shapes and name in by_name:
-            shapes[pid] = by_name[name]
-    return sd, shapes, names, kind
-
-
-def _moment_formats(state: Mapping[str, Any], group: Mapping[str, Any]) -> dict[str, Any]:
-    out = {}
-    for name, value in state.items():
-        parts = moment_of(name)
-        if parts and parts[1] == CODES and isinstance(value, torch.Tensor):
-            moment = parts[0]
-            out[moment] = {
-                "format": "e4m3" if value.dtype == torch.float8_e4m3fn else "e5m2",
-                "group_size": group.get("group_size"),
-                "expand": moment + EXPONENTS in state,
-            }
-    return out
-
-
-def _flatten(
-    sd: Mapping[str, Any], shapes, names, model_sd, *, prepare=_cpu, checksums: bool = True
-) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """(tensors by key, header). `prepare` maps each tensor (a per-rank save keeps DTensors as
-    they are); checksums=False leaves them out of the header (a per-rank save adds its own)."""
-    tensors: dict[str, torch.Tensor] = {}
-    groups, params = [], {}
-    for g, group in enumerate(sd["param_groups"]):
-        enc = {}
-        for k, v in group.items():
-            if isinstance(v, torch.Tensor):
-                tensors[schema.group_key(g, k)] = prepare(v)
-                enc[k] = {"$tensor": schema.group_key(g, k)}
-            else:
-                enc[k] = schema.encode_value(v, f"param_groups[{g}].{k}")
-        groups.append(enc)
-        for pid in group["params"]:
-            params[str(pid)] = {"group": g, "name": names.get(pid), "shape": shapes.get(pid)}
-    state = {}
-    for pid, pstate in sd["state"].items():
-        if str(pid) not in params:
-            raise ValueError(f"state dict has state for param id {pid}, which no param group lists")
-        entry = {}
-        for name, v in pstate.items():
-            if isinstance(v, torch.Tensor):
-                key = schema.state_key(pid, name)
-                tensors[key] = prepare(v)
-                entry[name] = {"$tensor": key}
-            else:
-                entry[name] = schema.encode_value(v, f"state[{pid}].{name}")
-        state[str(pid)] = entry
-        info = params[str(pid)]
-        info["compressed"] = _moment_formats(pstate, sd["param_groups"][info["group"]])
-        if info["shape"] is None:
-            for name in ("exp_avg" + CODES, "exp_avg"):
-                if isinstance(pstate.get(name), torch.Tensor):
-                    info["shape"] = list(pstate[name].shape)
-                    break
-    model_keys = None
-    if model_sd is not None:
-        model_keys = []
-        for name, v in model_sd.items():
-            if not isinstance(v, torch.Tensor):
-                raise TypeError(f"model state dict entry {name!r} is a {type(v).__name__}, not a tensor")
-            tensors[schema.model_key(name)] = prepare(v)
-            model_keys.append(name)
-    compressed = any(p.get("compressed") for p in params.values())
-    header = {
-        "format": schema.FORMAT_NAME,
-        "format_version": schema.SINGLE_FILE_FORMAT_VERSION,
-        "library_version": _library_version(),
-        "created_unix": round(time.time(), 3),
-        "optimizer": {"class": None, "variant": "compressed" if compressed else "full"},
-        "param_groups": groups,
-        "params": params,
-        "state": state,
-        "model": model_keys,
-        "checksum": schema.CHECKSUM_ALGORITHM,
-        "compression": None,
-        "shards": None,
-        "tensors": {
-            k: {"dtype": schema.dtype_name(t.dtype), "shape": list(t.shape)} for k, t in tensors.items()
-        },
-    }
-    if checksums:
-        for key, digest in schema.tensor_checksums(tensors).items():
-            header["tensors"][key]["checksum"] = digest
-    return tensors, header
-
-
-def _encode_zstd(tensors: dict[str, torch.Tensor], header: dict[str, Any]) -> dict[str, torch.Tensor]:
-    stored = {}
-    for key, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if nbytes >= container.ZSTD_MIN_BYTES:
-            blob = container.zstd_compress(schema.tensor_bytes(t))
-            if len(blob) < nbytes:
-                stored[key] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-                header["tensors"][key].update(encoding="zstd", stored_bytes=len(blob))
-                continue
-        stored[key] = t
-    header["compression"] = "zstd"
-    return stored
-
-
-def _metadata(header: Mapping[str, Any]) -> dict[str, str]:
-    text = schema.dump_header(header)
-    return {
-        "format": "pt",
-        schema.METADATA_KEY: text,
-        schema.HEADER_CHECKSUM_KEY: schema.header_checksum(text),
-    }
-
-
 def save(
     optimizer_or_state_dict: torch.optim.Optimizer | Mapping[str, Any],
     url: str | os.PathLike,
@@ -231,21 +111,51 @@ def save(
     blocking: bool = True,
     distributed: str = "gathered",
 ) -> background.SaveHandle | None:
-    """Write an optimizer (CompressedAdamW or any torch optimizer) to `url`, atomically.
+    """Write an optimizer's state (and optionally its model's) to `url`, atomically.
 
-    blocking=False: snapshot the state (CUDA tensors into pinned host memory) and return a
-    `SaveHandle` at once; a background thread writes and commits the file. The next save,
-    `handle.wait()` or the interpreter's exit waits for it and raises a failure there.
+    The state of CompressedAdamW is stored as its plain tensors (FP8 codes, scales, exponents);
+    any other torch optimizer whose state is tensors and plain values (torch.optim.AdamW
+    included) is stored the same way, uncompressed. A crash mid-save leaves the previous file as
+    it was. The directory of `url` (and its parents) is made when missing.
 
-    model: an nn.Module or a model state dict stored in the same file, so one file resumes a run;
-    with an nn.Module the parameter names are also recorded. compress: None or "zstd" (per
-    tensor, frame checksums on; measured ~1.1x on FP8 states, so off by default). Above
-    `shard_size` bytes the tensors go to shard files next to `url` and `url` holds the index.
+    Args:
+        optimizer_or_state_dict (`torch.optim.Optimizer` or `Mapping`): the optimizer, or its
+            state dict (a mapping with "state" and "param_groups").
+        url (`str` or `os.PathLike`): a local path or any fsspec URL (file://, memory://, s3://).
+        model (`torch.nn.Module` or `Mapping[str, torch.Tensor]`, *optional*): stored in the same
+            file, so one file resumes a run; an nn.Module also records the parameter names.
+        compress (`str`, *optional*, defaults to `None`): `"zstd"` compresses each tensor on its
+            own (needs `pip install zstandard`; off by default: FP8 codes compress little, see
+            docs/CHECKPOINT.md).
+        shard_size (`int`, *optional*, defaults to 5 GiB): above this many bytes the tensors go
+            to shard files next to `url`, and `url` holds their index; `None`: never shard.
+        param_names (`Mapping[int, str]` or `list[str]`, *optional*): names of the parameters by
+            param id, where neither `model` nor the optimizer's groups give them.
+        blocking (`bool`, *optional*, defaults to `True`): `False` snapshots the state (CUDA
+            tensors into pinned host memory) and returns at once; a background thread writes and
+            commits the file. The next save, `SaveHandle.wait()` or interpreter exit waits for it
+            and raises (at exit: logs, and exits with status 1) what it raised.
+        distributed (`str`, *optional*, defaults to `"gathered"`): `"gathered"` all-gathers DTensor
+            (FSDP2) states and rank 0 writes one file (every rank calls save; DDP: rank 0 only);
+            `"per_rank"`: every rank writes its own rows to its own file and rank 0 the root at
+            `url` (the commit point); loads at any world size; no zstd, no shard_size.
 
-    distributed (docs/CHECKPOINT.md, "Distributed"): "gathered" (default) all-gathers DTensor
-    (FSDP2) states and rank 0 writes one file (every rank calls save(); DDP: rank 0 only).
-    "per_rank": every rank calls save() and writes its own rows to its own file, rank 0 then the
-    root `url` (the commit point); blocking=False works; loads at any world size; no zstd.
+    Returns:
+        `SaveHandle` when `blocking=False` (`wait()`, `done()`), else `None`.
+
+    Raises:
+        ValueError: a bad `compress`, `shard_size` or `distributed`, or a combination that does
+            not apply (the message names the fix).
+        TypeError: `optimizer_or_state_dict` is neither an optimizer nor a state dict.
+        CheckpointError: a distributed save that another rank could not write.
+        OSError: the file cannot be written (a parent that is a file, no permission, no space).
+        RuntimeError: the previous background save failed (raised here, before anything is written).
+
+    Example:
+        >>> opt = coatstate.CompressedAdamW(model.parameters(), lr=3e-4)
+        >>> coatstate.save(opt, "run/step1000.safetensors", model=model)
+        >>> handle = coatstate.save(opt, "s3://bucket/run/step2000.safetensors", blocking=False)
+        >>> handle.wait()  # or let the next save wait for it
     """
     if compress not in (None, "zstd"):
         raise ValueError(f"compress must be None or 'zstd'; got {compress!r}")
@@ -264,16 +174,18 @@ def save(
             f"shard_size={shard_size} does not apply to distributed='per_rank': a per-rank save writes one "
             "file per rank; drop shard_size, or save a single file (distributed='gathered') to shard it"
         )
-    url = os.fspath(url)
+    url = os.fspath(url)  # resolved by the rank that writes (_write, rank_commit._start)
     # every save waits for the one in flight (whose failure is raised here, before anything else):
     # two saves of one process never race for a file, nor for the per-rank pinned buffers
     background.wait_for_saves()
-    sd, shapes, names, kind = _source(optimizer_or_state_dict, model, param_names)
+    sd, shapes, names, kind = encoding.source(optimizer_or_state_dict, model, param_names)
     model_sd = model.state_dict() if isinstance(model, torch.nn.Module) else model
     if distributed == "per_rank":
-        tensors, header = _flatten(sd, shapes, names, model_sd, prepare=torch.Tensor.detach, checksums=False)
+        tensors, header = encoding.flatten(
+            sd, shapes, names, model_sd, prepare=torch.Tensor.detach, checksums=False
+        )
         header["optimizer"]["class"] = kind
-        return rank_commit.save(url, tensors, header, _metadata, blocking)
+        return rank_commit.save(url, tensors, header, encoding.metadata, blocking)
     params = getattr(optimizer_or_state_dict, "param_groups", [])
     sharded = (
         dtensors.has_dtensors(sd)
@@ -312,55 +224,37 @@ def save(
 
 
 def _write(url, sd, shapes, names, kind, model_sd, compress, shard_size) -> None:
-    tensors, header = _flatten(sd, shapes, names, model_sd)
+    url = storage.locate(url)  # resolved once: every function below takes the Location
+    storage.check_directory(url)
+    tensors, header = encoding.flatten(sd, shapes, names, model_sd)
     header["optimizer"]["class"] = kind
-    stored = _encode_zstd(tensors, header) if compress == "zstd" else tensors
-    previous = rank_cleanup.current_root(url)
-    shards.write(url, stored, header, shard_size, _metadata)
+    stored = encoding.encode_zstd(tensors, header) if compress == "zstd" else tensors
+    previous = shards.write(url, stored, header, shard_size, encoding.metadata)
     if previous is not None and rank_read.is_per_rank(previous):  # its rank files are orphans now
         rank_cleanup.after_commit(url, None, previous)
 
 
 # ----------------------------------------------------------------------------------- reading
 def read_header(url: str | os.PathLike) -> dict[str, Any]:
-    """The JSON header of a checkpoint, reading only the first bytes of the file."""
-    url = os.fspath(url)
+    """The JSON header of a checkpoint, reading only the first bytes of the file.
+
+    Args:
+        url (`str` or `os.PathLike`): a coatstate .safetensors file (a root, for shards or ranks).
+
+    Returns:
+        `dict`: the header (docs/CHECKPOINT.md, "Metadata"), its checksum and schema checked.
+
+    Raises:
+        CheckpointError: not a coatstate checkpoint, or a corrupt header.
+        FileNotFoundError: nothing at `url`.
+
+    Example:
+        >>> coatstate.checkpoint.read_header("run/step1000.safetensors")["optimizer"]
+        {'class': 'CompressedAdamW', 'variant': 'compressed'}
+    """
+    url = storage.locate(url)  # resolved once: every function below takes the Location
     _, _, st_header = container.read_head(url, url)
     return container.coatstate_header(st_header, url)
-
-
-def _decode(stored: Mapping[str, torch.Tensor], header: Mapping[str, Any], where: str, verify: bool):
-    infos = header["tensors"]
-    extra = sorted(set(stored) - set(infos))
-    if extra:
-        raise CheckpointError(f"{where}: tensors {extra[:5]} are in the file but not in its header")
-    out = {}
-    for key, info in infos.items():
-        if key not in stored:
-            raise CheckpointError(
-                f"{where}: tensor {key!r} is listed in the header but missing from the file"
-            )
-        t = stored[key]
-        try:
-            dtype, shape = schema.torch_dtype(info["dtype"]), [int(s) for s in info["shape"]]
-        except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(f"{where}: corrupt header entry for {key!r} ({e!r})") from None
-        if info.get("encoding") == "zstd":
-            nbytes = dtype.itemsize * int(torch.Size(shape).numel())
-            raw = container.zstd_decompress(schema.tensor_bytes(t), nbytes, f"{where}: {key}")
-            t = torch.frombuffer(bytearray(raw), dtype=dtype) if nbytes else torch.empty(0, dtype=dtype)
-            t = t.reshape(shape)
-        if t.dtype != dtype or list(t.shape) != shape:
-            raise CheckpointError(
-                f"{where}: tensor {key!r} is {t.dtype} {list(t.shape)} in the file but "
-                f"{info['dtype']} {shape} in the header"
-            )
-        out[key] = t
-    if verify:
-        for key, digest in schema.tensor_checksums(out).items():
-            if digest != infos[key].get("checksum"):
-                raise CheckpointError(f"{where}: checksum mismatch for tensor {key!r}: the file is corrupt")
-    return out
 
 
 def _read_pt(data: bytes, where: str) -> Checkpoint:
@@ -406,7 +300,7 @@ def _assemble(
 ) -> Checkpoint:
     """The Checkpoint of a header and its stored tensors (whole, or DTensors of this rank's rows)."""
     try:
-        tensors = _decode(stored, header, url, verify)
+        tensors = encoding.decode(stored, header, url, verify)
         groups = [schema.decode_value(g, tensors) for g in header["param_groups"]]
         state = {int(pid): schema.decode_value(s, tensors) for pid, s in header["state"].items()}
         model = None
@@ -422,14 +316,31 @@ def _assemble(
 
 
 def read(url: str | os.PathLike, *, verify: bool = True) -> Checkpoint:
-    """Everything in a checkpoint, checksums verified (no optimizer needed).
+    """Everything in a checkpoint, checksums verified; no optimizer needed.
 
     Also reads a torch.save'd optimizer state dict (.pt/.pth/.bin, or any file that starts as a
-    zip) with torch.load(weights_only=True) and a local torch.distributed.checkpoint directory
-    (coatstate.checkpoint.dcp: whole tensors, any world size; its `header` then lists only the
-    parameter names and shapes). Any problem with the input is a CheckpointError naming it.
+    zip) with `torch.load(weights_only=True)`, and a local torch.distributed.checkpoint directory
+    (whole tensors, any world size; its `header` then lists only the parameter names and shapes).
+    Nothing is ever unpickled.
+
+    Args:
+        url (`str` or `os.PathLike`): a checkpoint file, a .pt file or a DCP directory.
+        verify (`bool`, *optional*, defaults to `True`): check every tensor's checksum.
+
+    Returns:
+        `Checkpoint`: the optimizer state dict, the model state dict (or None) and the header.
+
+    Raises:
+        CheckpointError: anything wrong with the input (truncated, corrupt, wrong version, a
+            missing shard, not a regular file), naming the file and the problem.
+        FileNotFoundError: nothing at `url`.
+
+    Example:
+        >>> ckpt = coatstate.read("run/step1000.safetensors")
+        >>> lr = ckpt.optimizer["param_groups"][0]["lr"]
+        >>> weights = ckpt.model  # None unless saved with model=
     """
-    url = os.fspath(url)
+    url = storage.locate(url)  # resolved once: every function below takes the Location
     try:
         if os.path.isdir(url):
             return _read_dcp(url)
@@ -450,7 +361,12 @@ def read(url: str | os.PathLike, *, verify: bool = True) -> Checkpoint:
 
 
 def read_state_dict(url: str | os.PathLike) -> dict[str, Any]:
-    """The optimizer state dict stored at `url` (checksums verified)."""
+    """The optimizer state dict stored at `url` (checksums verified): `read(url).optimizer`.
+
+    Example:
+        >>> torch.optim.AdamW(model.parameters()).load_state_dict(
+        ...     coatstate.optim.to_adamw_state_dict(coatstate.checkpoint.read_state_dict(url)))
+    """
     return read(url).optimizer
 
 
@@ -470,9 +386,7 @@ def _read_for(optimizer: torch.optim.Optimizer, url: str, model) -> Checkpoint:
         except CheckpointError:
             return read(url)  # (a zip without a .pt extension; or raised again, by read)
         compressed = any(info.get("compressed") for info in header["params"].values())
-        if not rank_read.is_per_rank(header) or (
-            compressed and not validate.is_compressed_optimizer(optimizer)
-        ):
+        if not rank_read.is_per_rank(header) or (compressed and not isinstance(optimizer, CompressedAdamW)):
             return read(url)  # a plain optimizer decompresses whole tensors
         try:
             return _assemble(url, header, rank_read.read_local(url, header, optimizer, model), False)
@@ -507,6 +421,43 @@ def _restore(optimizer, snapshot: tuple) -> None:
             getattr(optimizer, cache).clear()
 
 
+def _join_masters(optimizer, model, ckpt: Checkpoint, names: dict[int, str], url: str) -> Checkpoint:
+    """`ckpt` with each 16-bit weight that has a master correction joined into its float32
+    master (join_master) where it loads into a float32 parameter: loading the weight alone would
+    drop the correction, and with it the master the run stepped on."""
+    state = ckpt.optimizer["state"]
+    with_master = [pid for pid, s in state.items() if MASTER_CORRECTION in s]
+    if not with_master:
+        return ckpt
+    ids = [pid for g in ckpt.optimizer["param_groups"] for pid in g["params"]]
+    flat = [p for g in optimizer.param_groups for p in g["params"]]
+    into = {pid: p.dtype for pid, p in zip(ids, flat, strict=False)}  # (counts are checked later)
+    wide = sorted(pid for pid in with_master if into.get(pid) == torch.float32)
+    if not wide:
+        return ckpt  # 16-bit parameters: the weights and corrections load as they are
+    if model is None or ckpt.model is None or len(wide) != len(with_master):
+        why = (
+            "pass model= so that load joins each weight with its correction into the float32 parameter"
+            if len(wide) == len(with_master)
+            else "the optimizer mixes float32 and 16-bit parameters that have corrections"
+        )
+        raise CheckpointError(
+            f"{url}: holds 16-bit weights with master corrections (master_bits) for parameters that "
+            f"are float32 in this optimizer ({len(wide)} of them); {why}, or turn the file into a float32 "
+            "one first: `coatstate convert SRC DST --master-bits none`"
+        )
+    by_pid = {pid: names[i] for i, pid in enumerate(ids) if i in names}
+    for pid in ids:  # names the header recorded stand in for parameters the model does not name
+        recorded = (ckpt.header.get("params") or {}).get(str(pid), {}).get("name")
+        if recorded is not None:
+            by_pid.setdefault(pid, recorded)
+    try:
+        model_sd, optimizer_sd = join_master(ckpt.model, ckpt.optimizer, param_names=by_pid)
+    except ValueError as e:
+        raise CheckpointError(f"{url}: cannot join the master weights for a float32 model ({e})") from None
+    return dataclasses.replace(ckpt, optimizer=optimizer_sd, model=model_sd)
+
+
 def load(
     optimizer: torch.optim.Optimizer,
     url: str | os.PathLike,
@@ -517,13 +468,34 @@ def load(
 
     Everything is checked (checksums, the header's schema, the optimizer class the header names,
     param counts, shapes, model keys) before anything is modified, and a load that fails anyway
-    (the optimizer refuses the state) leaves optimizer and model as they were. A compressed
+    (the optimizer refuses the state) leaves the optimizer and model as they were. A compressed
     checkpoint loaded into a plain torch optimizer is decompressed first (the values
-    CompressedAdamW used, in fp32). With DTensor (FSDP2) parameters every rank keeps its own rows,
-    whatever world size saved the file: of a per-rank checkpoint it reads only those rows, of a
-    single file the whole file. `url` may also be a local torch.distributed.checkpoint directory.
+    CompressedAdamW used, in fp32). bfloat16 weights with master corrections loaded into float32
+    parameters are joined into their float32 masters (needs `model`). With DTensor (FSDP2)
+    parameters every rank keeps its own rows, whatever world size saved the file: of a per-rank
+    checkpoint it reads only those rows, of a single file the whole file.
+
+    Args:
+        optimizer (`torch.optim.Optimizer`): CompressedAdamW, torch.optim.AdamW, or the class that
+            saved the file (or a subclass), over parameters shaped as the saved ones.
+        url (`str` or `os.PathLike`): a checkpoint file, a .pt optimizer state dict or a local
+            torch.distributed.checkpoint directory.
+        model (`torch.nn.Module`, *optional*): loaded from the model state dict in the file.
+
+    Returns:
+        `Checkpoint`: what was read (the header holds e.g. the library version that wrote it).
+
+    Raises:
+        CheckpointError: a problem with the file, or a mismatch with `optimizer` or `model`
+            (another optimizer class, param counts, a shape, model keys or dtypes), naming it.
+        FileNotFoundError: nothing at `url`.
+
+    Example:
+        >>> opt = coatstate.CompressedAdamW(model.parameters(), lr=3e-4)
+        >>> coatstate.load(opt, "run/step1000.safetensors", model=model)
+        Checkpoint(CompressedAdamW, 1 param groups, 4 params with state, ...)
     """
-    url = os.fspath(url)
+    url = storage.locate(url)  # resolved once: every function below takes the Location
     ckpt = _read_for(optimizer, url, model)
     local_model = ckpt.model is not None and any(dtensors.is_dtensor(t) for t in ckpt.model.values())
     names = {}
@@ -531,17 +503,17 @@ def load(
         by_obj = {id(p): n for n, p in model.named_parameters()}
         flat = [p for g in optimizer.param_groups for p in g["params"]]
         names = {i: by_obj[id(p)] for i, p in enumerate(flat) if id(p) in by_obj}
+    ckpt = _join_masters(optimizer, model, ckpt, names, url)
     sd = ckpt.optimizer
     has_codes = any(is_compressed(s, name) for s in sd["state"].values() for name in MOMENTS)
-    validate.check_class(optimizer, (ckpt.header.get("optimizer") or {}).get("class"), has_codes, url)
+    compressed_optimizer = isinstance(optimizer, CompressedAdamW)
+    saved_class = (ckpt.header.get("optimizer") or {}).get("class")
+    validate.check_class(optimizer, saved_class, has_codes, compressed_optimizer, url)
     validate.check_optimizer(optimizer, ckpt, names, url)
     if model is not None:
         validate.check_model(model, ckpt.model, url)
-    compressed_optimizer = validate.is_compressed_optimizer(optimizer)
     try:
         if has_codes and not compressed_optimizer:
-            from coatstate.optim import to_adamw_state_dict
-
             sd = to_adamw_state_dict(sd)
         if not compressed_optimizer:  # CompressedAdamW cuts full tensors itself
             sd = dtensors.shard_like_params(sd, optimizer)

@@ -5,13 +5,18 @@ The snapshot is the only part the training loop waits for: every tensor is copie
 tensors into pinned host memory, queued on the current stream and waited for by the writer, CPU
 tensors cloned), so the loop may change its parameters and states at once. At most one save is in
 flight: the next save (or `SaveHandle.wait()`, or interpreter exit) waits for it, and a failure is
-raised there, never dropped.
+raised there, never dropped. At exit a save still running completes before the interpreter shuts
+down; one that fails there is logged and the process exits with status 1.
 """
 
 from __future__ import annotations
 
 import atexit
+import concurrent.futures.thread  # noqa: F401 - registers its exit hook before ours (see _register_exit)
+import contextlib
 import logging
+import os
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -123,9 +128,42 @@ def start(url: str, write: Callable[[], None], ready: torch.cuda.Event | None) -
     return handle
 
 
-@atexit.register
+_failed_at_exit: list[BaseException] = []
+
+
 def _wait_at_exit() -> None:
     try:
         wait_for_saves()
     except RuntimeError as e:
         logger.error("%s", e)
+        _failed_at_exit.append(e)
+
+
+def _exit_status() -> None:
+    """A save that failed at exit fails the process: a job scheduler must not take it for done."""
+    if _failed_at_exit:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):  # a closed stream: nothing left to flush
+                stream.flush()
+        logging.shutdown()
+        os._exit(1)
+
+
+def _register_exit() -> None:
+    """Wait for saves in flight before the interpreter shuts its thread pools down.
+
+    threading's exit hooks run before atexit's, and concurrent.futures' hook makes every pool
+    refuse new work ("cannot schedule new futures after interpreter shutdown"), which a save's
+    hashing needs. threading runs its hooks in reverse order of registration, so ours (registered
+    after concurrent.futures.thread was imported, above) runs first. atexit is the fallback where
+    threading has no such hook.
+    """
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:
+        atexit.register(_wait_at_exit)
+    else:
+        register(_wait_at_exit)
+    atexit.register(_exit_status)
+
+
+_register_exit()

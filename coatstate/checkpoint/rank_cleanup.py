@@ -22,31 +22,17 @@ root nothing is removed (a CheckpointError says why).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from coatstate.checkpoint import container, shards, storage
-from coatstate.checkpoint.rank_files import MANIFEST_KEY, lock_id, marker_name, rank_file_pattern, stem_of
+from coatstate.checkpoint import container, ownership, shards, storage
+from coatstate.checkpoint.rank_files import lock_id, marker_name, rank_file_pattern, stem_of
 from coatstate.formats.schema import CheckpointError
 
-
-def current_root(url: str) -> dict[str, Any] | None:
-    """The header of the root at `url` now (None when there is none or it cannot be read)."""
-    try:
-        _, _, st_header = container.read_head(url, url)
-        return container.coatstate_header(st_header, url)
-    except Exception:  # noqa: BLE001 - nothing (readable) to replace
-        return None
-
-
-def named_files(header: dict[str, Any] | None) -> set[str]:
-    """Every file a root names: its rank files or its shards."""
-    if not header:
-        return set()
-    return rank_files_of(header) | {s["file"] for s in header.get("shards") or []}
+current_root = ownership.current_root
+named_files = ownership.named_files
 
 
 def rank_files_of(header: dict[str, Any] | None) -> set[str]:
@@ -65,14 +51,15 @@ def after_commit(url: str, own_id: str | None, previous: dict[str, Any] | None) 
     """
     try:
         if previous and previous.get("shards"):
-            shards.remove_orphans(url, None, sorted(named_files(previous)))
+            shards.remove_orphans(url, None, previous)
+        replaced = ownership.files_of_replaced(url, previous)  # (the one rule: name and metadata)
         fs, path = storage.url_to_fs(url)
         if storage.is_local(fs) and _has_flock():
-            _sweep_local(url, os.path.dirname(path) or ".", own_id)
+            _sweep_local(url, os.path.dirname(path) or ".", own_id, set(replaced.values()))
             return
         root = current_root(url)
         current = named_files(root)
-        stale = [n for n in rank_files_of(previous) if n not in current]
+        stale = [n for n in replaced if n not in current]
         if own_id is not None:
             world = int(((root or {}).get("per_rank") or {}).get("world_size", 0))
             stale += [marker_name(stem_of(url), own_id, r, "done") for r in range(world)]
@@ -90,7 +77,7 @@ def _has_flock() -> bool:
     return True
 
 
-def _sweep_local(url: str, directory: str, own_id: str | None) -> None:
+def _sweep_local(url: str, directory: str, own_id: str | None, replaced_ids: set[str]) -> None:
     """Remove rank files, their temp files and markers of saves whose writers are all gone."""
     stem = stem_of(url)
     files, markers = rank_file_pattern(stem), _marker_pattern(stem)
@@ -110,10 +97,12 @@ def _sweep_local(url: str, directory: str, own_id: str | None) -> None:
         # that ends after this point keeps its files, one that ended before has committed or failed
         # (a marker of no rank is a sharded save's lock or a per-rank save's failed-marker: its
         # lock, when it has one, is looked at too, or a running sharded save would lose its marker)
+        # (and the save whose root this commit replaced committed: its files are final, whatever its locks)
         gone = {
             (save_id, rank)
             for save_id, rank in owned
             if save_id == own_id
+            or save_id in replaced_ids
             or shards._save_is_over(
                 directory, stem, save_id if rank is None else lock_id(save_id, rank), held
             )
@@ -127,7 +116,8 @@ def _sweep_local(url: str, directory: str, own_id: str | None) -> None:
             if (save_id, rank) not in gone or (rank is None and save_id in running):
                 continue
             for name in of_writer:
-                if name not in current_names:
+                finished = ownership.parse(name, stem) is not None  # (temps and markers have no metadata)
+                if name not in current_names and (not finished or ownership.owned(url, name, save_id)):
                     with contextlib.suppress(OSError):
                         os.unlink(os.path.join(directory, name))
     finally:
@@ -158,7 +148,7 @@ class _Patterns:
     def __init__(self, stem: str, root_name: str):
         s, marker = re.escape(stem), _marker_pattern(stem).pattern
         self.rank = rank_file_pattern(stem)
-        self.shard, self.shard_temp = shards._shard_pattern(stem), shards._temp_shard_pattern(stem)
+        self.shard, self.shard_temp = ownership.shard_pattern(stem), ownership.temp_shard_pattern(stem)
         self.by_id = [  # (kind, pattern: group 1 the save id, group 2 the rank or None)
             ("marker", re.compile(marker)),
             ("temp", re.compile(r"\." + marker + r"\.tmp-[0-9a-f]{12}")),  # a marker's atomic write
@@ -217,13 +207,14 @@ def remove_unreferenced(url: str | os.PathLike, *, dry_run: bool = True) -> list
     missing root with files of its stem is a first save killed before it committed, or a root
     lost while its files stay; coatstate does not guess which (remove them by hand).
     """
-    url = os.fspath(url)
+    url = storage.locate(url)  # resolved once: every function below takes the Location
     return [storage.sibling_url(url, name) for name, _ in sweep(url, dry_run=dry_run).removed]
 
 
 def sweep(url: str, *, dry_run: bool) -> Sweep:
     """remove_unreferenced, with the sizes of the files and the ones kept (for the CLI)."""
-    fs, path = storage.url_to_fs(url)
+    url = storage.locate(url)
+    fs, path = url.fs, url.path
     patterns = _Patterns(stem_of(url), os.path.basename(path))
     listing = storage.sibling_sizes(fs, path)
     found = {n: owner for n in sorted(listing) if (owner := patterns.owner(n))}
@@ -241,7 +232,7 @@ def sweep(url: str, *, dry_run: bool) -> Sweep:
                 result.kept.append((name, "a running save holds its lock"))
             elif save_id is None and live:  # a root temp file: which save writes it is unknown
                 result.kept.append((name, "a save to this checkpoint holds its lock"))
-            elif kind in ("rank", "shard") and not _written_by(url, name, kind, save_id):
+            elif kind in ("rank", "shard") and not ownership.owned(url, name, save_id):
                 result.kept.append((name, f"its metadata does not name save {save_id}"))
             else:
                 result.removed.append((name, listing[name]))
@@ -305,17 +296,6 @@ def _root_or_raise(url: str, found: dict[str, tuple]) -> dict[str, Any]:
         ) from None
     except Exception as e:  # noqa: BLE001 - any root it cannot read: remove nothing
         raise CheckpointError(f"{url}: cannot read the root, so nothing is removed ({e})") from None
-
-
-def _written_by(url: str, name: str, kind: str, save_id: str) -> bool:
-    """Whether file `name`'s own metadata says save `save_id` wrote it (not a user's file that
-    happens to be named so)."""
-    try:
-        _, _, st_header = container.read_head(storage.sibling_url(url, name), name)
-        key = MANIFEST_KEY if kind == "rank" else shards.SHARD_KEY
-        return json.loads(st_header["__metadata__"][key])["save_id"] == save_id
-    except Exception:  # noqa: BLE001 - unreadable: not provably ours, left alone
-        return False
 
 
 def _remove(fs, path: str, url: str, names: list[str]) -> None:

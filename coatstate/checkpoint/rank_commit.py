@@ -86,12 +86,15 @@ def root_header(header: dict[str, Any], reports: list[dict | None], save_id: str
     return header
 
 
-def _commit(url: str, header: dict, reports: list, save_id: str, world_size: int, metadata: Callable) -> None:
-    """Rank 0: write the root (the commit point), then remove what no checkpoint names any more."""
-    previous = rank_cleanup.current_root(url)
+def _commit(
+    url: str, header: dict, reports: list, save_id: str, world_size: int, metadata: Callable
+) -> Callable[[], None]:
+    """Rank 0: write the root (the commit point); returns the cleanup to start once this rank's
+    lock is released (as shards.write does: a concurrent commit must then see this save over)."""
     meta = metadata(root_header(header, reports, save_id, world_size))
+    previous = rank_cleanup.current_root(url)  # read last: the root this commit really replaces
     storage.atomic_write(url, lambda f: container.write_safetensors(f, {}, meta))
-    background.after(lambda: rank_cleanup.after_commit(url, save_id, previous))
+    return lambda: background.after(lambda: rank_cleanup.after_commit(url, save_id, previous))
 
 
 # ------------------------------------------------------------------------------ entry point
@@ -104,7 +107,7 @@ def save(
     as its other collectives. `header`: the checkpoint header without checksums (global shapes).
     """
     rank, world_size = _world()
-    pieces, save_id = _start(url, tensors, rank, world_size)
+    pieces, save_id, url = _start(url, tensors, rank, world_size)
     if blocking:
         pieces, ready = _snapshot(pieces, clone_cpu=False)
         if ready is not None:
@@ -119,13 +122,14 @@ def save(
     return background.start(url, work, ready)
 
 
-def _start(url: str, tensors: dict, rank: int, world_size: int) -> tuple[dict, str]:
-    """(this rank's pieces, the save id) once every rank can start. The local checks (the
-    directory, placements it cannot store) run before any I/O; then one collective tells every
-    rank whether all passed, since a rank that raised alone would leave the others waiting in
-    the save's next collective, and carries rank 0's fresh save id."""
+def _start(url: str, tensors: dict, rank: int, world_size: int) -> tuple[dict, str, storage.Location]:
+    """(this rank's pieces, the save id, `url` resolved) once every rank can start. The local
+    checks (the URL, the directory, placements it cannot store) run before any I/O; then one
+    collective tells every rank whether all passed, since a rank that raised alone would leave
+    the others waiting in the save's next collective, and carries rank 0's fresh save id."""
     pieces, error = {}, None
     try:
+        url = storage.locate(url)  # resolved once: every function below takes the Location
         storage.check_directory(url)
         pieces = rank_files.local_pieces(tensors, rank)
     except Exception as e:  # noqa: BLE001 - told to every rank below, then raised here
@@ -142,7 +146,7 @@ def _start(url: str, tensors: dict, rank: int, world_size: int) -> tuple[dict, s
     failed = [f"rank {r}: {problem}" for r, (problem, _) in enumerate(gathered) if problem]
     if failed:
         raise CheckpointError(f"{url}: the per-rank save cannot start ({'; '.join(failed)})")
-    return pieces, gathered[0][1]
+    return pieces, gathered[0][1], url
 
 
 _pinned: dict[str, torch.Tensor] = {}
@@ -180,7 +184,7 @@ def _snapshot(pieces: dict, clone_cpu: bool = True) -> tuple[dict, Any]:
 def _save_blocking(url, pieces, header, metadata, save_id: str, rank: int, world_size: int) -> None:
     import torch.distributed as dist
 
-    report, error, outcome, lock = None, None, None, None
+    report, error, outcome, lock, cleanup = None, None, None, None, None
     try:
         try:
             lock = shards._SaveLock(url, lock_id(save_id, rank))  # (in here: a failure is told to all)
@@ -199,13 +203,16 @@ def _save_blocking(url, pieces, header, metadata, save_id: str, rank: int, world
             outcome = "; ".join(failed) or None
             if outcome is None:
                 try:
-                    _commit(url, header, [g["report"] for g in gathered], save_id, world_size, metadata)
+                    reports = [g["report"] for g in gathered]
+                    cleanup = _commit(url, header, reports, save_id, world_size, metadata)
                 except Exception as e:  # noqa: BLE001 - told to every rank below
                     outcome = f"rank 0 could not commit the root: {type(e).__name__}: {e}"
         outcome = distributed.broadcast_from_main(outcome)
     finally:
         if lock is not None:
             lock.release()
+    if cleanup is not None:
+        cleanup()
     if outcome is not None and report is not None:  # certainly not committed: this save's file goes
         storage.remove_quietly(url, [report["file"]])
     if error is not None:
@@ -279,7 +286,7 @@ def _committed(url: str, save_id: str) -> bool | None:
 
 def _save_in_background(url, pieces, header, metadata, save_id: str, rank: int, world_size: int) -> None:
     lock = shards._SaveLock(url, lock_id(save_id, rank))
-    report, failed = None, False
+    report, failed, cleanup = None, False, None
     try:
         try:
             if pieces:
@@ -299,7 +306,7 @@ def _save_in_background(url, pieces, header, metadata, save_id: str, rank: int, 
                 raise
             return
         try:
-            _commit(url, header, _collect(url, save_id, world_size), save_id, world_size, metadata)
+            cleanup = _commit(url, header, _collect(url, save_id, world_size), save_id, world_size, metadata)
         except BaseException as e:
             _put(_marker_url(url, save_id, None, "failed"), f"{type(e).__name__}: {e}")
             failed = True
@@ -308,3 +315,5 @@ def _save_in_background(url, pieces, header, metadata, save_id: str, rank: int, 
         lock.release()
         if failed and report is not None:
             storage.remove_quietly(url, [report["file"]])
+    if cleanup is not None:
+        cleanup()

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
-import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -27,51 +25,19 @@ import torch
 
 from coatstate import distributed
 from coatstate.checkpoint import container, storage
+from coatstate.checkpoint.layout import (  # noqa: F401 - re-exported: the names a rank file goes by
+    BLOCK_BYTES,
+    MANIFEST_KEY,
+    block_rows,
+    lock_id,
+    marker_name,
+    num_rows,
+    rank_file_name,
+    rank_file_pattern,
+    row_bytes,
+    stem_of,
+)
 from coatstate.formats import schema
-
-MANIFEST_KEY = "coatstate.rank"
-"""safetensors metadata key of a rank file's manifest (JSON)."""
-BLOCK_BYTES = 4 * 2**20
-"""Rows are checksummed in blocks of about this size: a partial read over-reads at most two."""
-
-
-def stem_of(url: str) -> str:
-    return os.path.basename(url.rstrip("/")).removesuffix(".safetensors")
-
-
-def rank_file_name(stem: str, save_id: str, rank: int, world_size: int) -> str:
-    return f"{stem}-{save_id}-rank{rank:05d}-of-{world_size:05d}.safetensors"
-
-
-def rank_file_pattern(stem: str) -> re.Pattern:
-    """Rank files of `stem` and their temp files: group 1 the temp file's leading dot, group 2
-    the save id, group 3 the rank, group 4 the temp suffix."""
-    return re.compile(
-        r"(\.)?" + re.escape(stem) + r"-([0-9a-f]{8})-rank(\d{5})-of-\d{5}\.safetensors(\.tmp-[0-9a-f]{12})?"
-    )
-
-
-def marker_name(stem: str, save_id: str, rank: int | None, kind: str) -> str:
-    """`.{stem}-{id}-rank{r}.{kind}` (kind: "done", "failed", "saving"); rank None: the whole save."""
-    who = "" if rank is None else f"-rank{rank:05d}"
-    return f".{stem}-{save_id}{who}.{kind}"
-
-
-def lock_id(save_id: str, rank: int) -> str:
-    """The id under which a rank holds its save lock (shards._SaveLock names the marker with it)."""
-    return f"{save_id}-rank{rank:05d}"
-
-
-def num_rows(shape) -> int:
-    return int(shape[0]) if len(shape) else 1
-
-
-def row_bytes(shape, itemsize: int) -> int:
-    return math.prod(shape[1:]) * itemsize if len(shape) else itemsize
-
-
-def block_rows(shape, itemsize: int) -> int:
-    return max(1, BLOCK_BYTES // max(1, row_bytes(shape, itemsize)))
 
 
 # ---------------------------------------------------------------- which rows a rank holds

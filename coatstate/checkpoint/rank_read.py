@@ -21,6 +21,7 @@ import torch
 from coatstate import distributed
 from coatstate.checkpoint import container, rank_files, shards, storage
 from coatstate.checkpoint.rank_files import block_rows, num_rows, piece_digest, row_bytes
+from coatstate.checkpoint.validate import check_index
 from coatstate.formats import schema
 from coatstate.formats.schema import CheckpointError
 
@@ -30,64 +31,6 @@ IO_THREADS = 8
 
 def is_per_rank(header: dict[str, Any]) -> bool:
     return header.get("per_rank") is not None
-
-
-def _is_int(v: Any, low: int = 0) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= low
-
-
-def check_index(header: dict[str, Any], where: str) -> dict[str, Any]:
-    """The root's per-rank index against the header: files, splits that tile every tensor."""
-
-    def fail(problem: str):
-        raise CheckpointError(f"{where}: invalid header: per_rank.{problem}")
-
-    index = header["per_rank"]
-    if header.get("format_version") != schema.PER_RANK_FORMAT_VERSION:
-        fail(f"belongs to format version {schema.PER_RANK_FORMAT_VERSION} roots only")
-    if not isinstance(index, dict) or header.get("shards") is not None or header.get("compression"):
-        fail("must be an object, in a root without shards or compression")
-    if not _is_int(index.get("world_size"), 1) or not isinstance(index.get("save_id"), str):
-        fail("needs a save_id and a positive world_size")
-    pattern = rank_files.rank_file_pattern(rank_files.stem_of(where))
-    files = index.get("files")
-    if not isinstance(files, list):
-        fail("files must be a list")
-    ranks = set()
-    for i, f in enumerate(files):
-        name = f.get("file") if isinstance(f, dict) else None
-        m = pattern.fullmatch(name) if isinstance(name, str) else None
-        if not m or m.group(1) or m.group(4) or m.group(2) != index["save_id"]:
-            fail(f"files[{i}] must name a rank file of this save next to the root")
-        if not (
-            _is_int(f.get("bytes")) and _is_int(f.get("rank")) and isinstance(f.get("manifest_sha256"), str)
-        ):
-            fail(f"files[{i}] needs bytes, rank and manifest_sha256")
-        # the name is rank_file_name's: one file per rank, each listed once
-        if int(m.group(3)) != f["rank"] or f["rank"] in ranks or f["rank"] >= index["world_size"]:
-            fail(f"files[{i}] must be the only file of its rank, a rank below world_size, in its name")
-        ranks.add(f["rank"])
-    splits, tensor_splits = index.get("splits"), index.get("tensor_splits")
-    if not isinstance(splits, list) or not isinstance(tensor_splits, dict):
-        fail("splits must be a list and tensor_splits an object")
-    if set(tensor_splits) != set(header["tensors"]):
-        fail("tensor_splits must name exactly the header's tensors")
-    for key, s in tensor_splits.items():
-        if header["tensors"][key].get("encoding") is not None:  # (zstd may not even be installed)
-            fail(f"tensor_splits[{key!r:.80}]: a tensor read by row ranges cannot be encoded")
-        if not (_is_int(s) and s < len(splits) and isinstance(splits[s], list)):
-            fail(f"tensor_splits[{key!r:.80}] must index splits")
-        end = 0
-        for piece in splits[s]:
-            if not (isinstance(piece, list) and len(piece) == 3 and all(_is_int(x) for x in piece)):
-                fail(f"splits[{s}] must hold [file, start, stop] triples")
-            if piece[0] >= len(files) or piece[1] != end or piece[2] <= piece[1]:
-                fail(f"splits[{s}] must tile rows 0.. in order, each piece in a listed file")
-            end = piece[2]
-        rows = num_rows(header["tensors"][key]["shape"])
-        if end != rows:
-            fail(f"splits[{s}] covers {end} rows; tensor {key!r:.80} has {rows}")
-    return index
 
 
 # ------------------------------------------------------------------------------ rank files

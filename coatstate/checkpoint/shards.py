@@ -2,14 +2,16 @@
 
 Concurrent saves to one URL each write their own shards (a fresh save id in every name), then
 replace the root atomically: the last commit wins and no save overwrites a shard another root
-names. After its commit a save removes every shard of its stem that the current root does not
-name and whose save is over. On a local filesystem "over" is told by a lock: each save holds an
-exclusive flock on a marker file `.{stem}-{save_id}.saving` from before its first shard until
-after its cleanup, and the kernel drops the lock of a crashed process, so the shards of crashed
-and losing saves go with the next successful save while those of a save still writing stay.
-Other fsspec filesystems have no such lock: there a save removes only the shards of the root it
-replaced (and its own if it lost). Readers that find a shard gone re-read the root (a newer
-commit removed it) and retry.
+names. After its commit a save removes the shards of its stem that the current root does not
+name, that belong to their save (ownership.owned: name and metadata), and whose save is over:
+the save it replaced (committed, so final), its own, and on a local filesystem every save whose
+lock is free. Each local save holds an exclusive flock on a marker file `.{stem}-{save_id}.saving`
+from before its first shard until its commit (the kernel drops the lock of a crashed process),
+then releases it and cleans up: so of two concurrent saves, either the loser's cleanup reads the
+root after the winner's commit and removes its own shards, or it released its lock before that
+commit and the winner's cleanup removes them. Other fsspec filesystems have no such lock: there
+a save removes only the shards of the root it replaced and its own if it lost. Readers that
+find a shard gone re-read the root (a newer commit removed it) and retry.
 """
 
 from __future__ import annotations
@@ -22,34 +24,15 @@ import re
 import uuid
 from typing import Any, BinaryIO
 
-from coatstate.checkpoint import container, storage
+from coatstate.checkpoint import container, ownership, storage
+from coatstate.checkpoint.layout import SHARD_KEY, shard_name, shard_pattern, stem_of, temp_shard_pattern
 from coatstate.formats.schema import CheckpointError
 
-SHARD_KEY = "coatstate.shard"
-"""safetensors metadata key of a shard: {"save_id", "index", "of"}."""
+__all__ = ["SHARD_KEY", "ShardMissing", "read", "remove_orphans", "write"]
 
 
 class ShardMissing(CheckpointError):
     """A shard the root names is not there (a newer save may have replaced the root)."""
-
-
-def stem_of(url: str) -> str:
-    return os.path.basename(url.rstrip("/")).removesuffix(".safetensors")
-
-
-def shard_name(stem: str, save_id: str, i: int, n: int) -> str:
-    return f"{stem}-{save_id}-{i:05d}-of-{n:05d}.safetensors"
-
-
-def _shard_pattern(stem: str) -> re.Pattern:
-    return re.compile(re.escape(stem) + r"-([0-9a-f]{8})-\d{5}-of-\d{5}\.safetensors")
-
-
-def _temp_shard_pattern(stem: str) -> re.Pattern:
-    """The temporary file of a shard being written (storage.atomic_write's name for it)."""
-    return re.compile(
-        r"\." + re.escape(stem) + r"-([0-9a-f]{8})-\d{5}-of-\d{5}\.safetensors\.tmp-[0-9a-f]{12}"
-    )
 
 
 def _marker_pattern(stem: str) -> re.Pattern:
@@ -127,31 +110,37 @@ def _root_shards(url: str) -> set[str] | None:
         return None
 
 
-def _is_our_shard(url: str, save_id: str) -> bool:
+def _has_flock() -> bool:
     try:
-        _, _, st_header = container.read_head(url, url)
-        info = json.loads(st_header["__metadata__"][SHARD_KEY])
-        return info["save_id"] == save_id
-    except Exception:  # noqa: BLE001 - not one of our shards: leave it alone
+        import fcntl  # noqa: F401
+    except ImportError:  # (Windows): cleaned up as on a remote filesystem
         return False
+    return True
 
 
-def remove_orphans(url: str, own_id: str | None, replaced: list[str]) -> None:
-    """Best effort, after a commit: remove shards of `url`'s stem that no running save needs."""
+def remove_orphans(url: str, own: tuple[str, list[str]] | None, previous: dict[str, Any] | None) -> None:
+    """Best effort, after a commit: remove shards of `url`'s stem that no root names and no
+    running save needs. `own`: this save's id and shard names (None for a single file);
+    `previous`: the header of the root this commit replaced."""
+    replaced = ownership.files_of_replaced(url, previous)
     fs, path = storage.url_to_fs(url)
-    try:
-        import fcntl  # noqa: F401 - the local cleanup below relies on the save locks
-    except ImportError:
-        fs = None
-    if fs is None or not storage.is_local(fs):
+    if not (storage.is_local(fs) and _has_flock()):
         current = _root_shards(url)
-        if current is not None:
-            pattern = _shard_pattern(stem_of(url))
-            mine = [n for n in _listing(url) if (m := pattern.fullmatch(n)) and m.group(1) == own_id]
-            storage.remove_quietly(url, [n for n in {*replaced, *mine} if n not in current])
+        if current is None:
+            return
+        candidates = dict(replaced)
+        if own is not None:
+            candidates.update({n: own[0] for n in own[1]})
+        storage.remove_quietly(
+            url, [n for n, i in candidates.items() if n not in current and ownership.owned(url, n, i)]
+        )
         return
-    directory, stem = os.path.dirname(path) or ".", stem_of(url)
-    shard_re, marker_re, temp_re = _shard_pattern(stem), _marker_pattern(stem), _temp_shard_pattern(stem)
+    _sweep_local(url, os.path.dirname(path) or ".", own[0] if own else None, set(replaced.values()))
+
+
+def _sweep_local(url: str, directory: str, own_id: str | None, replaced_ids: set[str]) -> None:
+    stem = stem_of(url)
+    shard_re, marker_re, temp_re = shard_pattern(stem), _marker_pattern(stem), temp_shard_pattern(stem)
     try:
         names = os.listdir(directory)
     except OSError:
@@ -169,9 +158,11 @@ def remove_orphans(url: str, own_id: str | None, replaced: list[str]) -> None:
     held: list[int] = []
     try:
         # which saves are over is decided before the root is read: a save that ends after this
-        # point is kept, and one that ended before has committed (or failed) already
+        # point is kept, and one that ended before has committed (or failed) already. A save whose
+        # root this commit replaced is over whatever its lock says: it committed, so it is final.
         candidates = set(ids) | markers | set(temps)
-        over = {i for i in candidates if i == own_id or _save_is_over(directory, stem, i, held)}
+        done = {own_id, *replaced_ids}
+        over = {i for i in candidates if i in done or _save_is_over(directory, stem, i, held)}
         current = _root_shards(url)
         if current is None:
             return
@@ -180,23 +171,15 @@ def remove_orphans(url: str, own_id: str | None, replaced: list[str]) -> None:
                 with contextlib.suppress(OSError):
                     os.unlink(os.path.join(directory, name))
             for name in ids.get(save_id, ()):
-                full = os.path.join(directory, name)
-                if name not in current and _is_our_shard(full, save_id):
+                if name not in current and ownership.owned(url, name, save_id):
                     with contextlib.suppress(OSError):
-                        os.unlink(full)
+                        os.unlink(os.path.join(directory, name))
             if save_id != own_id and not any(n in current for n in ids.get(save_id, ())):
                 with contextlib.suppress(OSError):
                     os.unlink(os.path.join(directory, f".{stem}-{save_id}.saving"))
     finally:
         for fd in held:
             os.close(fd)
-
-
-def _listing(url: str) -> list[str]:
-    try:
-        return list(storage.sibling_sizes(*storage.url_to_fs(url)))
-    except Exception:  # noqa: BLE001
-        return []
 
 
 # ---------------------------------------------------------------------------------- writing
@@ -212,20 +195,22 @@ def plan_shards(stored: dict, shard_size: int) -> list[list[str]]:
     return shards + [current] if current else shards
 
 
-def write(url: str, stored: dict, header: dict, shard_size: int | None, metadata) -> None:
+def write(url: str, stored: dict, header: dict, shard_size: int | None, metadata) -> dict[str, Any] | None:
     """Write the checkpoint (shards first when it exceeds `shard_size`), commit the root, clean up.
 
     `metadata(header)` makes the root's safetensors metadata once the shard index is in `header`.
+    Returns the header of the root this save replaced (None if there was none, or unreadable).
     """
-    replaced = sorted(_root_shards(url) or ())  # shards of the root this save replaces
     total = sum(t.numel() * t.element_size() for t in stored.values())
     if shard_size is None or total <= shard_size:
+        previous = ownership.current_root(url)
         storage.atomic_write(url, lambda f: container.write_safetensors(f, stored, metadata(header)), total)
-        remove_orphans(url, None, replaced)
-        return
+        remove_orphans(url, None, previous)
+        return previous
     stem, save_id = stem_of(url), uuid.uuid4().hex[:8]
     lock = _SaveLock(url, save_id)
     written: list[str] = []
+    committed = False
     try:
         plan = plan_shards(stored, shard_size)
         shards = []
@@ -249,12 +234,17 @@ def write(url: str, stored: dict, header: dict, shard_size: int | None, metadata
             shards.append({"file": name, "sha256": box["sha256"], "bytes": box["bytes"], "tensors": keys})
         header["shards"] = shards
         meta = metadata(header)
+        previous = ownership.current_root(url)  # read last: the root this commit really replaces
         storage.atomic_write(url, lambda f: container.write_safetensors(f, {}, meta))  # the commit point
-        written = []
-        remove_orphans(url, save_id, replaced)
+        committed = True
     finally:
-        storage.remove_quietly(url, written)  # a save that failed before its commit
+        if not committed:
+            storage.remove_quietly(url, written)  # a save that failed before its commit
+        # released before the cleanup, never after: a committed save writes nothing more, and a
+        # concurrent save that commits while this one cleans up must see it over (module docstring)
         lock.release()
+    remove_orphans(url, (save_id, written), previous)
+    return previous
 
 
 # ---------------------------------------------------------------------------------- reading

@@ -20,13 +20,43 @@ TEST_PAUSE_ENV = "COATSTATE_TEST_PAUSE_MID_WRITE"
 temporary file, after creating that path (so a test can SIGKILL the writer at a known point)."""
 
 
-def url_to_fs(url: str | os.PathLike) -> tuple[fsspec.AbstractFileSystem, str]:
+class Location(str):
+    """A URL resolved once: the URL as given (a str, so messages and file names are made from it
+    as before) that carries its fsspec filesystem and path. The API resolves each URL it is
+    given into one, and every function below takes it (or a plain URL, resolved on the spot), so
+    a save does not parse its URL again at every hop (as DCP's FileSystemWriter keeps its fs)."""
+
+    fs: fsspec.AbstractFileSystem
+    path: str
+
+    def __new__(cls, url: str, fs: fsspec.AbstractFileSystem, path: str) -> Location:
+        self = super().__new__(cls, url)
+        self.fs, self.path = fs, path
+        return self
+
+    def sibling(self, name: str) -> Location:
+        """File `name` in the same directory, on the same filesystem."""
+        return Location(
+            self[: len(self) - len(os.path.basename(self))] + name, self.fs, sibling(self.fs, self.path, name)
+        )
+
+
+def locate(url: str | os.PathLike | Location) -> Location:
+    """`url` resolved into a Location (a Location is returned as it is)."""
+    if isinstance(url, Location):
+        return url
     if not isinstance(url, (str, os.PathLike)):
         raise TypeError(f"url must be a str path or fsspec URL; got {type(url).__name__}")
     try:
-        return fsspec.core.url_to_fs(os.fspath(url))
+        fs, path = fsspec.core.url_to_fs(os.fspath(url))
     except (ImportError, ValueError) as e:
         raise ValueError(f"cannot open {url!s}: {e} (s3:// needs `pip install s3fs`)") from e
+    return Location(os.fspath(url), fs, path)
+
+
+def url_to_fs(url: str | os.PathLike | Location) -> tuple[fsspec.AbstractFileSystem, str]:
+    location = locate(url)
+    return location.fs, location.path
 
 
 def is_local(fs: fsspec.AbstractFileSystem) -> bool:
@@ -42,24 +72,24 @@ def sibling(fs: fsspec.AbstractFileSystem, path: str, name: str) -> str:
     return f"{parent}/{name}" if parent else name
 
 
-def sibling_url(url: str, name: str) -> str:
-    """The URL of file `name` in the directory of `url` (same scheme and filesystem)."""
-    return url[: len(url) - len(os.path.basename(url))] + name
+def sibling_url(url: str | Location, name: str) -> Location:
+    """File `name` in the directory of `url` (same scheme and filesystem)."""
+    return locate(url).sibling(name)
 
 
-def sibling_inside(root: str, name: str, what: str) -> str:
+def sibling_inside(root: str | Location, name: str, what: str) -> Location:
     """Where file `name` next to `root` (a shard, a rank file) is read from: a local one by its
     real path, which must be in the root's directory (a symlink out of it is refused before
     anything is opened); other filesystems have no symlinks, so their sibling URL."""
-    url = sibling_url(root, name)
-    fs, path = url_to_fs(url)
-    if not is_local(fs):
+    root = locate(root)
+    url = root.sibling(name)
+    if not is_local(url.fs):
         return url
-    real = os.path.realpath(path)
-    directory = os.path.realpath(os.path.dirname(os.path.abspath(url_to_fs(root)[1])))
+    real = os.path.realpath(url.path)
+    directory = os.path.realpath(os.path.dirname(os.path.abspath(root.path)))
     if os.path.dirname(real) != directory:
         raise CheckpointError(f"{root}: {what} {name} resolves to {real}, outside the checkpoint's directory")
-    return real
+    return Location(real, url.fs, real)
 
 
 def _kind(mode: int) -> str:
@@ -176,10 +206,16 @@ class _HalfwayHook(io.RawIOBase):
 
 
 def check_directory(url: str) -> None:
-    """A save to a local path whose directory is missing fails before anything is written."""
+    """Make the directory of `url` and its parents where missing (as save_pretrained does), on
+    any fsspec filesystem; raises OSError when a parent is a file or cannot be made."""
     fs, path = url_to_fs(url)
-    if is_local(fs):
-        _existing_directory(path, url)
+    parent = os.path.dirname(path) if is_local(fs) else (path.rsplit("/", 1)[0] if "/" in path else "")
+    if not parent or (is_local(fs) and os.path.isdir(parent)):
+        return
+    try:
+        fs.makedirs(parent, exist_ok=True)
+    except FileExistsError:  # (a file where a directory should be)
+        raise NotADirectoryError(f"cannot save to {url}: {parent} is not a directory") from None
 
 
 def _existing_directory(path: str, url: str) -> str:

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from coatstate.checkpoint.layout import num_rows, rank_file_pattern, stem_of
 from coatstate.formats import schema
 from coatstate.formats.group import group_layout
 from coatstate.formats.optimizer_state import CODES, DEFAULT_GROUP_SIZE, EXPONENTS, MOMENTS, SCALES
@@ -133,9 +134,7 @@ def validate_header(header: Any, where: str) -> dict[str, Any]:
     if header.get("shards") is not None:
         _shards(header["shards"], tensors, fail)
     if header.get("per_rank") is not None:  # checked here, so no reader walks an unchecked index
-        from coatstate.checkpoint import rank_read  # (it imports this module)
-
-        rank_read.check_index(header, where)
+        check_index(header, where)
     return header
 
 
@@ -372,6 +371,68 @@ def _shards(shards: Any, tensors: Mapping[str, Any], fail) -> None:
         fail(f"tensors {sorted(set(tensors) - set(owner))[:3]} are in no shard")
 
 
+def _is_nonnegative(v: Any) -> bool:
+    return _is_int(v) and v >= 0
+
+
+def check_index(header: dict[str, Any], where: str) -> dict[str, Any]:
+    """The root's per-rank index against the header: files, splits that tile every tensor."""
+
+    def fail(problem: str):
+        raise CheckpointError(f"{where}: invalid header: per_rank.{problem}")
+
+    index = header["per_rank"]
+    if header.get("format_version") != schema.PER_RANK_FORMAT_VERSION:
+        fail(f"belongs to format version {schema.PER_RANK_FORMAT_VERSION} roots only")
+    if not isinstance(index, dict) or header.get("shards") is not None or header.get("compression"):
+        fail("must be an object, in a root without shards or compression")
+    if not (_is_int(index.get("world_size")) and index["world_size"] >= 1) or not isinstance(
+        index.get("save_id"), str
+    ):
+        fail("needs a save_id and a positive world_size")
+    pattern = rank_file_pattern(stem_of(where))
+    files = index.get("files")
+    if not isinstance(files, list):
+        fail("files must be a list")
+    ranks = set()
+    for i, f in enumerate(files):
+        name = f.get("file") if isinstance(f, dict) else None
+        m = pattern.fullmatch(name) if isinstance(name, str) else None
+        if not m or m.group(1) or m.group(4) or m.group(2) != index["save_id"]:
+            fail(f"files[{i}] must name a rank file of this save next to the root")
+        if not (
+            _is_nonnegative(f.get("bytes"))
+            and _is_nonnegative(f.get("rank"))
+            and isinstance(f.get("manifest_sha256"), str)
+        ):
+            fail(f"files[{i}] needs bytes, rank and manifest_sha256")
+        # the name is rank_file_name's: one file per rank, each listed once
+        if int(m.group(3)) != f["rank"] or f["rank"] in ranks or f["rank"] >= index["world_size"]:
+            fail(f"files[{i}] must be the only file of its rank, a rank below world_size, in its name")
+        ranks.add(f["rank"])
+    splits, tensor_splits = index.get("splits"), index.get("tensor_splits")
+    if not isinstance(splits, list) or not isinstance(tensor_splits, dict):
+        fail("splits must be a list and tensor_splits an object")
+    if set(tensor_splits) != set(header["tensors"]):
+        fail("tensor_splits must name exactly the header's tensors")
+    for key, s in tensor_splits.items():
+        if header["tensors"][key].get("encoding") is not None:  # (zstd may not even be installed)
+            fail(f"tensor_splits[{key!r:.80}]: a tensor read by row ranges cannot be encoded")
+        if not (_is_nonnegative(s) and s < len(splits) and isinstance(splits[s], list)):
+            fail(f"tensor_splits[{key!r:.80}] must index splits")
+        end = 0
+        for piece in splits[s]:
+            if not (isinstance(piece, list) and len(piece) == 3 and all(_is_nonnegative(x) for x in piece)):
+                fail(f"splits[{s}] must hold [file, start, stop] triples")
+            if piece[0] >= len(files) or piece[1] != end or piece[2] <= piece[1]:
+                fail(f"splits[{s}] must tile rows 0.. in order, each piece in a listed file")
+            end = piece[2]
+        rows = num_rows(header["tensors"][key]["shape"])
+        if end != rows:
+            fail(f"splits[{s}] covers {end} rows; tensor {key!r:.80} has {rows}")
+    return index
+
+
 # ---------------------------------------------------------------------- plain state dicts
 def check_state_dict(sd: Any, where: str) -> dict[str, Any]:
     """An optimizer state dict from a .pt or a DCP directory: the structure load() relies on."""
@@ -402,19 +463,12 @@ def check_state_dict(sd: Any, where: str) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------- against the loading side
-def is_compressed_optimizer(optimizer) -> bool:
-    try:
-        from coatstate.optim import CompressedAdamW
-    except ImportError:
-        return False
-    return isinstance(optimizer, CompressedAdamW)
-
-
-def check_class(optimizer, saved_class: str | None, has_codes: bool, where: str) -> None:
-    """Refuse a checkpoint of another optimizer class (its states would load as wrong ones)."""
+def check_class(optimizer, saved_class: str | None, has_codes: bool, compressed: bool, where: str) -> None:
+    """Refuse a checkpoint of another optimizer class (its states would load as wrong ones).
+    `compressed`: whether `optimizer` is a CompressedAdamW (the caller knows the class)."""
     ours = type(optimizer).__name__
     lineage = {c.__name__ for c in type(optimizer).__mro__}
-    adamw_like = isinstance(optimizer, torch.optim.AdamW) or is_compressed_optimizer(optimizer)
+    adamw_like = isinstance(optimizer, torch.optim.AdamW) or compressed
     if saved_class is None:  # saved from a state dict: compressed moments are AdamW's
         if has_codes and not adamw_like:
             raise CheckpointError(

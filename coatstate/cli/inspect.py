@@ -216,7 +216,7 @@ def _is_pt(url: str, head: bytes) -> bool:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from coatstate.checkpoint import api as checkpoint
-    from coatstate.checkpoint import shards, storage
+    from coatstate.checkpoint import encoding, shards, storage
 
     url = args.file
     if os.path.isdir(url):
@@ -228,7 +228,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if _is_pt(url, head):  # a torch.save file: read it (weights_only) and describe it
         ckpt = checkpoint.read(url)
         try:
-            _, header = checkpoint._flatten(ckpt.optimizer, {}, {}, None)
+            _, header = encoding.flatten(ckpt.optimizer, {}, {}, None)
         except (TypeError, ValueError) as e:
             raise checkpoint_error(f"{url}: cannot describe this state dict ({e})") from None
         header["optimizer"]["class"] = "torch optimizer"

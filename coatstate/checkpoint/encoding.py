@@ -1,0 +1,213 @@
+"""A state dict as a checkpoint's tensors and JSON header, and back.
+
+`flatten` turns an optimizer state dict (and a model's) into the tensors a checkpoint stores under
+their keys and the header that describes them (formats.schema, docs/CHECKPOINT.md); `decode`
+checks stored tensors against a header and undoes the zstd encoding. No file is touched here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from coatstate import __version__
+from coatstate.checkpoint import container
+from coatstate.formats import schema
+from coatstate.formats.optimizer_state import CODES, EXPONENTS, moment_of
+from coatstate.formats.schema import CheckpointError
+
+
+def to_cpu(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def source(
+    obj: Any, model: Any, param_names: Any
+) -> tuple[dict, dict[int, list[int]], dict[int, str], str | None]:
+    """(state dict, {pid: shape}, {pid: name}, optimizer class name) from what save() was given."""
+    shapes: dict[int, list[int]] = {}
+    names: dict[int, str] = {}
+    if isinstance(obj, torch.optim.Optimizer):
+        sd = obj.state_dict()
+        by_obj = {}
+        if isinstance(model, torch.nn.Module):
+            by_obj = {id(p): n for n, p in model.named_parameters()}
+        pid = 0
+        for group in obj.param_groups:
+            for p in group["params"]:
+                shapes[pid] = list(p.shape)
+                if id(p) in by_obj:
+                    names[pid] = by_obj[id(p)]
+                pid += 1
+        kind = type(obj).__name__
+    elif isinstance(obj, Mapping) and "state" in obj and "param_groups" in obj:
+        sd, kind = dict(obj), None
+    else:
+        raise TypeError(
+            "save() takes a torch.optim.Optimizer or an optimizer state dict (a mapping with 'state' "
+            f"and 'param_groups'); got {type(obj).__name__}"
+        )
+    for group in sd["param_groups"]:  # torch >= 2.6 optimizers built from named_parameters()
+        for pid, name in zip(group["params"], group.get("param_names", ()), strict=False):
+            names.setdefault(pid, name)
+    if param_names is not None:
+        items = param_names.items() if isinstance(param_names, Mapping) else enumerate(param_names)
+        names.update({int(k): str(v) for k, v in items})
+    if isinstance(model, torch.nn.Module):
+        by_name = {n: list(p.shape) for n, p in model.named_parameters()}
+    elif isinstance(model, Mapping):
+        by_name = {n: list(t.shape) for n, t in model.items() if isinstance(t, torch.Tensor)}
+    else:
+        by_name = {}
+    for pid, name in names.items():  # a parameter without state has no other record of its shape
+        if pid not in shapes and name in by_name:
+            shapes[pid] = by_name[name]
+    return sd, shapes, names, kind
+
+
+def _moment_formats(state: Mapping[str, Any], group: Mapping[str, Any]) -> dict[str, Any]:
+    out = {}
+    for name, value in state.items():
+        parts = moment_of(name)
+        if parts and parts[1] == CODES and isinstance(value, torch.Tensor):
+            moment = parts[0]
+            out[moment] = {
+                "format": "e4m3" if value.dtype == torch.float8_e4m3fn else "e5m2",
+                "group_size": group.get("group_size"),
+                "expand": moment + EXPONENTS in state,
+            }
+    return out
+
+
+def flatten(
+    sd: Mapping[str, Any], shapes, names, model_sd, *, prepare=to_cpu, checksums: bool = True
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(tensors by key, header). `prepare` maps each tensor (a per-rank save keeps DTensors as
+    they are); checksums=False leaves them out of the header (a per-rank save adds its own)."""
+    tensors: dict[str, torch.Tensor] = {}
+    groups, params = [], {}
+    for g, group in enumerate(sd["param_groups"]):
+        enc = {}
+        for k, v in group.items():
+            if isinstance(v, torch.Tensor):
+                tensors[schema.group_key(g, k)] = prepare(v)
+                enc[k] = {"$tensor": schema.group_key(g, k)}
+            else:
+                enc[k] = schema.encode_value(v, f"param_groups[{g}].{k}")
+        groups.append(enc)
+        for pid in group["params"]:
+            params[str(pid)] = {"group": g, "name": names.get(pid), "shape": shapes.get(pid)}
+    state = {}
+    for pid, pstate in sd["state"].items():
+        if str(pid) not in params:
+            raise ValueError(f"state dict has state for param id {pid}, which no param group lists")
+        entry = {}
+        for name, v in pstate.items():
+            if isinstance(v, torch.Tensor):
+                key = schema.state_key(pid, name)
+                tensors[key] = prepare(v)
+                entry[name] = {"$tensor": key}
+            else:
+                entry[name] = schema.encode_value(v, f"state[{pid}].{name}")
+        state[str(pid)] = entry
+        info = params[str(pid)]
+        info["compressed"] = _moment_formats(pstate, sd["param_groups"][info["group"]])
+        if info["shape"] is None:
+            for name in ("exp_avg" + CODES, "exp_avg"):
+                if isinstance(pstate.get(name), torch.Tensor):
+                    info["shape"] = list(pstate[name].shape)
+                    break
+    model_keys = None
+    if model_sd is not None:
+        model_keys = []
+        for name, v in model_sd.items():
+            if not isinstance(v, torch.Tensor):
+                raise TypeError(f"model state dict entry {name!r} is a {type(v).__name__}, not a tensor")
+            tensors[schema.model_key(name)] = prepare(v)
+            model_keys.append(name)
+    compressed = any(p.get("compressed") for p in params.values())
+    header = {
+        "format": schema.FORMAT_NAME,
+        "format_version": schema.SINGLE_FILE_FORMAT_VERSION,
+        "library_version": __version__,
+        "created_unix": round(time.time(), 3),
+        "optimizer": {"class": None, "variant": "compressed" if compressed else "full"},
+        "param_groups": groups,
+        "params": params,
+        "state": state,
+        "model": model_keys,
+        "checksum": schema.CHECKSUM_ALGORITHM,
+        "compression": None,
+        "shards": None,
+        "tensors": {
+            k: {"dtype": schema.dtype_name(t.dtype), "shape": list(t.shape)} for k, t in tensors.items()
+        },
+    }
+    if checksums:
+        for key, digest in schema.tensor_checksums(tensors).items():
+            header["tensors"][key]["checksum"] = digest
+    return tensors, header
+
+
+def encode_zstd(tensors: dict[str, torch.Tensor], header: dict[str, Any]) -> dict[str, torch.Tensor]:
+    stored = {}
+    for key, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if nbytes >= container.ZSTD_MIN_BYTES:
+            blob = container.zstd_compress(schema.tensor_bytes(t))
+            if len(blob) < nbytes:
+                stored[key] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+                header["tensors"][key].update(encoding="zstd", stored_bytes=len(blob))
+                continue
+        stored[key] = t
+    header["compression"] = "zstd"
+    return stored
+
+
+def metadata(header: Mapping[str, Any]) -> dict[str, str]:
+    text = schema.dump_header(header)
+    return {
+        "format": "pt",
+        schema.METADATA_KEY: text,
+        schema.HEADER_CHECKSUM_KEY: schema.header_checksum(text),
+    }
+
+
+def decode(stored: Mapping[str, torch.Tensor], header: Mapping[str, Any], where: str, verify: bool):
+    infos = header["tensors"]
+    extra = sorted(set(stored) - set(infos))
+    if extra:
+        raise CheckpointError(f"{where}: tensors {extra[:5]} are in the file but not in its header")
+    out = {}
+    for key, info in infos.items():
+        if key not in stored:
+            raise CheckpointError(
+                f"{where}: tensor {key!r} is listed in the header but missing from the file"
+            )
+        t = stored[key]
+        try:
+            dtype, shape = schema.torch_dtype(info["dtype"]), [int(s) for s in info["shape"]]
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{where}: corrupt header entry for {key!r} ({e!r})") from None
+        if info.get("encoding") == "zstd":
+            nbytes = dtype.itemsize * int(torch.Size(shape).numel())
+            raw = container.zstd_decompress(schema.tensor_bytes(t), nbytes, f"{where}: {key}")
+            t = torch.frombuffer(bytearray(raw), dtype=dtype) if nbytes else torch.empty(0, dtype=dtype)
+            t = t.reshape(shape)
+        if t.dtype != dtype or list(t.shape) != shape:
+            raise CheckpointError(
+                f"{where}: tensor {key!r} is {t.dtype} {list(t.shape)} in the file but "
+                f"{info['dtype']} {shape} in the header"
+            )
+        out[key] = t
+    if verify:
+        for key, digest in schema.tensor_checksums(out).items():
+            if digest != infos[key].get("checksum"):
+                raise CheckpointError(f"{where}: checksum mismatch for tensor {key!r}: the file is corrupt")
+    return out
