@@ -321,7 +321,9 @@ class compress_activations(_Unpacker):  # noqa: N801  (a context manager used li
         if tuple(x.shape) in shapes:  # autocast's bf16 weight, as eager keeps it (a shape match
             return self._keep(x, KeepReason.PARAMETER_CAST)  # can only keep too much, never lose)
         if x.dtype is torch.float32:
-            if self.policy.compiled_fp32 is _KEEP and not _WARNED["compiled_fp32"]:
+            # not when compiled saves are all kept on purpose (KEEP_ALL: counting, not compressing)
+            keep_asked = self.policy.compiled is _KEEP
+            if self.policy.compiled_fp32 is _KEEP and not keep_asked and not _WARNED["compiled_fp32"]:
                 _WARNED["compiled_fp32"] = True  # once per process: a context is made every step
                 warnings.warn(_COMPILED_FP32, stacklevel=2)
             return self._hold(x, self.policy.compiled_fp32, "compiled_fp32")
