@@ -167,3 +167,27 @@ def test_a_module_moved_in_0_2_says_where_it_went_and_that_imports(old):
     assert homes, str(e.value)
     for home in homes:
         importlib.import_module(home)
+
+
+PUBLIC_DOCSTRINGS = {  # name -> the sections its help() must show
+    "compress_activations": ("Args:", "Returns:", "Raises:", "Example:"),
+    "CompiledActivations": ("Args:", "Returns:", "Raises:", "Example:"),
+    "ActivationPolicy": ("Args:", "Returns:", "Raises:", "Example:"),
+    "ActivationStats": ("Attributes:", "Returns:", "Example:"),  # a result: nothing to raise
+    "convert_to_fp8": ("Args:", "Returns:", "Raises:", "Example:"),
+    "cast_model": ("Args:", "Returns:", "Raises:", "Example:"),
+    "FP8Linear": ("Args:", "Returns:", "Raises:", "Example:"),
+    "FP8LinearConfig": ("Args:", "Returns:", "Raises:", "Example:"),
+    "FP8Format": ("Args:", "Returns:", "Raises:", "Example:"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLIC_DOCSTRINGS))
+def test_public_docstring_has_args_returns_raises_example(name):
+    import pydoc
+
+    text = pydoc.render_doc(getattr(coatstate, name), renderer=pydoc.plaintext)
+    missing = [s for s in PUBLIC_DOCSTRINGS[name] if s not in text]
+    assert not missing, f"help(coatstate.{name}) has no {missing} section"
+    example = text.split("Example:", 1)[1]
+    assert ">>> " in example.split("\n\n")[0] + example[:400], f"coatstate.{name}'s Example holds no code"
