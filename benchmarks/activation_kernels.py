@@ -156,9 +156,9 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("activation_kernels.py times CUDA kernels: it needs a GPU")
     shapes = [_shape(rows, cols) for rows, cols in ((16384, 2048), (16384, 5632), (8192, 1024))]
-    from report_common import machine_meta
+    from common import result_meta
 
-    record = {"meta": machine_meta("cuda"), "shapes": shapes, "host": _host_costs()}
+    record = {"meta": result_meta(device="cuda"), "shapes": shapes, "host": _host_costs()}
     Path(args.out).write_text(json.dumps(record, indent=1))
     print(f"wrote {args.out}")
 

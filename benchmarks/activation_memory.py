@@ -306,9 +306,9 @@ def main(argv=None) -> dict:
     variants, runners, fp8s = _variants(model, opt, batches, args, table)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    from report_common import machine_meta
+    from common import result_meta
 
-    result = {"args": vars(args), "meta": machine_meta(device), "torch": torch.__version__}
+    result = {"args": vars(args), "meta": result_meta(device=device), "torch": torch.__version__}
     result.update(method="rounds", rows=[])
     if device == "cuda":
         from coatstate.kernels import activation as activation_pack

@@ -34,7 +34,7 @@ import coatstate.checkpoint as ck
 from coatstate.optim import compress_adamw_state_dict
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import machine_meta  # noqa: E402
+from common import result_meta  # noqa: E402
 
 VOCAB, WIDTH, CONTEXT = 50304, 768, 1024
 
@@ -152,7 +152,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    meta = machine_meta("cpu") | {"threads": torch.get_num_threads()}
+    meta = result_meta(device="cpu") | {"threads": torch.get_num_threads()}
     work = Path(args.dir or tempfile.mkdtemp(prefix="coatstate-bench-"))
     work.mkdir(parents=True, exist_ok=True)
 

@@ -5,7 +5,7 @@ per-rank, beside the floor of reading its bytes; optionally against an older tre
     python benchmarks/checkpoint_load.py --old /tmp/old_tree     # interleaved with an older checkout
 
 Each round runs one process per tree (in an order that alternates between rounds), which saves the
-GPT-shaped set's state (benchmarks/optimizer_step.py's gpt_shapes at --scale, after one step) in
+GPT-shaped set's state (benchmarks/common.py's gpt_shapes at --scale, after one step) in
 both layouts to a RAM disk (/dev/shm where there is one: the disk is not what is measured), loads
 each once to warm up, then times `coatstate.load` three times (the median counts) and `floor`: a
 plain read of the same files' bytes. Prints median [min-max] over rounds per tree and layout and
@@ -29,12 +29,12 @@ HERE = Path(__file__).resolve().parent
 
 def _child(args) -> None:
     sys.path.insert(0, str(HERE))
-    from checkpoint_scale import _optimizer  # (the same GPT-shaped state, one process, no weights)
+    from common import stepped_optimizer  # (checkpoint_scale.py's GPT-shaped state, one process)
 
     import coatstate
 
-    setup = argparse.Namespace(device="cpu", vocab=50304, scale=args.scale, no_model=True)
-    (opt, _, _), (fresh, _, _) = _optimizer(setup, None), _optimizer(setup, None)
+    opt, _, _ = stepped_optimizer("cpu", 50304, args.scale, with_model=False)
+    fresh, _, _ = stepped_optimizer("cpu", 50304, args.scale, with_model=False)  # loaded into
     from coatstate.optim import state_dict  # (where the load's conversion came from: which tree)
 
     out = {"tree": str(Path(state_dict.__file__).parents[2])}
@@ -90,8 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         _child(args)
         return 0
     sys.path.insert(0, str(HERE))
-    from checkpoint_scale import _cell, _stats
-    from report_common import machine_meta
+    from common import fmt_median_range, median_range, result_meta
 
     trees = {"this tree": HERE.parent} | ({"old": Path(args.old).resolve()} if args.old else {})
     runs: dict[str, list[dict]] = {name: [] for name in trees}
@@ -103,10 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name, results in runs.items():
         for layout in ("gathered", "per_rank"):
-            load = _stats([x[layout]["load_s"] for x in results])
-            floor = _stats([x[layout]["floor_s"] for x in results])
+            load = median_range([x[layout]["load_s"] for x in results])
+            floor = median_range([x[layout]["floor_s"] for x in results])
             nbytes = results[0][layout]["bytes"]
-            print(f"{name:<10} {layout:<9} {_cell(load):>22} {_cell(floor):>22} {nbytes / 1e6:8.1f}")
+            cells = f"{fmt_median_range(load):>22} {fmt_median_range(floor):>22} {nbytes / 1e6:8.1f}"
+            print(f"{name:<10} {layout:<9} {cells}")
             rows.append(
                 {
                     "tree": name,
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(
-        json.dumps({"meta": machine_meta("cpu"), "args": vars(args), "rows": rows}, indent=1)
+        json.dumps({"meta": result_meta(device="cpu"), "args": vars(args), "rows": rows}, indent=1)
     )
     print(f"{args.rounds} rounds, processes interleaved; wrote {args.out}")
     return 0

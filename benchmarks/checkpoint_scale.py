@@ -5,7 +5,7 @@ throughput beside the disk's own, and load time.
     python benchmarks/checkpoint_scale.py --device cuda         # one GPU, the 1.31B GPT-shaped set
     python benchmarks/checkpoint_scale.py --smoke               # a few seconds (CI)
 
-Each rank holds a GPT-shaped parameter set (benchmarks/optimizer_step.py's gpt_shapes) sharded on
+Each rank holds a GPT-shaped parameter set (benchmarks/common.py's gpt_shapes) sharded on
 dim 0 (DTensors, as FSDP2 holds them; on CUDA, world size 1, plain tensors) and a CompressedAdamW
 state after one step; a checkpoint holds the float32 weights (as the model state dict) and the
 compressed states (--no-model: the states only). Per round, in an order that rotates between
@@ -44,8 +44,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from optimizer_step import gpt_shapes  # noqa: E402 - the GPT-shaped set of the GPU benchmarks
-from report import machine_meta  # noqa: E402
+from common import fmt_median_range, median_range, result_meta, stepped_optimizer  # noqa: E402
 
 VARIANTS = ("blocking", "async", "dcp_async", "floor", "floor_mem", "load")
 
@@ -67,29 +66,6 @@ def _setup(rank: int, world_size: int, port: int, device: str, threads: int):
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh("cpu", (world_size,))
-
-
-def _optimizer(args, mesh):
-    """CompressedAdamW over the GPT-shaped set (this rank's rows of it), after one step, and the
-    model state dict saved with it (the float32 weights; {} with --no-model)."""
-    import coatstate
-
-    gen = torch.Generator(args.device).manual_seed(0)  # drawn where it lives: 1.31B on a CPU is slow
-    params = []
-    for shape in gpt_shapes(vocab=args.vocab, scale=args.scale):
-        t = torch.randn(shape, generator=gen, device=args.device) * 0.02
-        if mesh is not None:
-            from torch.distributed.tensor import Shard, distribute_tensor
-
-            t = distribute_tensor(t, mesh, [Shard(0)], src_data_rank=None)  # no communication
-        params.append(torch.nn.Parameter(t))
-    opt = coatstate.CompressedAdamW(params, lr=1e-3, weight_decay=0.1)
-    for p in params:
-        p.grad = torch.randn_like(p) * 1e-3
-    opt.step()
-    opt.zero_grad()
-    model = {} if args.no_model else {f"w{i}": p.detach() for i, p in enumerate(params)}
-    return opt, model, sum(p.numel() for p in params)
 
 
 def _flat_state(opt, model: dict) -> dict[str, torch.Tensor]:
@@ -232,8 +208,8 @@ def _worker(rank: int, world_size: int, port: int, args, out: str) -> None:
     if args.device == "cuda":
         torch.cuda.set_device(rank)
     mesh = _setup(rank, world_size, port, args.device, args.threads)
-    opt, model, numel = _optimizer(args, mesh)
-    fresh, _, _ = _optimizer(args, mesh)  # loaded into, built outside the timings
+    opt, model, numel = stepped_optimizer(args.device, args.vocab, args.scale, mesh, not args.no_model)
+    fresh, _, _ = stepped_optimizer(args.device, args.vocab, args.scale, mesh, False)  # loaded into
     _time_phases()
     url = os.path.join(args.dir, "ckpt.safetensors")
     # warm-up, not measured: imports, thread pools, the first files, pinned buffers, DCP's planner
@@ -253,10 +229,6 @@ def _worker(rank: int, world_size: int, port: int, args, out: str) -> None:
 
 
 # ----------------------------------------------------------------------------------- report
-def _stats(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "all": values}
-
-
 def summarize(run: dict) -> list[dict]:
     """One row per variant: blocked and total seconds, GB/s (checkpoint bytes / total)."""
     rows, results = [], run["results"]
@@ -267,9 +239,9 @@ def summarize(run: dict) -> list[dict]:
         row = {
             "world_size": run["world_size"],
             "variant": variant,
-            "blocked_s": _stats(blocked),
-            "total_s": _stats(total),
-            "gbps": _stats([run["bytes"] / t / 1e9 for t in total]),
+            "blocked_s": median_range(blocked),
+            "total_s": median_range(total),
+            "gbps": median_range([run["bytes"] / t / 1e9 for t in total]),
             "bytes": run["bytes"],
             "params": run["params"],
         }
@@ -294,19 +266,12 @@ def print_phases(rows: list[dict]) -> None:
         print(f"{r['world_size']:>5} {r['variant']:<10} {cells}  total {r['total_s']['median']:.3f}")
 
 
-def _cell(s: dict, scale: float = 1.0, fmt: str = "{:.3f}") -> str:
-    return (
-        f"{fmt.format(s['median'] * scale)} [{fmt.format(s['min'] * scale)}-{fmt.format(s['max'] * scale)}]"
-    )
-
-
 def print_table(rows: list[dict]) -> None:
     print(f"{'ranks':>5} {'variant':<10} {'blocked s':>24} {'total s':>24} {'GB/s':>22}")
     for r in rows:
-        print(
-            f"{r['world_size']:>5} {r['variant']:<10} {_cell(r['blocked_s']):>24} {_cell(r['total_s']):>24} "
-            f"{_cell(r['gbps'], fmt='{:.2f}'):>22}"
-        )
+        blocked, total = fmt_median_range(r["blocked_s"]), fmt_median_range(r["total_s"])
+        gbps = fmt_median_range(r["gbps"], fmt="{:.2f}")
+        print(f"{r['world_size']:>5} {r['variant']:<10} {blocked:>24} {total:>24} {gbps:>22}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -335,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     multiprocessing.set_forkserver_preload(["torch", "coatstate"])
     import torch.multiprocessing as mp
 
-    rows, meta = [], machine_meta(args.device)
+    rows, meta = [], result_meta(device=args.device)
     base = args.dir
     for world_size in worlds:
         args.dir = tempfile.mkdtemp(prefix=f"ckpt_scale_{world_size}_", dir=base)

@@ -40,6 +40,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import log_rank0, result_meta, token_batch, torchrun_setup  # noqa: E402
 from models import GPT, ModelConfig, add_shape_args  # noqa: E402
 
 import coatstate  # noqa: E402
@@ -77,28 +78,6 @@ def _parse() -> argparse.Namespace:
         default = Path(tempfile.gettempdir()) / "fsdp_train_smoke.json" if args.smoke else None
         args.out = str(default or Path(__file__).resolve().parent / "results" / "fsdp_train.json")
     return args
-
-
-def _setup(smoke: bool):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if "RANK" not in os.environ:
-        raise SystemExit("launch with torchrun, e.g. torchrun --standalone --nproc-per-node 2 " + sys.argv[0])
-    cuda = not smoke
-    if cuda and not torch.cuda.is_available():
-        raise SystemExit("no CUDA device: pass --smoke for the CPU/gloo run")
-    if cuda:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    else:
-        torch.set_num_threads(1)
-    dist.init_process_group("nccl" if cuda else "gloo")
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    return init_device_mesh(device.type, (dist.get_world_size(),)), device
-
-
-def _log(*msg) -> None:
-    if dist.get_rank() == 0:
-        print(*msg, flush=True)
 
 
 # ------------------------------------------------------------------------------ 1. equivalence
@@ -191,12 +170,6 @@ def equivalence(mesh, device, steps: int, workdir: str) -> dict:
 
 
 # ------------------------------------------------------------------------------- 2. throughput
-def _batch(cfg: ModelConfig, batch: int, step: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(step * 1000 + dist.get_rank())
-    tokens = torch.randint(0, cfg.vocab, (batch, cfg.seq + 1), generator=gen)
-    return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
-
-
 def throughput(variant: str, cfg: ModelConfig, args, mesh, device) -> dict:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -220,7 +193,7 @@ def throughput(variant: str, cfg: ModelConfig, args, mesh, device) -> dict:
         if step == args.warmup and cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        x, y = _batch(cfg, args.batch, step, device)
+        x, y = token_batch(cfg, args.batch, step, device)
         t0 = time.perf_counter()
         with context():
             loss = model(x, y)
@@ -287,7 +260,7 @@ def _table(rows: list[dict]) -> str:
 
 def main() -> None:
     args = _parse()
-    mesh, device = _setup(args.smoke)
+    mesh, device = torchrun_setup(args.smoke)
     world = dist.get_world_size()
     workdir = tempfile.mkdtemp(prefix="fsdp_dcp_") if dist.get_rank() == 0 else None
     box = [workdir]
@@ -297,30 +270,24 @@ def main() -> None:
         for name in ("fsdp_vs_one_process", "dcp_reload", "dcp_dir_read"):
             r = check[name]
             verdict = "bit for bit" if r["bit_exact"] else f"DIFFERS in {len(r['differing'])} tensors"
-            _log(f"equivalence {name} ({r['tensors']} tensors, world size {world}): {verdict}")
+            log_rank0(f"equivalence {name} ({r['tensors']} tensors, world size {world}): {verdict}")
             for key, (n, d) in r["differing"].items():
-                _log(f"    {key}: {n} elements differ, max |diff| {d:.3g}")
-        _log(f"fused Triton step used: {check['fused_step_used']}")
+                log_rank0(f"    {key}: {n} elements differ, max |diff| {d:.3g}")
+        log_rank0(f"fused Triton step used: {check['fused_step_used']}")
 
     cfg = ModelConfig.from_args(args)
     rows = [throughput(v, cfg, args, mesh, device) for v in args.variants.split(",")]
-    _log(
+    log_rank0(
         f"\nGPT {rows[0]['params'] / 1e9:.3f}B params, {world} x {device.type}, batch {args.batch} x seq "
         f"{args.seq} per GPU, bf16 compute, {args.steps} timed steps after {args.warmup}"
     )
-    _log(_table(rows))
+    log_rank0(_table(rows))
     if dist.get_rank() == 0:
-        meta = {
-            "date": time.strftime("%Y-%m-%d"),
-            "torch": torch.__version__,
-            "world_size": world,
-            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-            "config": vars(args),
-        }
+        meta = result_meta(device=str(device)) | {"world_size": world, "config": vars(args)}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "equivalence": check, "runs": rows}, f, indent=1, default=str)
-        _log(f"wrote {args.out}")
+        log_rank0(f"wrote {args.out}")
     dist.destroy_process_group()
 
 

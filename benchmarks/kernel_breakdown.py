@@ -160,11 +160,11 @@ def main() -> None:
         results = activation_variants(argv)
         title = f"{args.what}, activation_memory.py shape, batch {args.batch}"
     show(title, results)
-    from report_common import machine_meta
+    from common import result_meta
 
     out = Path(args.out or HERE / "results" / f"kernel_breakdown_{args.what}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    record = {"args": vars(args), "meta": machine_meta("cuda"), "title": title, "variants": results}
+    record = {"args": vars(args), "meta": result_meta(device="cuda"), "title": title, "variants": results}
     out.write_text(json.dumps(record, indent=1))
     print(f"wrote {out}")
 

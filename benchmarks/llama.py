@@ -6,7 +6,7 @@ and gate/up projections, F.rms_norm (weight cast to the compute dtype), rotary e
 compute dtype, SDPA (flash), and a residual stream in the compute dtype (under autocast with fp32
 master weights). All linear
 layers are nn.Linear without bias, every dim a multiple of 16 (torch._scaled_mm's constraint).
-The head and loss run over chunks of tokens (models._chunked_loss) so the logits never exist all
+The head and loss run over chunks of tokens (models.chunked_loss) so the logits never exist all
 at once.
 """
 
@@ -16,7 +16,7 @@ import dataclasses
 
 import torch
 import torch.nn.functional as F
-from models import _chunked_loss
+from models import chunked_loss
 from torch import nn
 
 
@@ -121,4 +121,4 @@ class Llama(nn.Module):
             x = x.to(torch.get_autocast_dtype(x.device.type))
         for block in self.blocks:
             x = block(x, self.cos, self.sin)
-        return _chunked_loss(self.head, self.norm(x), targets, self.cfg.loss_chunks)
+        return chunked_loss(self.head, self.norm(x), targets, self.cfg.loss_chunks)

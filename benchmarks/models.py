@@ -60,7 +60,7 @@ def add_shape_args(p, *, dim: int = 1024, batch_help: str = "sequences per step"
     p.add_argument("--loss-chunks", type=int, default=8)
 
 
-def _chunked_loss(head: nn.Module, h: torch.Tensor, targets: torch.Tensor, chunks: int) -> torch.Tensor:
+def chunked_loss(head: nn.Module, h: torch.Tensor, targets: torch.Tensor, chunks: int) -> torch.Tensor:
     h = h.reshape(-1, h.shape[-1])
     targets = targets.reshape(-1)
     if chunks <= 1:
@@ -128,7 +128,7 @@ class GPT(nn.Module):
         x = self.wte(idx) + self.wpe(pos)
         for block in self.blocks:
             x = block(x)
-        return _chunked_loss(self.head, self.ln_f(x), targets, self.cfg.loss_chunks)
+        return chunked_loss(self.head, self.ln_f(x), targets, self.cfg.loss_chunks)
 
 
 class RMSNorm(nn.Module):
@@ -218,7 +218,7 @@ class Llama(nn.Module):
         x = self.embed(idx)
         for block in self.blocks:
             x = block(x)
-        return _chunked_loss(self.head, self.norm(x), targets, self.cfg.loss_chunks)
+        return chunked_loss(self.head, self.norm(x), targets, self.cfg.loss_chunks)
 
 
 MODELS = {"gpt": GPT, "llama": Llama}

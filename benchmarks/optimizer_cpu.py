@@ -2,7 +2,7 @@
 
 CPU step time of coatstate.CompressedAdamW (its pure-torch step, coatstate/optim/reference_step.py) against
 torch.optim.AdamW(foreach=True) and AdamW(foreach=False), on a GPT-shaped set of fp32 parameters
-(default 51.5M: vocab 50304, width 512, 8 layers, as benchmarks/optimizer_step.py builds them) with
+(default 51.5M: vocab 50304, width 512, 8 layers, as benchmarks/common.py's gpt_shapes builds them) with
 random fp32 gradients. Median of --steps timed steps after --warmup. A last row times
 CompressedAdamW with its step on whole tensors instead of row blocks (what the blocks buy).
 Prints a table and writes benchmarks/results/optimizer_cpu.json.
@@ -20,14 +20,13 @@ import time
 from pathlib import Path
 
 import torch
-from coatstate.optim import reference_step as adamw_twin
 
 import coatstate
+from coatstate.optim import reference_step as adamw_twin
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from optimizer_step import gpt_shapes  # noqa: E402 - the GPT-shaped parameter set of the GPU benchmark
-from report import machine_meta  # noqa: E402
+from common import gpt_shapes, result_meta  # noqa: E402
 
 WHOLE = "coatstate CompressedAdamW (expansion on), whole-tensor twin"
 """The CPU step as it was before it worked in cache-sized row blocks (coatstate/optim/reference_step.py)."""
@@ -83,7 +82,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     shapes = gpt_shapes(d=args.dim, layers=args.layers)
     n = sum(torch.Size(s).numel() for s in shapes)
-    meta = machine_meta("cpu") | {"threads": torch.get_num_threads()}
+    meta = result_meta(args, device="cpu") | {"threads": torch.get_num_threads()}
     print(f"{n / 1e6:.1f}M params in {len(shapes)} tensors; {meta['machine']}, {meta['threads']} threads")
 
     rows = []

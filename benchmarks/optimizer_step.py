@@ -22,7 +22,6 @@ Writes JSON.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import os
@@ -34,32 +33,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import gpt_shapes, result_meta  # noqa: E402
 from rounds import Variant, fmt_spread, paired, run_rounds  # noqa: E402
 
 import coatstate  # noqa: E402
-
-
-def gpt_shapes(vocab=50304, d=2048, layers=24, scale=1.0):
-    """Parameter shapes of a GPT (tied embedding, pre-norm blocks with 4x MLP); 1.31B at scale 1."""
-    d = max(128, int(d * scale**0.5) // 128 * 128)
-    layers = max(1, int(layers * scale**0.5))
-    shapes = [(vocab, d), (1024, d)]
-    for _ in range(layers):
-        shapes += [
-            (d,),
-            (d,),
-            (3 * d, d),
-            (3 * d,),
-            (d, d),
-            (d,),
-            (d,),
-            (d,),
-            (4 * d, d),
-            (4 * d,),
-            (d, 4 * d),
-            (d,),
-        ]
-    return shapes + [(d,), (d,)]
 
 
 def copy_bandwidth(device) -> float:
@@ -275,7 +252,7 @@ def main():
         if cuda:
             torch.cuda.empty_cache()
     _print_table(rows, bw, args)
-    write_results(args.out, bw, rows, scale=args.scale, method="rounds", rounds=args.rounds,
+    write_results(args.out, bw, rows, args.device, scale=args.scale, method="rounds", rounds=args.rounds,
                   steps=args.steps, burst=args.burst, errors=errors)  # fmt: skip
 
 
@@ -302,16 +279,9 @@ def _device_name(device: str) -> str:
     return torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor() or "cpu"
 
 
-def write_results(out: str, bw: float, rows: list, **meta) -> None:
+def write_results(out: str, bw: float, rows: list, device: str, **meta) -> None:
     """JSON with the machine, date and copy bandwidth beside the rows."""
-    meta = dict(
-        date=datetime.date.today().isoformat(),
-        device=_device_name("cuda" if torch.cuda.is_available() else "cpu"),
-        torch=torch.__version__,
-        copy_bandwidth_Bps=bw,
-        host=platform.node(),
-        **meta,
-    )
+    meta = result_meta(device=device) | dict(copy_bandwidth_Bps=bw, host=platform.node(), **meta)
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)

@@ -10,7 +10,7 @@ import sys
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from optimizer_step import gpt_shapes  # noqa: E402
+from common import gpt_shapes  # noqa: E402
 
 import coatstate  # noqa: E402
 

@@ -50,7 +50,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 # importing fsdp_train sets its NCCL environment (NVLS and multicast off) before any process group
-from fsdp_train import _batch, _log, _setup  # noqa: E402
+from common import log_rank0, result_meta, token_batch, torchrun_setup  # noqa: E402
 from llama import Llama, LlamaConfig  # noqa: E402
 
 import coatstate  # noqa: E402
@@ -214,7 +214,7 @@ class Trainer:
             if i == warmup and cuda:  # steady state: the optimizer state exists by now
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
-            x, y = _batch(self.cfg, batch, i, self.device)
+            x, y = token_batch(self.cfg, batch, i, self.device)
             t0 = time.perf_counter()
             with self.ctx():
                 loss = self.model(x, y)
@@ -304,7 +304,7 @@ def measure(setup: str, cfg: LlamaConfig, args, mesh, device) -> dict:
     res["batch"] = _per_gpu(trainer.run(args.batch, args.warmup, args.steps))
     if setup == "coatstate":  # after a forward: FP8Linear also falls back at run time (and says why)
         res["notes"]["fp8_fallbacks"] = coatstate.nn.fp8_fallbacks(trainer.model)
-    _log(f"{setup:14s} batch {args.batch:3d}: {_summary(res['batch'])}")
+    log_rank0(f"{setup:14s} batch {args.batch:3d}: {_summary(res['batch'])}")
     deadline = time.perf_counter() + args.budget_s
     best, probes, cut = largest_batch(
         trainer.fits,
@@ -316,12 +316,12 @@ def measure(setup: str, cfg: LlamaConfig, args, mesh, device) -> dict:
     try:
         res["largest"] = _per_gpu(trainer.run(best, 1, args.steps_largest))
         note = " (budget spent)" if cut else ""
-        _log(f"{setup:14s} largest batch {best:3d}{note}: {_summary(res['largest'])}")
+        log_rank0(f"{setup:14s} largest batch {best:3d}{note}: {_summary(res['largest'])}")
     except RuntimeError as e:  # fitted twice in the probe, yet not now: keep the rest
         if not _is_oom(e):
             raise
         res["largest_error"] = f"batch {best}: {type(e).__name__}: {e}"
-        _log(f"{setup:14s} largest batch {best}: out of memory when timed")
+        log_rank0(f"{setup:14s} largest batch {best}: out of memory when timed")
     res["seconds"] = time.perf_counter() - t0
     del trainer
     _free(device)
@@ -428,30 +428,27 @@ def _previous(path: Path, meta: dict) -> dict:
         old = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
-    keys = ("world_size", "device", "model", "batch", "smoke")
+    keys = ("world_size", "machine", "model", "batch", "smoke")
     same = all(old.get("meta", {}).get(k) == meta[k] for k in keys)
     return old.get("setups", {}) if same else {}
 
 
 def main(argv=None) -> None:
     args = _parse(argv)
-    mesh, device = _setup(args.smoke)
+    mesh, device = torchrun_setup(args.smoke)
     world, cfg = dist.get_world_size(), model_config(args)
-    meta = {
-        "date": time.strftime("%Y-%m-%d"),
+    meta = result_meta(device=str(device)) | {
         "command": "torchrun ... benchmarks/table7.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        "torch": torch.__version__,
         "world_size": world,
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "model": {**dataclasses.asdict(cfg), "params": cfg.params},
         "batch": args.batch,
         "smoke": args.smoke,
         "config": vars(args),
         "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
     }
-    _log(
+    log_rank0(
         f"Llama {cfg.params / 1e9:.3f}B params ({cfg.layers} layers, d {cfg.dim}, seq {cfg.seq}), "
-        f"FSDP2 over {world} x {meta['device']}, bf16 compute, batch {args.batch} per GPU"
+        f"FSDP2 over {world} x {meta['machine']}, bf16 compute, batch {args.batch} per GPU"
     )
     out = Path(args.out)
     setups = _previous(out, meta) if dist.get_rank() == 0 else {}
@@ -464,7 +461,7 @@ def main(argv=None) -> None:
             setups[name] = measure(name, cfg, args, mesh, device)
         except Exception as e:  # a peer that does not import or run here is reported; the rest still run
             setups[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=6)}
-            _log(f"{name:14s} FAILED: {setups[name]['error']}")
+            log_rank0(f"{name:14s} FAILED: {setups[name]['error']}")
             _free(device)
             compiled_failed = name == "torchao" and not isinstance(e, ImportError)
             if compiled_failed and "torchao_eager" not in args.setups + todo:
@@ -473,8 +470,8 @@ def main(argv=None) -> None:
             out.parent.mkdir(parents=True, exist_ok=True)
             doc = {"meta": meta, "paper": PAPER, "setups": setups, "ratios": ratios(setups)}
             out.write_text(json.dumps(doc, indent=1, default=str) + "\n")
-    _log("\n" + table(setups, args.batch))
-    _log(f"wrote {out}")
+    log_rank0("\n" + table(setups, args.batch))
+    log_rank0(f"wrote {out}")
     dist.destroy_process_group()
 
 

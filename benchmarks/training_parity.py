@@ -34,7 +34,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import train_gpt  # noqa: E402 - the example's corpus, model and loop: one training code path
-from report import machine_meta, plot_loss_curves  # noqa: E402
+from common import result_meta  # noqa: E402
+from report import plot_loss_curves  # noqa: E402
 
 from coatstate.activations import ActivationPolicy  # noqa: E402
 
@@ -97,7 +98,7 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = {k: getattr(args, k) for k in CONFIG}
-    meta = machine_meta("cpu") | {"threads": torch.get_num_threads()}
+    meta = result_meta(device="cpu") | {"threads": torch.get_num_threads()}
 
     chosen = VARIANTS
     if args.variants:

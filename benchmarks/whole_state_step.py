@@ -29,17 +29,21 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from optimizer_step import build_optimizer, copy_bandwidth, gpt_shapes, write_results  # noqa: E402
+from coatstate.formats.optimizer_state import MASTER_CORRECTION  # noqa: E402
+from common import gpt_shapes  # noqa: E402
+from optimizer_step import build_optimizer, copy_bandwidth, write_results  # noqa: E402
 
 import coatstate  # noqa: E402
-from coatstate.formats.optimizer_state import MASTER_CORRECTION  # noqa: E402
 
 
 def variants(which: set[str]) -> dict:
     """name -> (parameter dtype, optimizer factory)."""
     out = {}
     if "torch" in which:
-        out["torch AdamW fused, fp32 params"] = (torch.float32, lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True))
+        out["torch AdamW fused, fp32 params"] = (
+            torch.float32,
+            lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
+        )
         out["torch AdamW fused, bf16 params (no master)"] = (
             torch.bfloat16,
             lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
@@ -156,7 +160,9 @@ def main() -> None:
         for name, (dtype, factory) in table.items():
             row = rows[name]
             try:
-                params, opt, first = build_optimizer(factory, shapes, dtype, device, args.warmup if rnd == 0 else 1)
+                params, opt, first = build_optimizer(
+                    factory, shapes, dtype, device, args.warmup if rnd == 0 else 1
+                )
             except Exception as e:  # noqa: BLE001
                 print(f"{name}: {type(e).__name__}: {e}")
                 row["error"] = f"{type(e).__name__}: {e}"
@@ -200,7 +206,9 @@ def report(rows: dict, bw: float, args) -> None:
             f"{r['floor_ms']:8.2f} {r['step_ms']:8.2f} {r['spread_ms'][0]:6.2f}-{r['spread_ms'][1]:6.2f} "
             f"{r['first_step_s']:7.2f}"
         )
-    write_results(args.out, bw, list(rows.values()), scale=args.scale, steps=args.steps, rounds=args.rounds)
+    write_results(
+        args.out, bw, list(rows.values()), "cuda", scale=args.scale, steps=args.steps, rounds=args.rounds
+    )
 
 
 if __name__ == "__main__":

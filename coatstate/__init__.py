@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from coatstate._moved import install_moved_module_finder
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _EXPORTS = {
     "CompressedAdamW": "coatstate.optim",
@@ -89,7 +89,12 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from coatstate.activations import ActivationPolicy, ActivationStats, CompiledActivations, compress_activations
+    from coatstate.activations import (
+        ActivationPolicy,
+        ActivationStats,
+        CompiledActivations,
+        compress_activations,
+    )
     from coatstate.checkpoint import Checkpoint, CheckpointError, load, read, save
     from coatstate.formats import FP8Format
     from coatstate.nn import FP8Linear, FP8LinearConfig, cast_model, convert_to_fp8

@@ -1,11 +1,13 @@
-"""python examples/hf_trainer.py --steps 60 --output-dir /tmp/coatstate-hf
+"""python examples/hf_trainer.py --steps 60
 
 A transformers Trainer training a small GPT-2 (random init, byte-level: vocab 256) on the Python
 standard library's source with coatstate.CompressedAdamW, passed through `optimizers=`. Trainer
 saves its checkpoint (model.safetensors, optimizer.pt = torch.save(CompressedAdamW.state_dict()),
 scheduler.pt, rng state) halfway; a second Trainer, with a fresh model and optimizer, resumes from
-that checkpoint and trains to the end. The script prints the losses of the uninterrupted and the
-resumed run after the checkpoint side by side and their largest difference.
+that checkpoint and trains to the end. The command above takes about 1.5 minutes on a 2-core
+CPU. It prints Trainer's progress bars and logs, then the losses of the uninterrupted and the
+resumed run after the checkpoint side by side and their largest difference. Checkpoints go to a
+temporary directory, removed at the end; --output-dir DIR keeps them in DIR.
 
 Expected difference: zero. The checkpoint holds the FP8 codes, scales and exponents themselves
 and CompressedAdamW.load_state_dict copies them bit for bit (nothing is requantized), the model
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -129,11 +132,14 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[2])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
         "--steps", type=int, default=60, help="total steps (even); the checkpoint is taken halfway"
     )
-    ap.add_argument("--output-dir", default="coatstate-hf-run")
+    ap.add_argument(
+        "--output-dir",
+        help="where Trainer writes its checkpoints, kept (default: a temporary directory, removed)",
+    )
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--seq", type=int, default=128)
@@ -146,10 +152,16 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> dict:
     args = parser().parse_args(argv)
-    result = run(args)
+    keep = args.output_dir is not None
+    if keep:
+        result = run(args)
+    else:  # nothing left behind in the working directory
+        with tempfile.TemporaryDirectory(prefix="coatstate-hf-") as tmp:
+            args.output_dir = tmp
+            result = run(args)
+    where = result["checkpoint"] if keep else "the halfway checkpoint (in a temporary directory, removed)"
     print(
-        f"\n{result['params']} params; {result['checkpoint']}/optimizer.pt: "
-        f"{result['optimizer_pt_bytes']} bytes "
+        f"\n{result['params']} params; optimizer.pt of {where}: {result['optimizer_pt_bytes']} bytes "
         f"(state {result['state_bytes']} bytes, {result['state_bytes'] / result['params']:.3f} B/param)"
     )
     print(f"{'step':>6}{'uninterrupted':>15}{'resumed':>12}")

@@ -16,7 +16,25 @@ import torch
 
 
 class FP8Format(str, enum.Enum):
-    """FP8 storage format of a compressed tensor."""
+    """FP8 storage format of a compressed tensor: E4M3 (torch.float8_e4m3fn) or E5M2 (float8_e5m2).
+
+    A str enum, so "e4m3" and FP8Format.E4M3 compare equal; options that take a format accept the
+    enum, its string or the torch dtype.
+
+    Args:
+        value (`str`): "e4m3" or "e5m2" (`FP8Format.parse` also takes any case or a torch dtype).
+
+    Returns:
+        `FP8Format`, with `dtype`, `max` (448 or 57344), `mantissa_bits` and `min_normal_exponent`.
+
+    Raises:
+        ValueError: an unknown format (`FP8Format.parse` names the two there are).
+
+    Example:
+        >>> fmt = FP8Format.parse("E5M2")
+        >>> fmt.dtype, fmt.max
+        (torch.float8_e5m2, 57344.0)
+    """
 
     E4M3 = "e4m3"
     E5M2 = "e5m2"

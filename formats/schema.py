@@ -7,6 +7,7 @@ Nothing here knows about optimizers or files.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import math
@@ -109,11 +110,23 @@ def torch_dtype(name: str) -> torch.dtype:
 
 # ------------------------------------------------------------------------------------ checksums
 def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The raw bytes of a CPU tensor (contiguous, any dtype), without a copy when possible."""
+    """The raw bytes of a CPU tensor (contiguous, any dtype), without a copy when possible.
+
+    The view is writable (readers fill a tensor through it) and keeps the tensor alive.
+    """
     flat = t.detach().reshape(-1)
+    if flat.device.type != "cpu":
+        raise ValueError(f"tensor_bytes needs a CPU tensor; got one on {flat.device} (call .cpu() first)")
     if not flat.is_contiguous():
         flat = flat.contiguous()
-    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+    nbytes = flat.numel() * flat.element_size()
+    if nbytes == 0:
+        return memoryview(b"")
+    # ctypes rather than Tensor.numpy(): torch's wheels do not depend on numpy, and without it
+    # .numpy() raises "Numpy is not available" on a plain install
+    buffer = (ctypes.c_ubyte * nbytes).from_address(flat.data_ptr())
+    buffer._tensor = flat  # the memoryview holds `buffer`, `buffer` holds the memory's owner
+    return memoryview(buffer).cast("B")
 
 
 def checksum(data: bytes | memoryview) -> str:

@@ -148,3 +148,45 @@ def test_master_train_smoke_runs_every_mode():
     reports its bytes per parameter (release drops the gradients)."""
     out = _run("benchmarks/master_train.py", "--smoke")
     assert "coatstate master 24 + release" in out and "= 5.14" in out
+
+
+def _benchmark_imports() -> list[tuple[str, str, str]]:
+    """(script, benchmark module, name) of every `from <benchmark module> import <name>`."""
+    import ast
+
+    scripts = sorted((ROOT / "benchmarks").glob("*.py"))
+    modules = {p.stem for p in scripts}
+    found = []
+    for path in scripts:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module in modules:
+                found += [(path.name, node.module, alias.name) for alias in node.names]
+    return found
+
+
+def test_benchmarks_share_helpers_through_public_names():
+    """checkpoint_load imported checkpoint_scale's _optimizer, _cell and _stats, table7 fsdp_train's
+    _batch, _log and _setup: what scripts share lives in benchmarks/common.py under public names."""
+    private = [
+        f"{s}: from {m} import {n}"
+        for s, m, n in _benchmark_imports()
+        if n.startswith("_") and not (s.startswith("report") and m == "report_common")
+    ]  # (report.py and report_gpu.py share report_common.py's helpers: the report's own files)
+    assert not private, private
+
+
+def test_result_meta_is_the_one_json_header():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import argparse
+
+    from common import result_meta
+
+    meta = result_meta(argparse.Namespace(device="cpu", out=Path("/tmp/x.json"), sizes=(1, 2)))
+    assert {"date", "machine", "device", "torch", "python", "command", "args"} <= set(meta)
+    assert meta["args"] == {"device": "cpu", "out": "/tmp/x.json", "sizes": [1, 2]}
+    assert json.loads(json.dumps(meta)) == meta
+    assert "CPU cores" in meta["machine"] and result_meta()["device"] == "cpu" and "args" not in result_meta()
+    # the CPU and checkpoint benchmarks write their header with it, none with report's machine_meta
+    users = {s for s, m, n in _benchmark_imports() if m == "common" and n == "result_meta"}
+    assert {"checkpoint_scale.py", "checkpoint_load.py", "optimizer_cpu.py", "training_parity.py"} <= users
+    assert not [s for s, m, n in _benchmark_imports() if n == "machine_meta" and not s.startswith("report")]

@@ -56,3 +56,18 @@ def test_trainer_resume_gives_the_uninterrupted_losses(tmp_path):
 def test_odd_step_count_is_refused(tmp_path):
     with pytest.raises(ValueError, match="even number"):
         hf_trainer.main(["--steps", "7", "--output-dir", str(tmp_path), "--quiet"])
+
+
+def test_default_run_leaves_nothing_in_the_working_directory(tmp_path, monkeypatch, capsys):
+    """Without --output-dir the checkpoints go to a temporary directory, removed at the end (it
+    was coatstate-hf-run/ in the working directory)."""
+    monkeypatch.chdir(tmp_path)
+    result = hf_trainer.main(["--steps", "2", "--dim", "32", "--seq", "16", "--batch", "2", "--quiet"])
+    assert result["max_abs_diff"] == 0
+    assert not Path(result["checkpoint"]).exists()
+    assert list(tmp_path.iterdir()) == []
+    assert "in a temporary directory, removed" in capsys.readouterr().out
+
+
+def test_help_shows_the_whole_description():
+    assert hf_trainer.__doc__.strip() in hf_trainer.parser().format_help()

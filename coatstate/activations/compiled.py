@@ -73,10 +73,14 @@ _KEY_FILES = (__file__, *(m.__file__ for m in (*_KEY_MODULES, codec, fp8_format)
 
 
 class CompiledActivations(CustomPartitionerFn):
-    """A torch.compile (inductor) partitioner that holds saved activations in FP8 (module docstring).
+    """A torch.compile (inductor) partitioner that holds saved activations in FP8 inside the graphs.
+
+    Pass its `options` to torch.compile: each floating-point tensor a compiled forward saves for
+    backward is replaced by FP8 codes and scales that inductor computes in the producing kernel,
+    decoded in the backward graph (the module docstring says how).
 
     Args:
-        policy: an ActivationPolicy; keyword arguments override its fields, as for
+        policy (`ActivationPolicy`, *optional*): keyword arguments override its fields, as for
             compress_activations (`backend`, `compiled` and `compiled_fp32` do not apply:
             inductor does the work and the op kinds are known; `recompute=False` saves what
             would be recomputed, except parameter casts).
@@ -95,9 +99,24 @@ class CompiledActivations(CustomPartitionerFn):
         fuse_consumers: let inductor fuse a per-group pack into the pointwise kernel (GELU,
             SiLU * up) that reads the same matmul output, instead of a second pass over it
             (activations/consumer_fusion.py; no numerical effect). Off only to measure it.
-    Pass `options` to torch.compile. `stats` accumulates over every graph partitioned with it (one
-    per distinct compiled block, at compile time, not per step) and `report` lists what each
-    saved tensor became.
+        **overrides: fields of the policy to replace, e.g. `attention="keep"`.
+
+    Returns:
+        `CompiledActivations`: `options` (the dict for torch.compile), `stats` (`ActivationStats`,
+        accumulated over every graph partitioned with it: one per distinct compiled block, at
+        compile time, not per step), `graphs` (how many) and `report` (what each saved tensor
+        became).
+
+    Raises:
+        TypeError: an unknown override or a `policy` that is not an ActivationPolicy.
+        ValueError: an invalid policy value.
+
+    Example:
+        >>> fp8_saves = coatstate.CompiledActivations()
+        >>> for block in model.blocks:
+        ...     block.compile(options=fp8_saves.options)
+        >>> model(x).loss.backward()
+        >>> print(fp8_saves.stats.summary())
     """
 
     def __init__(

@@ -159,12 +159,34 @@ def _derived_from_parameter(x: torch.Tensor, node=None) -> bool:
 
 
 class compress_activations(_Unpacker):  # noqa: N801  (a context manager used like a function)
-    """Hold tensors saved for backward in FP8 inside this context (see the module docstring).
+    """Hold the floating-point tensors autograd saves for backward in FP8 inside this context.
+
+    Each saved tensor is packed by the policy's granularity for its op kind and restored (original
+    dtype and shape) when backward needs it; parameters, buffers, tensors that stay alive anyway,
+    integer tensors and tensors below `min_numel` are kept as they are. Enter it outside any
+    torch.compile'd call (for compiled graphs see CompiledActivations). The module docstring says
+    how it works.
 
     Args:
-        policy: an ActivationPolicy; keyword arguments override its fields, e.g.
-            `compress_activations(attention="keep", fmt="e5m2", min_numel=0)`.
-    The context object's `stats` (ActivationStats) reports what was packed and kept.
+        policy (`ActivationPolicy`, *optional*): what to do per op kind; defaults to
+            `ActivationPolicy()` (COAT's mixed granularity).
+        **overrides: fields of the policy to replace, e.g. `attention="keep"`, `fmt="e5m2"`,
+            `min_numel=0`; `**KEEP_ALL` compresses nothing (a baseline counted the same way).
+
+    Returns:
+        `compress_activations`: the context itself on `with ... as ctx`; `ctx.stats`
+        (`ActivationStats`) says what was packed, recomputed and kept, and why.
+
+    Raises:
+        TypeError: an unknown override or a `policy` that is not an ActivationPolicy.
+        ValueError: an invalid policy value (a granularity, format or group size).
+        RuntimeError: entered inside a torch.compile'd function, or re-entered while active.
+
+    Example:
+        >>> with coatstate.compress_activations() as ctx:
+        ...     loss = model(x).loss
+        >>> loss.backward()
+        >>> print(ctx.stats.summary())
     """
 
     def __init__(self, policy: ActivationPolicy | None = None, **overrides) -> None:
@@ -322,7 +344,9 @@ class compress_activations(_Unpacker):  # noqa: N801  (a context manager used li
         if tuple(x.shape) in shapes:  # autocast's bf16 weight, as eager keeps it (a shape match
             return self._keep(x, KeepReason.PARAMETER_CAST)  # can only keep too much, never lose)
         if x.dtype is torch.float32:
-            if self.policy.compiled_fp32 is _KEEP and not _WARNED["compiled_fp32"]:
+            # not when compiled saves are all kept on purpose (KEEP_ALL: counting, not compressing)
+            keep_asked = self.policy.compiled is _KEEP
+            if self.policy.compiled_fp32 is _KEEP and not keep_asked and not _WARNED["compiled_fp32"]:
                 _WARNED["compiled_fp32"] = True  # once per process: a context is made every step
                 warnings.warn(_COMPILED_FP32, stacklevel=2)
             return self._hold(x, self.policy.compiled_fp32, "compiled_fp32")

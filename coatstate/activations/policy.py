@@ -40,7 +40,35 @@ RECOMPUTABLE = {
 
 @dataclasses.dataclass(frozen=True)
 class ActivationPolicy:
-    """What compress_activations does with each saved tensor. Strings are accepted for enums."""
+    """What compress_activations and CompiledActivations do with each saved tensor, by op kind.
+
+    A frozen dataclass; each field's own docstring (in policy.py) says why its default is what it
+    is. Strings are accepted for the enums ("keep", "tensor", "group", "bf16"; "e4m3", "e5m2").
+
+    Args:
+        linear, norm, activation, attention, attention_v_out, loss, other (`Granularity`): how
+            the tensors saved by each op kind are held (`Granularity.KEEP` keeps them as they are).
+        compiled, compiled_fp32 (`Granularity`): 16-bit and float32 tensors saved by a
+            torch.compile'd graph under compress_activations (the op is not visible at run time).
+        fmt (`FP8Format`): FP8 format of the codes.
+        group_size (`int`): elements per scale group for `Granularity.GROUP`, a power of two <= 1024.
+        min_numel (`int`): tensors with fewer elements are kept.
+        backend (`str`): "auto" (Triton on CUDA, pure torch elsewhere), "torch" or "triton".
+        recompute (`bool`): recompute activation-function outputs in backward from their held input.
+
+    Returns:
+        `ActivationPolicy`, for compress_activations(policy) or CompiledActivations(policy); both
+        also take its fields as keyword arguments.
+
+    Raises:
+        ValueError: a value that is not a granularity, an unknown format, a bad group size,
+            min_numel, recompute or backend.
+
+    Example:
+        >>> policy = ActivationPolicy(attention="keep", min_numel=0)
+        >>> with coatstate.compress_activations(policy, fmt="e5m2"):
+        ...     loss = model(x).loss
+    """
 
     linear: Granularity = Granularity.TENSOR
     """Inputs of linear/matmul/conv: per-tensor scaled, as COAT (FP8-GEMM ready). With power-of-two

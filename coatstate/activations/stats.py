@@ -43,7 +43,30 @@ _KIND_KEYS: dict = {}  # (label, granularity) -> "label/granularity", a key of p
 
 @dataclasses.dataclass
 class ActivationStats:
-    """What a compress_activations context did (counts and bytes at pack time)."""
+    """What a compress_activations context (or a CompiledActivations) did: counts and bytes.
+
+    Read it as `ctx.stats`; counts are taken when tensors are saved (at compile time for
+    CompiledActivations), so a context entered every step reports that step.
+
+    Attributes:
+        packed, kept, shared, recomputed (`int`): saved tensors compressed, held as they are,
+            answered by an earlier save of the same memory, and recomputed in backward.
+        bytes_original, bytes_packed, bytes_recomputed (`int`): bytes of the compressed tensors
+            before and after, and of the recomputed ones (which hold none).
+        kept_reasons, bytes_kept (`collections.Counter`): kept tensors and their bytes, by reason.
+        packed_by_kind (`collections.Counter`): compressed tensors by "kind/granularity".
+        activation_bytes_original, activation_bytes_held (`int`): saved activation bytes without
+            and with compression (parameters and inputs held anyway left out); `ratio` divides them.
+
+    Returns:
+        `summary()` returns these as a few lines of text.
+
+    Example:
+        >>> with coatstate.compress_activations() as ctx:
+        ...     loss = model(x).loss
+        >>> ctx.stats.ratio, ctx.stats.kept_reasons
+        >>> print(ctx.stats.summary())
+    """
 
     packed: int = 0
     """Tensors compressed."""

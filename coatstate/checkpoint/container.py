@@ -149,8 +149,8 @@ def _zstd():
         import zstandard
     except ImportError:
         raise ImportError(
-            "compress='zstd' (or reading a zstd-compressed checkpoint) needs the zstandard package: "
-            "pip install zstandard"
+            "compress='zstd' (or reading a zstd-compressed checkpoint) needs the zstandard package, the "
+            "`zstd` extra: pip install 'coatstate[zstd]' (or pip install zstandard)"
         ) from None
     return zstandard
 

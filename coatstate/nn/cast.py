@@ -35,6 +35,9 @@ def cast_model(
     Returns:
         `nn.Module`: `model`.
 
+    Raises:
+        ValueError: `dtype` is not torch.bfloat16 or torch.float16.
+
     Example:
         >>> model = coatstate.cast_model(model)            # bf16 weights, float32 norms
         >>> opt = coatstate.CompressedAdamW(model.parameters(), master_bits=24)

@@ -12,7 +12,27 @@ _WEIGHT_GRADS = ("fp8", "high_precision")
 
 @dataclasses.dataclass(frozen=True)
 class FP8LinearConfig:
-    """How FP8Linear computes. Strings are accepted for the format."""
+    """How FP8Linear computes: a frozen dataclass (each field's docstring, in config.py, says why).
+
+    Args:
+        backend (`str`): "auto" (torch._scaled_mm on CUDA with compute capability >= 8.9, else
+            emulated in high precision), "scaled_mm" or "emulate".
+        grad_fmt (`FP8Format` or `str`): FP8 format of the output gradient ("e5m2" by default).
+        fast_accum (`bool`): use_fast_accum for the forward GEMM.
+        weight_grad (`str`): "fp8" (dW as an FP8 GEMM) or "high_precision" (dW from the unquantized
+            gradient and the decoded FP8 input).
+
+    Returns:
+        `FP8LinearConfig`, for FP8Linear(config=...) and convert_to_fp8(model, config=...).
+
+    Raises:
+        ValueError: an unknown backend, weight_grad or format.
+        TypeError: `fast_accum` is not a bool.
+
+    Example:
+        >>> config = coatstate.FP8LinearConfig(weight_grad="high_precision")
+        >>> coatstate.convert_to_fp8(model, config=config)
+    """
 
     backend: str = "auto"
     """'auto' (scaled_mm on CUDA with compute capability >= 8.9, else emulate), 'scaled_mm', 'emulate'."""

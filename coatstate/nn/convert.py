@@ -21,12 +21,29 @@ def convert_to_fp8(
 ) -> nn.Module:
     """Turn the nn.Linear modules of `model` (those `filter_fn(module, name)` accepts) into FP8Linear.
 
-    In place, and returns `model`. Each module keeps its identity, parameters (tied weights stay
-    tied, an optimizer built before keeps working), hooks and state-dict keys, so a checkpoint of
-    the converted model loads into the original and back. Only modules of type exactly nn.Linear
-    are converted (subclasses such as MultiheadAttention's out_proj never run their own forward).
-    Layers whose shape torch._scaled_mm cannot take are converted but run in high precision;
-    one log line lists them, and so does `fp8_fallbacks(model)`.
+    In place. Each module keeps its identity, parameters (tied weights stay tied, an optimizer
+    built before keeps working), hooks and state-dict keys, so a checkpoint of the converted model
+    loads into the original and back. Only modules of type exactly nn.Linear are converted
+    (subclasses such as MultiheadAttention's out_proj never run their own forward). Layers whose
+    shape torch._scaled_mm cannot take are converted but run in high precision; one log line
+    lists them, and so does `coatstate.nn.fp8_fallbacks(model)`.
+
+    Args:
+        model (`nn.Module`): the model, converted in place; before FSDP2's fully_shard.
+        filter_fn (`Callable[[nn.Module, str], bool]`, *optional*): which linear layers (module,
+            qualified name) to convert; all by default. Keeping the LM head is usual.
+        config (`FP8LinearConfig`, *optional*): how the converted layers compute.
+
+    Returns:
+        `nn.Module`: `model`.
+
+    Raises:
+        TypeError: `model` is not an nn.Module, or `filter_fn` is not callable.
+        ValueError: the parameters are already DTensors (FSDP2 or tensor parallel applied first).
+
+    Example:
+        >>> coatstate.convert_to_fp8(model, filter_fn=lambda m, name: name != "lm_head")
+        >>> coatstate.nn.fp8_fallbacks(model)  # {name: why} of layers left in high precision
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module; got {type(model).__name__}")

@@ -33,7 +33,23 @@ class FP8Linear(nn.Linear):
 
     Same parameters, buffers and state-dict keys as nn.Linear, so checkpoints load into either.
     Master weights stay in whatever dtype the parameter has (the optimizer's precision); only
-    the GEMM operands are FP8. `fallback_reason` is None while the FP8 path runs, else why not.
+    the GEMM operands are FP8. `fallback_reason` is None while the FP8 path runs, else why not
+    (a shape torch._scaled_mm cannot take runs in high precision, with one log line).
+
+    Args:
+        in_features, out_features, bias, device, dtype: as for nn.Linear.
+        config (`FP8LinearConfig`, *optional*): how it computes; `FP8LinearConfig()` by default.
+
+    Returns:
+        `FP8Linear`; `FP8Linear.from_linear(linear, config)` turns an existing nn.Linear into one
+        in place (`convert_to_fp8` does it for a whole model).
+
+    Raises:
+        TypeError: `config` is not an FP8LinearConfig.
+
+    Example:
+        >>> layer = coatstate.FP8Linear(4096, 4096, bias=False, config=coatstate.FP8LinearConfig())
+        >>> y = layer(x)                   # x: (..., 4096), e.g. bfloat16 under autocast
     """
 
     def __init__(
