@@ -27,6 +27,9 @@ import torch
 SEP = 0
 """Byte after each file: a document boundary the model can see (.py sources hold no NUL)."""
 MAX_FILE = 2 * 2**20
+OWN_PACKAGE, EDITABLE_FINDER = "coatstate", "__editable__"
+"""This project's own install (a regular install's package, pip -e's finder named after the
+version) is left out: a corpus that changed with our version would refuse every earlier run."""
 
 
 def corpus_roots(names: str) -> list[tuple[str, Path]]:
@@ -48,9 +51,11 @@ def list_files(roots: list[tuple[str, Path]], max_mb: float = 0) -> tuple[list, 
         skip = {"__pycache__"} | ({"site-packages", "dist-packages"} if name == "stdlib" else set())
         for d, dirs, files in os.walk(root):
             dirs[:] = sorted(x for x in dirs if x not in skip and Path(d, x).resolve() not in inner)
+            if name == "purelib" and Path(d) == root:
+                dirs[:] = [x for x in dirs if x != OWN_PACKAGE]
             for f in files:
                 path = Path(d, f)
-                if not f.endswith(".py") or path.is_symlink():
+                if not f.endswith(".py") or path.is_symlink() or f.startswith(EDITABLE_FINDER):
                     continue
                 try:
                     st, real = path.stat(), path.resolve()
