@@ -147,7 +147,7 @@ def test_master_train_smoke_runs_every_mode():
     """benchmarks/master_train.py --smoke: each way of holding the state trains a tiny Llama and
     reports its bytes per parameter (release drops the gradients)."""
     out = _run("benchmarks/master_train.py", "--smoke")
-    assert "coatstate master 24 + release" in out and "= 5.14" in out
+    assert "coatstate master 24 + release" in out and "= 5.16" in out  # moments with expansion: 2.16
 
 
 def _benchmark_imports() -> list[tuple[str, str, str]]:

@@ -32,20 +32,9 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SKIP_MARKER = re.compile(r"#\s*doc-test:\s*skip\b\s*(.*)")
 
 # (doc, sha256 of the block's text) -> why it fails; an edited block no longer matches and must run
-KNOWN_FAILING_BLOCKS = {
-    (
-        "docs/planner.md",
-        "99cc2c46",
-    ): "reads a config.json that the doc does not create (docs/planner.md, wt-cli)",
-}
+KNOWN_FAILING_BLOCKS: dict[tuple[str, str], str] = {}
 # name -> where it is mentioned and why it does not resolve
-KNOWN_UNRESOLVED = {
-    "coatstate.fp8_fallbacks": "README.md: moved to coatstate.nn.fp8_fallbacks in 0.2 (the lead's README)",
-    "coatstate.read_state_dict": "docs/CHECKPOINT.md: lives at coatstate.checkpoint (wt-ckpt)",
-    "coatstate.read_header": "docs/CHECKPOINT.md: lives at coatstate.checkpoint (wt-ckpt)",
-    "coatstate.activation_policy": "docs/FORMAT.md: moved in 0.2 (coatstate.formats.activation)",
-    "coatstate.kernels.activation_pack": "docs/FORMAT.md: moved in 0.2 (coatstate.kernels.activation)",
-}
+KNOWN_UNRESOLVED: dict[str, str] = {}
 
 
 def _doc_name(path: Path) -> str:
