@@ -179,7 +179,8 @@ def test_readme_commands_stand_in_copyable_blocks():
     assert "lossy" in back + README.split(back, 1)[1][:400]
 
 
-def test_readme_quick_start_runs_verbatim(capsys):
+def test_readme_quick_start_runs_verbatim(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # it saves to run/step10.safetensors
     quick = README.split("## Quick start", 1)[1]
     code = _blocks("python")[[b in quick for b in _blocks("python")].index(True)]
     assert "ctx.stats.summary()" in code and "named_parameters()" in code
