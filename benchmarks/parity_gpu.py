@@ -34,13 +34,11 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import datetime
 import fcntl
 import hashlib
 import json
 import math
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -60,6 +58,7 @@ import coatstate  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 CUDA = torch.cuda.is_available()
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from common import result_meta  # noqa: E402
 from corpus_python import joined_files, load_corpus, validation_tokens, window_batch  # noqa: E402
 from parity_plot import plot  # noqa: E402
 from parity_stats import print_report  # noqa: E402
@@ -455,12 +454,7 @@ def merge(args, header: dict, key: str | None = None, record: dict | None = None
 def make_header(args, corpus: dict, val: torch.Tensor) -> dict:
     with torch.device("meta"):
         model = GPT(args.layers, args.dim, args.heads, args.seq)
-    cpu = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores"
-    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
-    meta["machine"] = torch.cuda.get_device_name() if args.device.startswith("cuda") else cpu
-    meta |= dict(torch=torch.__version__, cuda=torch.version.cuda, python=platform.python_version())
-    meta["command"] = " ".join([Path(sys.executable).name, *sys.argv])
-    meta["args"] = {k: v for k, v in vars(args).items() if k != "runs"}
+    meta = result_meta(argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "runs"}))
     shape = dict(layers=args.layers, dim=args.dim, heads=args.heads, seq=args.seq, vocab=256, mlp=4)
     shape |= dict(params=sum(p.numel() for p in model.parameters()), positions="learned", head="untied")
     shape["block_params"] = sum(p.numel() for p in model.blocks.parameters())
