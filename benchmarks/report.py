@@ -23,7 +23,6 @@ import json
 import sys
 from pathlib import Path
 
-from parity_stats import UPDATE_PAIRS, finished, fmt_ci, fmt_pct, summaries
 from readme_tables import update_readme
 from report_common import (  # machine_meta: the CPU benchmarks import it from here
     DOCS,
@@ -53,6 +52,7 @@ from report_gpu import (
     section_plan_check,
     section_table7,
 )
+from report_states import section_fp4_reconstruction, section_parity_gpu
 
 
 def section_optimizer_cpu(data: dict, path: Path) -> str:
@@ -402,46 +402,6 @@ def section_whole_state_step(data: dict, path: Path) -> str:
     return "\n".join(out + [""])
 
 
-def section_parity_gpu(data: dict, path: Path) -> str:
-    """Seed table (mean ± std, vs AdamW's mean, paired 95% interval) and, from AdamW's final
-    moments, what each FP8 format loses; a result of the old contiguous batches says it is one."""
-    meta, cfg = data.get("meta", {}), data["config"]
-    sampling = cfg.get("sampling", "one contiguous stream of whole files (1-2 files per batch)")
-    final = cfg.get("final_val", f"the first {data['validation']['tokens']:,} held-out tokens")
-    out = [
-        f"## Training parity on a GPU (`{path.name}`)",
-        f"{meta.get('machine', '')}, {meta.get('date', '')}: a {data['model']['params'] / 1e6:.1f}M-param "
-        f"byte-level GPT, {cfg['tokens'] / 1e6:.0f}M tokens per run; batches of {sampling}; final "
-        f"validation loss on {final}. Source: `python benchmarks/parity_gpu.py` (curves: "
-        "`docs/img/parity_gpu.png`).",
-        "",
-        "| variant | seeds | val loss mean | std | vs AdamW's mean | paired % [95% CI] | tokens/s | "
-        "peak GiB | optimizer MB |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in summaries(data, list(dict.fromkeys(x["variant"] for x in data["runs"].values()))):
-        std = "" if r["std"] is None else f"{r['std']:.4f}"
-        rate = f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else ""
-        out.append(
-            f"| {r['variant']} | {','.join(map(str, r['seeds']))} | {r['mean']:.4f} | {std} | "
-            f"{fmt_pct(r['vs_adamw_mean_pct'])} | {fmt_pct(r['paired_mean_pct'])} "
-            f"{fmt_ci(r['paired_ci_pct'])} | {rate} | {r['peak_gib']:.1f} | {r['opt_state_mb']:.0f} |"
-        )
-    recon = sorted((s, r["state_reconstruction"]) for s, r in finished(data, "adamw").items()
-                   if "state_reconstruction" in r)  # fmt: skip
-    if recon:
-        heads = ["seed", "m plain", "m expand", "v plain", "v expand", *(f"update {k}" for k in UPDATE_PAIRS)]
-        out += ["", "E4M3 groups of 128 on AdamW's final moments, relative squared error; update = "
-                "m / (sqrt(v) + eps) with m / v in the formats named:", "",
-                "| " + " | ".join(heads) + " |", "|---" * len(heads) + "|"]  # fmt: skip
-        for seed, st in recon:
-            mo, up = st["moments"], st["update"]
-            vals = [mo["m"]["plain"], mo["m"]["expand"], mo["v"]["plain"], mo["v"]["expand"]]
-            vals += [up[k]["rel_sq_err"] for k in UPDATE_PAIRS]
-            out.append(f"| {seed} | " + " | ".join(f"{x:.2e}" for x in vals) + " |")
-    return "\n".join(out + [""])
-
-
 TREE_COMPARISONS = {  # result file -> (title, what "old" and "new" are)
     "compare_trees": ("the subpackage split", "the tree before and after it"),
     "compare_nan_policy": (
@@ -539,6 +499,7 @@ SECTIONS = {
     "parity_gpu": section_parity_gpu,
     "parity_gpu_val1M": section_parity_gpu,
     "parity_gpu_contiguous": section_parity_gpu,
+    "fp4_reconstruction": section_fp4_reconstruction,
     "compare_trees": section_compare_trees,
     "compare_nan_policy": section_compare_trees,
     "master_train": section_master_train,

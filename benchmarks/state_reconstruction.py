@@ -1,24 +1,35 @@
-"""What each FP8 moment format loses of real Adam moments (COAT's Table 1 measure, on our states).
+"""What a moment format loses of real Adam moments (COAT's Table 1 measure, on our states).
 
-state_reconstruction(opt) takes a torch.optim.AdamW after training (its exact float32 moments),
-encodes every moment CompressedAdamW would compress (matrices of at least MIN_NUMEL elements) in
-E4M3 groups of 128, with and without COAT's range expansion, decodes it and compares:
+reconstruction(opt, m_codecs, v_codecs) takes a torch.optim.AdamW after training (its exact
+float32 moments), encodes every moment CompressedAdamW would compress (matrices of at least
+MIN_NUMEL elements) with each codec, decodes it and compares:
 
-  m, v     relative squared error  sum((x' - x)^2) / sum(x^2), per moment and format
-  update   m / (sqrt(v) + eps) with each (m format, v format) pair: mean squared error (the
+  m, v     relative squared error  sum((x' - x)^2) / sum(x^2), per moment and codec
+  update   m / (sqrt(v) + eps) with each (m codec, v codec) pair: mean squared error (the
            paper's Table 1 measure) and relative squared error against the exact update
 
-Called by parity_gpu.py at the end of each AdamW run, so the formats are judged on the states
-of the very runs whose losses the table reports.
+state_reconstruction(opt) is the FP8 case, E4M3 groups of 128 plain and expanded: parity_gpu.py
+records it at the end of each AdamW run, so the formats are judged on the states of the very
+runs whose losses its table reports. fp4_reconstruction.py measures the 4-bit candidates.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from coatstate.formats import dequantize, quantize
 
 MIN_NUMEL = 4096
-FORMATS = {"plain": False, "expand": True}
+Codec = Callable[[torch.Tensor], torch.Tensor]
+"""A float32 tensor -> the float32 tensor its encoding decodes to."""
+
+
+def fp8_codec(expand: bool, group_size: int = 128) -> Codec:
+    return lambda x: dequantize(quantize(x, group_size=group_size, fmt="e4m3", expand=expand))
+
+
+FP8 = {"plain": fp8_codec(False), "expand": fp8_codec(True)}
 
 
 def _sums() -> dict:
@@ -26,28 +37,27 @@ def _sums() -> dict:
 
 
 @torch.no_grad()
-def state_reconstruction(opt: torch.optim.Optimizer, eps: float = 1e-8) -> dict:
-    """{"tensors", "elements", "moments": {m|v: {fmt: rel_sq_err}}, "update": {"m_fmt/v_fmt":
+def reconstruction(
+    opt: torch.optim.Optimizer, m_codecs: dict[str, Codec], v_codecs: dict[str, Codec], eps: float = 1e-8
+) -> dict:
+    """{"tensors", "elements", "moments": {"m"|"v": {codec: rel_sq_err}}, "update": {"m_codec/v_codec":
     {"mse", "rel_sq_err"}}} over the compressible moments of `opt` (a torch AdamW)."""
-    moments = {name: {f: _sums() for f in FORMATS} for name in ("m", "v")}
-    update = {f"{a}/{b}": _sums() for a in FORMATS for b in FORMATS}
+    codecs = {"m": m_codecs, "v": v_codecs}
+    moments = {name: {c: _sums() for c in codecs[name]} for name in codecs}
+    update = {f"{a}/{b}": _sums() for a in m_codecs for b in v_codecs}
     tensors = elements = 0
     for p, state in opt.state.items():
         if p.dim() < 2 or p.numel() < MIN_NUMEL or "exp_avg" not in state:
             continue
         exact = {"m": state["exp_avg"].float(), "v": state["exp_avg_sq"].float()}
-        decoded = {
-            (name, f): dequantize(quantize(x, group_size=128, fmt="e4m3", expand=expand))
-            for name, x in exact.items()
-            for f, expand in FORMATS.items()
-        }
-        for (name, f), x in decoded.items():
-            moments[name][f]["err"] += float((x.double() - exact[name].double()).square().sum())
-            moments[name][f]["ref"] += float(exact[name].double().square().sum())
+        decoded = {(name, c): f(exact[name]) for name in codecs for c, f in codecs[name].items()}
+        for (name, c), x in decoded.items():
+            moments[name][c]["err"] += float((x.double() - exact[name].double()).square().sum())
+            moments[name][c]["ref"] += float(exact[name].double().square().sum())
         u = exact["m"].double() / (exact["v"].double().sqrt() + eps)
         for key, acc in update.items():
-            fm, fv = key.split("/")
-            u_q = decoded["m", fm].double() / (decoded["v", fv].double().sqrt() + eps)
+            cm, cv = key.split("/")
+            u_q = decoded["m", cm].double() / (decoded["v", cv].double().sqrt() + eps)
             acc["err"] += float((u_q - u).square().sum())
             acc["ref"] += float(u.square().sum())
         tensors, elements = tensors + 1, elements + p.numel()
@@ -57,7 +67,11 @@ def state_reconstruction(opt: torch.optim.Optimizer, eps: float = 1e-8) -> dict:
     return {
         "tensors": tensors,
         "elements": elements,
-        "format": "e4m3, groups of 128",
-        "moments": {name: {f: rel(acc) for f, acc in fmts.items()} for name, fmts in moments.items()},
+        "moments": {name: {c: rel(acc) for c, acc in by.items()} for name, by in moments.items()},
         "update": {k: {"mse": acc["err"] / elements, "rel_sq_err": rel(acc)} for k, acc in update.items()},
     }
+
+
+def state_reconstruction(opt: torch.optim.Optimizer) -> dict:
+    """reconstruction() with E4M3 groups of 128, plain and expanded, for both moments."""
+    return {**reconstruction(opt, FP8, FP8), "format": "e4m3, groups of 128"}

@@ -190,3 +190,15 @@ def test_result_meta_is_the_one_json_header():
     users = {s for s, m, n in _benchmark_imports() if m == "common" and n == "result_meta"}
     assert {"checkpoint_scale.py", "checkpoint_load.py", "optimizer_cpu.py", "training_parity.py"} <= users
     assert not [s for s, m, n in _benchmark_imports() if n == "machine_meta" and not s.startswith("report")]
+
+
+def test_fp4_reconstruction_smoke_measures_every_candidate_pair(tmp_path):
+    """benchmarks/fp4_reconstruction.py on a tiny run: every (m, v) candidate pair measured, and
+    E2M1's zero code makes the update's error explode where the zero-free codebooks do not."""
+    out = tmp_path / "fp4.json"
+    _run("benchmarks/fp4_reconstruction.py", "--seeds", "0", "--steps", "3", "--layers", "1", "--dim", "64",
+         "--out", str(out))  # fmt: skip
+    run = json.loads(out.read_text())["runs"][0]
+    assert len(run["update"]) == 3 * 5 and run["tensors"] >= 4
+    err = {k: u["rel_sq_err"] for k, u in run["update"].items()}
+    assert err["fp8 e4m3+exp g128/e2m1 g128"] > 100 * err["fp8 e4m3+exp g128/e2m1_nz g128"], err

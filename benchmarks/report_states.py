@@ -1,0 +1,75 @@
+"""docs/benchmarks.md's sections on optimizer-state accuracy: the GPU training parity (seed table
+and what FP8 loses of AdamW's real moments) and the 4-bit candidates measured on real moments."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from parity_stats import UPDATE_PAIRS, finished, fmt_ci, fmt_pct, summaries
+from report_common import provenance
+
+
+def section_parity_gpu(data: dict, path: Path) -> str:
+    """Seed table (mean ± std, vs AdamW's mean, paired 95% interval) and, from AdamW's final
+    moments, what each FP8 format loses; a result of the old contiguous batches says it is one."""
+    meta, cfg = data.get("meta", {}), data["config"]
+    sampling = cfg.get("sampling", "one contiguous stream of whole files (1-2 files per batch)")
+    final = cfg.get("final_val", f"the first {data['validation']['tokens']:,} held-out tokens")
+    out = [
+        f"## Training parity on a GPU (`{path.name}`)",
+        f"{meta.get('machine', '')}, {meta.get('date', '')}: a {data['model']['params'] / 1e6:.1f}M-param "
+        f"byte-level GPT, {cfg['tokens'] / 1e6:.0f}M tokens per run; batches of {sampling}; final "
+        f"validation loss on {final}. Source: `python benchmarks/parity_gpu.py` (curves: "
+        "`docs/img/parity_gpu.png`).",
+        "",
+        "| variant | seeds | val loss mean | std | vs AdamW's mean | paired % [95% CI] | tokens/s | "
+        "peak GiB | optimizer MB |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in summaries(data, list(dict.fromkeys(x["variant"] for x in data["runs"].values()))):
+        std = "" if r["std"] is None else f"{r['std']:.4f}"
+        rate = f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else ""
+        out.append(
+            f"| {r['variant']} | {','.join(map(str, r['seeds']))} | {r['mean']:.4f} | {std} | "
+            f"{fmt_pct(r['vs_adamw_mean_pct'])} | {fmt_pct(r['paired_mean_pct'])} "
+            f"{fmt_ci(r['paired_ci_pct'])} | {rate} | {r['peak_gib']:.1f} | {r['opt_state_mb']:.0f} |"
+        )
+    recon = sorted((s, r["state_reconstruction"]) for s, r in finished(data, "adamw").items()
+                   if "state_reconstruction" in r)  # fmt: skip
+    if recon:
+        heads = ["seed", "m plain", "m expand", "v plain", "v expand", *(f"update {k}" for k in UPDATE_PAIRS)]
+        out += ["", "E4M3 groups of 128 on AdamW's final moments, relative squared error; update = "
+                "m / (sqrt(v) + eps) with m / v in the formats named:", "",
+                "| " + " | ".join(heads) + " |", "|---" * len(heads) + "|"]  # fmt: skip
+        for seed, st in recon:
+            mo, up = st["moments"], st["update"]
+            vals = [mo["m"]["plain"], mo["m"]["expand"], mo["v"]["plain"], mo["v"]["expand"]]
+            vals += [up[k]["rel_sq_err"] for k in UPDATE_PAIRS]
+            out.append(f"| {seed} | " + " | ".join(f"{x:.2e}" for x in vals) + " |")
+    return "\n".join(out + [""])
+
+
+def section_fp4_reconstruction(data: dict, path: Path) -> str:
+    """Mean over seeds of each candidate's relative squared error, per moment and per update pair."""
+    date, machine = provenance(data, path)
+    runs, nbytes = data["runs"], data["bytes_per_element"]
+    mean = lambda xs: f"{statistics.fmean(xs):.2e} [{min(xs):.1e}-{max(xs):.1e}]"
+    out = [
+        "## 4-bit moment formats on real Adam moments",
+        f"{machine}, {date}: torch AdamW trains `examples/train_gpt.py`'s GPT on CPU at {len(runs)} seeds; "
+        "its final moments are encoded with each candidate (formats/fp4.py) and decoded. Relative "
+        "squared error, mean over seeds [min-max]. Source: `python benchmarks/fp4_reconstruction.py`.",
+        "",
+        "| moment | format | bytes/element | error |",
+        "|---|---|---|---|",
+    ]
+    for moment in ("m", "v"):
+        for name in runs[0]["moments"][moment]:
+            errs = [r["moments"][moment][name] for r in runs]
+            out.append(f"| {moment} | {name} | {nbytes[name]:.3f} | {mean(errs)} |")
+    out += ["", "| update m / (sqrt(v) + eps): m format | v format | error |", "|---|---|---|"]
+    for pair in runs[0]["update"]:
+        errs = [r["update"][pair]["rel_sq_err"] for r in runs]
+        out.append("| " + " | ".join(pair.split("/")) + f" | {mean(errs)} |")
+    return "\n".join(out + [""])
