@@ -103,7 +103,7 @@ OPTION_KEYS = {
 BF16_MODEL = {"master", "master16"}  # optimizer kinds that train a coatstate.cast_model'd model
 FINAL_VAL = "every held-out file"
 """The final validation point reads all held-out tokens (whole batches); the curve's points the
-first --val-tokens of them. On --val-tokens alone, AdamW's seeds spread 0.83%."""
+first --val-tokens of them (on those alone AdamW's seeds spread too far: parity_gpu_val1M.json)."""
 SAMPLING = "random windows"
 """Recorded in the config: results of another batch design are refused, never mixed."""
 TRAINING_KEYS = (  # the config keys that change what a run computes: runs in one --out must agree
