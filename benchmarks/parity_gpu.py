@@ -330,7 +330,6 @@ def train_run(variant: str, seed: int, args, corpus: dict, val: torch.Tensor) ->
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     model, opt, ca, compiled = build(variant, seed, args, device)
-    options = OPTION_KEYS & set(opt.param_groups[0])  # resolved ("auto" is a number by now)
     n, params = args.batch * args.seq, list(model.parameters())
     run_dir, total = Path(args.ckpt_dir) / f"{variant}_{seed}", args.tokens // n
     record = load_ckpt(run_dir, model, opt, config(args))
@@ -338,7 +337,8 @@ def train_run(variant: str, seed: int, args, corpus: dict, val: torch.Tensor) ->
         record = dict(variant=variant, seed=seed, status="running", step=0, steps_total=total, tokens=0)
         record |= dict(params=sum(p.numel() for p in params), peak_gib=0.0, wall_s=0.0, config=config(args))
         record |= {k: [] for k in LISTS} | {"device": str(device), "compiled": compiled}
-        record["optimizer_options"] = {k: opt.param_groups[0][k] for k in sorted(options)}
+        group = opt.param_groups[0]  # the options as the optimizer resolved them ("auto" is a number now)
+        record["optimizer_options"] = {k: group[k] for k in sorted(OPTION_KEYS & set(group))}
     else:
         record["resumed_at"].append(record["step"])
         print(f"{variant}:{seed}: resuming at step {record['step']} of {total}")

@@ -75,6 +75,19 @@ COLUMNS = (
 UPDATE_PAIRS = ("plain/plain", "expand/expand", "plain/expand", "expand/plain")
 
 
+def reconstruction_rows(data: dict) -> tuple[list[str], list[tuple[int, list[float]]]]:
+    """(column names, [(seed, errors)]) of the FP8 reconstruction measured at the end of each
+    finished AdamW run: each moment plain and expanded, then the update under each format pair."""
+    heads = ["m plain", "m expand", "v plain", "v expand", *(f"update {k}" for k in UPDATE_PAIRS)]
+    rows = []
+    for seed, r in sorted(finished(data, "adamw").items()):
+        if (st := r.get("state_reconstruction")) is not None:
+            mo, up = st["moments"], st["update"]
+            vals = [mo["m"]["plain"], mo["m"]["expand"], mo["v"]["plain"], mo["v"]["expand"]]
+            rows.append((seed, vals + [up[k]["rel_sq_err"] for k in UPDATE_PAIRS]))
+    return heads, rows
+
+
 def print_report(data: dict, order: list[str]) -> None:
     """The seed table (one row per variant) and, from AdamW's final moments, the relative squared
     error of each moment format and of the update m / (sqrt(v) + eps) under each format pair."""
@@ -97,15 +110,10 @@ def print_report(data: dict, order: list[str]) -> None:
         print("  ".join(f"{x:>{w}}" for x, w in zip(row, width, strict=True)))
     if partial := [k for k, r in data["runs"].items() if r["status"] != "done"]:
         print(f"unfinished (not in the table): {', '.join(partial)}")
-    recon = sorted((s, r["state_reconstruction"]) for s, r in finished(data, "adamw").items()
-                   if "state_reconstruction" in r)  # fmt: skip
+    heads, recon = reconstruction_rows(data)
     if recon:
         print("\nE4M3 groups of 128 on AdamW's final moments: relative squared error")
-        print("(upd m/v: the update m / (sqrt(v) + eps) with m and v in those formats)")
-        heads = ["m plain", "m expand", "v plain", "v expand", *(f"upd {k}" for k in UPDATE_PAIRS)]
-        print("seed  " + "  ".join(f"{h:<17}" for h in heads))
-        for seed, st in recon:
-            mo, up = st["moments"], st["update"]
-            vals = [mo["m"]["plain"], mo["m"]["expand"], mo["v"]["plain"], mo["v"]["expand"]]
-            vals += [up[k]["rel_sq_err"] for k in UPDATE_PAIRS]
-            print(f"{seed:>4}  " + "  ".join(f"{x:<17.3e}" for x in vals))
+        print("(update m/v: the update m / (sqrt(v) + eps) with m and v in those formats)")
+        print("seed  " + "  ".join(f"{h:<20}" for h in heads))
+        for seed, vals in recon:
+            print(f"{seed:>4}  " + "  ".join(f"{x:<20.3e}" for x in vals))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from parity_stats import UPDATE_PAIRS, finished, fmt_ci, fmt_pct, summaries
+from parity_stats import fmt_ci, fmt_pct, reconstruction_rows, summaries
 from report_common import provenance
 
 
@@ -35,18 +35,12 @@ def section_parity_gpu(data: dict, path: Path) -> str:
             f"{fmt_pct(r['vs_adamw_mean_pct'])} | {fmt_pct(r['paired_mean_pct'])} "
             f"{fmt_ci(r['paired_ci_pct'])} | {rate} | {r['peak_gib']:.1f} | {r['opt_state_mb']:.0f} |"
         )
-    recon = sorted((s, r["state_reconstruction"]) for s, r in finished(data, "adamw").items()
-                   if "state_reconstruction" in r)  # fmt: skip
+    heads, recon = reconstruction_rows(data)
     if recon:
-        heads = ["seed", "m plain", "m expand", "v plain", "v expand", *(f"update {k}" for k in UPDATE_PAIRS)]
         out += ["", "E4M3 groups of 128 on AdamW's final moments, relative squared error; update = "
                 "m / (sqrt(v) + eps) with m / v in the formats named:", "",
-                "| " + " | ".join(heads) + " |", "|---" * len(heads) + "|"]  # fmt: skip
-        for seed, st in recon:
-            mo, up = st["moments"], st["update"]
-            vals = [mo["m"]["plain"], mo["m"]["expand"], mo["v"]["plain"], mo["v"]["expand"]]
-            vals += [up[k]["rel_sq_err"] for k in UPDATE_PAIRS]
-            out.append(f"| {seed} | " + " | ".join(f"{x:.2e}" for x in vals) + " |")
+                "| seed | " + " | ".join(heads) + " |", "|---" * (len(heads) + 1) + "|"]  # fmt: skip
+        out += [f"| {seed} | " + " | ".join(f"{x:.2e}" for x in vals) + " |" for seed, vals in recon]
     return "\n".join(out + [""])
 
 
