@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 import torch  # noqa: E402
 import train_gpt  # noqa: E402
+from coatstate.formats import storage_bytes  # noqa: E402
 from coatstate.formats.fp4 import dequantize_fp4, quantize_fp4, storage_bytes_fp4  # noqa: E402
 from common import result_meta  # noqa: E402
 from state_reconstruction import Codec, fp8_codec, reconstruction  # noqa: E402
@@ -39,7 +40,7 @@ def fp4_codec(codebook: str, group_size: int) -> Codec:
     return codec
 
 
-FP8_EXPAND = ("fp8 e4m3+exp g128", fp8_codec(True), 1 + 5 / 128)  # codes + scale + exponent a group
+FP8_EXPAND = ("fp8 e4m3+exp g128", fp8_codec(True), storage_bytes((1, 2**16), expand=True) / 2**16)
 M_CANDIDATES = [FP8_EXPAND] + [
     (f"e2m1 g{g}", fp4_codec("e2m1", g), storage_bytes_fp4((1, 2**16), group_size=g) / 2**16)
     for g in (128, 32)
