@@ -1,7 +1,7 @@
 """The README's two number tables, generated from benchmarks/results/*.json (report.py writes them
 between the README's `<!-- table:NAME -->` and `<!-- /table:NAME -->` markers): the accuracy of
 each recipe against AdamW (parity_gpu.json) and the headline bytes and step times
-(whole_state_step.json, activation_memory.json, checkpoint_io.json)."""
+(whole_state_step.json, optimizer_step.json, activation_memory.json, checkpoint_io.json)."""
 
 from __future__ import annotations
 
