@@ -269,6 +269,7 @@ def test_after_commit_off_local_removes_this_saves_leftover_temps_and_markers(tm
 
     monkeypatch.setattr(rank_files, "write_rank_file", leaving_a_temp)
     ck.save(opt, url, model=model, distributed="per_rank", blocking=False).wait()
+    ck.wait_for_saves()  # wait() returns at the commit; the replaced save's files go on a thread
     (rank_file,) = (n for n in _files(directory) if n.startswith("ckpt-"))
     assert _files(directory) == {"ckpt.safetensors", rank_file, other}  # another save's stays
     _assert_loads(url, opt, model)
