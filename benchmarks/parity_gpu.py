@@ -33,6 +33,7 @@ and draws --png.
 from __future__ import annotations
 
 import argparse
+import collections
 import ctypes
 import fcntl
 import hashlib
@@ -154,6 +155,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     ap.add_argument("--stop-at", type=int, default=None, help=argparse.SUPPRESS)  # cut each run here
     ap.add_argument("--no-report", action="store_true", help=argparse.SUPPRESS)  # --gpus children
+    ap.add_argument("--gpu-shared-by", type=int, default=1, help=argparse.SUPPRESS)  # runs per GPU
     ap.add_argument("--smoke-part", action="store_true", help=argparse.SUPPRESS)  # the smoke's resumes
     args = ap.parse_args(argv)
     if args.smoke:  # the flags given still win over these
@@ -336,7 +338,7 @@ def train_run(variant: str, seed: int, args, corpus: dict, val: torch.Tensor) ->
     if record is None:
         record = dict(variant=variant, seed=seed, status="running", step=0, steps_total=total, tokens=0)
         record |= dict(params=sum(p.numel() for p in params), peak_gib=0.0, wall_s=0.0, config=config(args))
-        record |= {k: [] for k in LISTS} | {"device": str(device), "compiled": compiled}
+        record |= {k: [] for k in LISTS} | {"device": str(device), "compiled": compiled, "gpu_shared_by": 1}
         group = opt.param_groups[0]  # the options as the optimizer resolved them ("auto" is a number now)
         record["optimizer_options"] = {k: group[k] for k in sorted(OPTION_KEYS & set(group))}
     else:
@@ -344,6 +346,8 @@ def train_run(variant: str, seed: int, args, corpus: dict, val: torch.Tensor) ->
         print(f"{variant}:{seed}: resuming at step {record['step']} of {total}")
     train = joined_files(corpus, validation=False).to(device)  # on the device: windows gathered there
     record["data_passes"] = round(total * n / corpus["stats"]["train_bytes"], 3)
+    # runs sharing one GPU keep their losses (the arithmetic is the same) but not their tokens/s
+    record["gpu_shared_by"] = max(record.get("gpu_shared_by", 1), args.gpu_shared_by)
     autocast = lambda: torch.autocast(device.type, torch.bfloat16)
     stopped = step_loop(model, opt, record, train, val, args, autocast, params)
     if not stopped and variant == "adamw":  # real fp32 moments: what each FP8 format loses of them
@@ -489,13 +493,16 @@ def run_all(args, corpus: dict, val: torch.Tensor, header: dict, data: dict) -> 
 
 
 def launch(args, argv) -> int:
-    """--gpus N: the variant list round-robin over N child processes, one GPU each."""
+    """--gpus N: the variant list round-robin over N child processes, one GPU each.
+    CUDA_VISIBLE_DEVICES=0,0,0 --gpus 3 puts three on one GPU; their records say so."""
     argv = list(sys.argv[1:] if argv is None else argv)  # the flags appended below win (argparse: last)
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(args.gpus)))).split(",")
+    sharing = collections.Counter(visible[: args.gpus])
     procs = []
     for i in range(args.gpus):
         if runs := ",".join(f"{v}:{s}" for v, s in args.runs[i :: args.gpus]):
             flags = ["--gpus", "1", "--no-report", "--budget-s", str(left_s(args)), "--variants", runs]
+            flags += ["--gpu-shared-by", str(sharing[visible[i]])]
             flags += ["--out", args.out, "--ckpt-dir", args.ckpt_dir]
             env = os.environ | {"CUDA_VISIBLE_DEVICES": visible[i]}
             procs.append(subprocess.Popen([sys.executable, __file__, *argv, *flags], env=env))

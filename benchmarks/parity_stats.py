@@ -38,7 +38,9 @@ def variant_summary(data: dict, variant: str) -> dict | None:
     mean = statistics.fmean(losses)
     paired = [100 * (runs[s]["final_val_loss"] / ref[s]["final_val_loss"] - 1) for s in runs if s in ref]
     paired = paired if variant != "adamw" else []
-    rates = [r["tokens_per_s"] for r in runs.values() if r.get("tokens_per_s")]
+    # a run that shared its GPU with others measured their load too: no rate from it
+    alone = [r for r in runs.values() if r.get("gpu_shared_by", 1) == 1]
+    rates = [r["tokens_per_s"] for r in alone if r.get("tokens_per_s")]
     out = {
         "variant": variant,
         "seeds": sorted(runs),
@@ -54,6 +56,28 @@ def variant_summary(data: dict, variant: str) -> dict | None:
         "opt_state_mb": max(r.get("opt_state_bytes", 0) for r in runs.values()) / 1e6,
     }
     return out
+
+
+def pooled_noise(data: dict, variants: list[str]) -> dict | None:
+    """One run's noise, pooled over the variants with >= 2 finished seeds: the std of a final loss
+    about its variant's mean (in % of the grand mean), its degrees of freedom, and the smallest
+    difference of two variants' means at 3 seeds each that a 95% t interval resolves. It holds
+    when the seed noise is the same for every variant, which is what it estimates."""
+    groups = [[r["final_val_loss"] for r in finished(data, v).values()] for v in variants]
+    groups = [g for g in groups if len(g) > 1]
+    dof = sum(len(g) - 1 for g in groups)
+    if not dof:
+        return None
+    ss = sum(sum((x - statistics.fmean(g)) ** 2 for x in g) for g in groups)
+    grand = statistics.fmean(x for g in groups for x in g)
+    std_pct = 100 * math.sqrt(ss / dof) / grand
+    resolvable = T_975.get(dof, 2.2) * std_pct * math.sqrt(2 / 3)
+    return {
+        "std_pct": std_pct,
+        "dof": dof,
+        "runs": sum(map(len, groups)),
+        "resolvable_3_seeds_pct": resolvable,
+    }
 
 
 def summaries(data: dict, order: list[str]) -> list[dict]:
@@ -99,6 +123,9 @@ def print_report(data: dict, order: list[str]) -> None:
     if ref and ref["std"] is not None:
         spread = f"std {ref['std']:.4f}, spread (max - min) / mean {ref['spread_pct']:.2f}%"
         print(f"noise floor: adamw at seeds {ref['seeds']}: {spread}")
+    if noise := pooled_noise(data, order):
+        pooled = f"pooled over {noise['runs']} runs ({noise['dof']} dof): {noise['std_pct']:.2f}% of the loss"
+        print(f"one run's std, {pooled}; 3 seeds a side resolve +-{noise['resolvable_3_seeds_pct']:.2f}%")
     table = [[r["variant"], ",".join(map(str, r["seeds"])), f"{r['mean']:.4f}",
               "-" if r["std"] is None else f"{r['std']:.4f}", fmt_pct(r["vs_adamw_mean_pct"]),
               fmt_pct(r["paired_mean_pct"]), fmt_ci(r["paired_ci_pct"]),

@@ -9,7 +9,7 @@ import json
 import re
 from pathlib import Path
 
-from parity_stats import finished, fmt_ci, fmt_pct, summaries
+from parity_stats import finished, fmt_ci, fmt_pct, pooled_noise, summaries
 from report_common import RESULTS, ROOT
 
 RECIPES = {  # variant: (what a user runs, the bound on its mean vs AdamW's mean, in percent)
@@ -22,13 +22,19 @@ RECIPES = {  # variant: (what a user runs, the bound on its mean vs AdamW's mean
     "master16": ("diagnostic: `master_bits=16`", None),
 }
 MIN_SEEDS = 3
+NOISE_BAR_PCT = 0.6
+"""AdamW's own spread over its seeds above which the harness cannot decide a +0.3% bound."""
 
 
-def _verdict(row: dict, bound: float | None) -> str:
+def _verdict(row: dict, bound: float | None, ref: dict) -> str:
+    """yes / no only where the seeds and the noise floor allow one; otherwise what is missing."""
     if bound is None:
         return "diagnostic"
     if len(row["seeds"]) < MIN_SEEDS:
         return f"not decided: {len(row['seeds'])} of {MIN_SEEDS} seeds"
+    if ref["spread_pct"] is None or ref["spread_pct"] > NOISE_BAR_PCT:
+        where = "within" if row["vs_adamw_mean_pct"] <= bound else "outside"
+        return f"not resolved: mean {where} +{bound}%, below the noise"
     return "yes" if row["vs_adamw_mean_pct"] <= bound else f"no (bound +{bound}%)"
 
 
@@ -46,6 +52,12 @@ def accuracy_table(data: dict) -> str:
         f"final loss on every held-out file, nats/byte. AdamW's seeds {ref['seeds']}: "
         f"{ref['mean']:.4f} ± {ref['std']:.4f} (spread {ref['spread_pct']:.2f}%, the noise floor)."
     )
+    if noise := pooled_noise(data, ["adamw", *RECIPES]):
+        head += (
+            f" Over all {noise['runs']} finished runs one run's std is {noise['std_pct']:.2f}% of the loss, "
+            f"so 3 seeds a side resolve a difference of means of ±{noise['resolvable_3_seeds_pct']:.2f}% "
+            "(95%); smaller differences below are noise."
+        )
     cols = "recipe|seeds|val loss|vs AdamW's mean|paired by seed [95% CI]|optimizer MB|peak GiB|"
     cols += "keeps AdamW's accuracy?"
     out = [head, "", "| " + cols.replace("|", " | ") + " |", "|---" * (cols.count("|") + 1) + "|"]
@@ -59,7 +71,7 @@ def accuracy_table(data: dict) -> str:
         out.append(
             f"| {label} | {len(r['seeds'])} | {r['mean']:.4f}{std} | {fmt_pct(r['vs_adamw_mean_pct'])}% | "
             f"{fmt_pct(r['paired_mean_pct'])}% {fmt_ci(r['paired_ci_pct'])} | {r['opt_state_mb']:.0f} | "
-            f"{r['peak_gib']:.1f} | {_verdict(r, bound)} |"
+            f"{r['peak_gib']:.1f} | {_verdict(r, bound, ref)} |"
         )
     if line := expansion_line(data):
         out += ["", line]

@@ -498,6 +498,7 @@ SECTIONS = {
     "whole_state_step": section_whole_state_step,
     "parity_gpu": section_parity_gpu,
     "parity_gpu_val1M": section_parity_gpu,
+    "parity_gpu_session1": section_parity_gpu,
     "parity_gpu_contiguous": section_parity_gpu,
     "fp4_reconstruction": section_fp4_reconstruction,
     "compare_trees": section_compare_trees,
