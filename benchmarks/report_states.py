@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from parity_stats import fmt_ci, fmt_pct, reconstruction_rows, summaries
+from parity_stats import fmt_ci, fmt_pct, pooled_noise, reconstruction_rows, summaries
 from report_common import provenance
 
 
@@ -35,6 +35,14 @@ def section_parity_gpu(data: dict, path: Path) -> str:
             f"{fmt_pct(r['vs_adamw_mean_pct'])} | {fmt_pct(r['paired_mean_pct'])} "
             f"{fmt_ci(r['paired_ci_pct'])} | {rate} | {r['peak_gib']:.1f} | {r['opt_state_mb']:.0f} |"
         )
+    if noise := pooled_noise(data, list(dict.fromkeys(x["variant"] for x in data["runs"].values()))):
+        resolve = f"±{noise['resolvable_3_seeds_pct']:.2f}% (95%)"
+        out += ["", f"One run's std about its variant's mean, pooled over {noise['runs']} runs "
+                f"({noise['dof']} degrees of freedom): {noise['std_pct']:.2f}% of the loss; 3 seeds a side "
+                f"resolve a difference of means of {resolve}."]  # fmt: skip
+    if shared := sorted(k for k, r in data["runs"].items() if r.get("gpu_shared_by", 1) > 1):
+        out += ["", f"{', '.join(shared)} shared one GPU with other runs: their losses count, their "
+                "tokens/s does not (left out of the rate column)."]  # fmt: skip
     heads, recon = reconstruction_rows(data)
     if recon:
         out += ["", "E4M3 groups of 128 on AdamW's final moments, relative squared error; update = "
