@@ -25,7 +25,9 @@ runs also what each FP8 format loses of their final moments (state_reconstructio
 cut by --budget-s is checkpointed under --ckpt-dir and continued exactly by the next invocation;
 each invocation merges into --out (default benchmarks/results/parity_gpu.json), skips finished
 runs, then prints the seed table (mean, std, paired difference to adamw with its 95% interval)
-and draws --png.
+and draws --png. Runs on one GPU go one after another: three at once on one H200
+(CUDA_VISIBLE_DEVICES=0,0,0 --gpus 3) took 405 s together against about 103 s each alone, and
+such runs keep their losses but not their tokens/s (`gpu_shared_by`).
 
     python benchmarks/parity_gpu.py --smoke    # CPU, ~1 min: tiny runs, windows and resume checked
 """
