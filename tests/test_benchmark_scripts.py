@@ -202,3 +202,17 @@ def test_fp4_reconstruction_smoke_measures_every_candidate_pair(tmp_path):
     assert len(run["update"]) == 3 * 5 and run["tensors"] >= 4
     err = {k: u["rel_sq_err"] for k, u in run["update"].items()}
     assert err["fp8 e4m3+exp g128/e2m1 g128"] > 100 * err["fp8 e4m3+exp g128/e2m1_nz g128"], err
+
+
+def test_fp8_width_smoke_pairs_each_width_and_finds_no_crossover_on_cpu(tmp_path):
+    """--smoke: both variants per width timed in rounds, the ratio paired per round; on CPU
+    FP8Linear emulates, so it never pays and the crossover is None."""
+    out = tmp_path / "fp8_width.json"
+    _run("benchmarks/fp8_width.py", "--smoke", "--out", str(out))
+    data = json.loads(out.read_text())
+    assert {(r["width"], r["variant"]) for r in data["rows"]} == {
+        (w, v) for w in (64, 128) for v in ("bf16", "fp8")
+    }
+    for ratio in data["ratios"].values():
+        assert ratio["n"] == 2 and ratio["min"] <= ratio["median"] <= ratio["max"]
+    assert data["fp8_pays_from_width"] is None
