@@ -52,6 +52,7 @@ from report_gpu import (
     section_plan_check,
     section_table7,
 )
+from report_linear import section_fp8_width
 from report_states import section_fp4_reconstruction, section_parity_gpu
 
 
@@ -490,6 +491,7 @@ SECTIONS = {
     "fp8_linear_train_graphs": section_fp8_linear_train,
     "fp8_linear_train_graphs_all": section_fp8_linear_train,
     "fp8_linear_train_rounds": section_fp8_linear_train,
+    "fp8_width": section_fp8_width,
     "plan_check": section_plan_check,
     "activation_host": section_activation_host,
     "fp8_linear_parity": section_fp8_linear_parity,

@@ -460,3 +460,16 @@ def test_triton_pack_path_gives_the_twins_codes(monkeypatch):
     kernel = _run(FP8Linear.from_linear(copy.deepcopy(base), FP8LinearConfig(backend="emulate")), x, gy)
     for a, b in zip(kernel, twin, strict=True):
         assert torch.equal(a, b)
+
+
+def test_min_features_keeps_narrow_layers_and_says_so(caplog):
+    """Layers with fewer in or out features than min_features stay nn.Linear, listed in one log
+    line; the others convert; a bad value is refused before anything changes."""
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 16))
+    with pytest.raises(ValueError, match="min_features must be a positive int"):
+        convert_to_fp8(model, min_features=0)
+    assert type(model[0]) is nn.Linear
+    with caplog.at_level(logging.INFO, logger="coatstate"):
+        convert_to_fp8(model, min_features=32)
+    assert isinstance(model[0], FP8Linear) and type(model[2]) is nn.Linear
+    assert "kept 1 linear layers narrower than min_features=32" in caplog.text and "2 (256x16)" in caplog.text

@@ -18,6 +18,7 @@ def convert_to_fp8(
     model: nn.Module,
     filter_fn: Callable[[nn.Module, str], bool] | None = None,
     config: FP8LinearConfig | None = None,
+    min_features: int | None = None,
 ) -> nn.Module:
     """Turn the nn.Linear modules of `model` (those `filter_fn(module, name)` accepts) into FP8Linear.
 
@@ -33,12 +34,17 @@ def convert_to_fp8(
         filter_fn (`Callable[[nn.Module, str], bool]`, *optional*): which linear layers (module,
             qualified name) to convert; all by default. Keeping the LM head is usual.
         config (`FP8LinearConfig`, *optional*): how the converted layers compute.
+        min_features (`int`, *optional*): keep layers with fewer in or out features than this as
+            nn.Linear (one log line lists them): FP8's casts cost more than its faster GEMM on
+            narrow layers. None (the default) converts every width; `benchmarks/fp8_width.py`
+            measures where FP8 starts to pay on a GPU.
 
     Returns:
         `nn.Module`: `model`.
 
     Raises:
         TypeError: `model` is not an nn.Module, or `filter_fn` is not callable.
+        ValueError: `min_features` is not a positive int or None.
         ValueError: the parameters are already DTensors (FSDP2 or tensor parallel applied first).
 
     Example:
@@ -49,19 +55,33 @@ def convert_to_fp8(
         raise TypeError(f"model must be an nn.Module; got {type(model).__name__}")
     if filter_fn is not None and not callable(filter_fn):
         raise TypeError(f"filter_fn must be callable as filter_fn(module, name) -> bool; got {filter_fn!r}")
+    if min_features is not None and (
+        isinstance(min_features, bool) or not isinstance(min_features, int) or min_features < 1
+    ):
+        raise ValueError(f"min_features must be a positive int (features) or None; got {min_features!r}")
     sharded = [name for name, p in model.named_parameters() if is_dtensor(p)]
     if sharded:  # FSDP2 wraps modules in subclasses a type check would skip: refuse, never skip silently
         raise ValueError(
             f"{len(sharded)} parameters (e.g. {sharded[0]!r}) are already DTensors: call convert_to_fp8 "
             "BEFORE fully_shard (FSDP2) or parallelize_module"
         )
-    converted = []
+    converted, narrow = [], []
     for name, module in model.named_modules():
         if type(module) is not nn.Linear or (filter_fn is not None and not filter_fn(module, name)):
+            continue
+        if min_features is not None and min(module.in_features, module.out_features) < min_features:
+            narrow.append(f"{name} ({module.in_features}x{module.out_features})")
             continue
         module.__class__ = FP8Linear
         module._setup_fp8(config, log=False)
         converted.append(name)
+    if narrow:
+        logger.info(
+            "convert_to_fp8: kept %d linear layers narrower than min_features=%d in high precision: %s",
+            len(narrow),
+            min_features,
+            "; ".join(narrow),
+        )
     fallbacks = fp8_fallbacks(model)
     if fallbacks:
         logger.warning(
