@@ -19,6 +19,7 @@ from coatstate.formats.optimizer_state import (
     MASTER_CORRECTION,
     MOMENTS,
     SCALES,
+    MomentFormat,
     init_moment,
     is_compressed,
     read_moment,
@@ -96,6 +97,20 @@ def loaded_state(
     return new_groups, new_state
 
 
+def _saved_format(src: dict, name: str, fmt: MomentFormat | None) -> MomentFormat | None:
+    """The format saved moment `name` is in: FP8 codes say theirs (None: read by dtype); 4-bit
+    codes (uint8) are in the group's 4-bit format, which must be one."""
+    if src[name + CODES].dtype != torch.uint8:
+        return None
+    if fmt is None or fmt.bits != 4:
+        raise ValueError(
+            f"state {name}_codes holds 4-bit codes but its param group stores {name} as "
+            f"{'float32' if fmt is None else fmt.fmt.value}: load it into an optimizer built with "
+            "the checkpoint's formats, or convert the checkpoint (coatstate convert)"
+        )
+    return fmt
+
+
 def convert_param_state(saved: dict, p: torch.Tensor, group: dict) -> dict:
     """One parameter's saved state, in this group's format for `p`, on p's device."""
     if not isinstance(saved, dict):
@@ -132,14 +147,17 @@ def convert_param_state(saved: dict, p: torch.Tensor, group: dict) -> dict:
                 f"state {name!r} has shape {tuple(src[name].shape)} but its parameter has shape "
                 f"{tuple(local.shape)}"
             )
-        if is_compressed(src, name) and tuple(src[name + CODES].shape) != tuple(local.shape):
+        saved_format = _saved_format(src, name, formats[name]) if is_compressed(src, name) else None
+        expected = saved_format.codes_shape(local.shape) if saved_format is not None else tuple(local.shape)
+        if is_compressed(src, name) and tuple(src[name + CODES].shape) != tuple(expected):
             raise ValueError(
                 f"state {name}_codes has shape {tuple(src[name + CODES].shape)} but its parameter has "
-                f"shape {tuple(local.shape)}"
+                f"shape {tuple(local.shape)} (codes of shape {tuple(expected)})"
             )
         init_moment(out, name, local, formats[name])
         if formats[name] is None:
-            out[name].copy_(read_moment(src, name, saved_group_size).float())
+            shape = tuple(local.shape)
+            out[name].copy_(read_moment(src, name, saved_group_size, saved_format, shape).float())
         else:
             same = (
                 is_compressed(src, name)
@@ -152,7 +170,8 @@ def convert_param_state(saved: dict, p: torch.Tensor, group: dict) -> dict:
                     if k in src:
                         out[k].copy_(src[k])
             else:  # (decoded only here: a load in the same format moves no float32 copy)
-                write_moment(out, name, read_moment(src, name, saved_group_size).float(), formats[name])
+                value = read_moment(src, name, saved_group_size, saved_format, tuple(local.shape))
+                write_moment(out, name, value.float(), formats[name])
     _convert_master_correction(saved, out, p, group, local)
     if "step" not in out:
         raise ValueError("parameter state has no 'step'")
