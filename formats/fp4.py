@@ -61,7 +61,8 @@ def encode_groups(padded: torch.Tensor, scales: torch.Tensor, codebook: str) -> 
     division a group, a multiply and the nearest level per element)."""
     levels, signed = _codebook(codebook)
     top = levels[-1].item()
-    to_units = torch.where(scales > 0, top / scales, 0.0).unsqueeze(-1)  # one division a group
+    # one true division a group (a tensor numerator: the kernel's div_rn on every device)
+    to_units = torch.where(scales > 0, torch.full_like(scales, top) / scales, 0.0).unsqueeze(-1)
     idx = _nearest((padded.abs() * to_units).clamp(max=top), levels.to(padded.device))
     if codebook == "e2m1_nz":  # a nonzero value keeps at least the smallest nonzero level
         idx = torch.where((padded != 0) & (idx == 0), 1, idx)

@@ -55,6 +55,11 @@ class FP4Format(str, enum.Enum):
         return torch.uint8
 
 
+MIN_SCALE = 2.0**-120
+"""A nonzero group's scale is at least this, so top / scale stays finite (a group below it loses
+relative precision; its values are below 2**-120 anyway)."""
+
+
 def _groups(x2d: torch.Tensor, group_size: int) -> torch.Tensor:
     rows, cols = x2d.shape
     groups = max(1, -(-cols // group_size))
@@ -65,10 +70,13 @@ def encode_moment(x2d: torch.Tensor, group_size: int, fmt: FP4Format) -> tuple[t
     """(packed codes (rows, ceil(cols / 2)) uint8, scales (rows, groups) float32) of float32 rows."""
     rows, cols = x2d.shape
     x = _groups(x2d.float(), group_size)
-    u = x.sqrt() if fmt.sqrt else x
+    # correctly rounded on every device, as the kernel's sqrt_rn: torch's CPU float32 sqrt is
+    # not always (1 ulp off, seen on torch 2.13); a float64 sqrt rounded once more is exact
+    u = x.double().sqrt().float() if fmt.sqrt else x
     finite = torch.isfinite(u)
     u = torch.where(finite, u, 0.0)
-    scales = u.abs().amax(dim=-1)
+    mx = u.abs().amax(dim=-1)
+    scales = torch.where(mx > 0, mx.clamp(min=MIN_SCALE), 0.0)
     codes = encode_groups(u, scales, fmt.codebook)
     scales = torch.where(finite.all(dim=-1), scales, torch.nan)
     return pack(codes.view(rows, -1), cols), scales
