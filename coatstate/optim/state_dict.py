@@ -20,9 +20,12 @@ from coatstate.formats.optimizer_state import (
     MOMENTS,
     SCALES,
     MomentFormat,
+    check_moment_format,
     init_moment,
     is_compressed,
+    parse_format,
     read_moment,
+    resolve_expand,
     write_moment,
 )
 from coatstate.optim.moments import FORMAT_DEFAULTS, global_shape, master_mode, moment_formats
@@ -199,6 +202,11 @@ def _format_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     options = {**FORMAT_DEFAULTS, **kwargs}
     if options["master_bits"] == "auto":  # a torch AdamW state names no parameter dtypes to decide from
         options["master_bits"] = None
+    for moment in ("exp_avg", "exp_avg_sq"):  # one spelling, "auto" resolved: state dicts hold bools
+        fmt = parse_format(options[moment + "_format"])
+        options[moment + "_format"] = fmt.value
+        options[moment + "_expand"] = resolve_expand(fmt, options[moment + "_expand"])
+        check_moment_format(moment, fmt, options[moment + "_expand"])
     return options
 
 
@@ -227,8 +235,10 @@ def compress_adamw_state_dict(state_dict: dict[str, Any], **format_options: Any)
     return {"state": state, "param_groups": groups}
 
 
-def to_adamw_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
-    """A CompressedAdamW state dict -> one torch.optim.AdamW loads (moments decompressed to fp32)."""
+def to_adamw_state_dict(state_dict: dict[str, Any], shapes: dict[Any, Any] | None = None) -> dict[str, Any]:
+    """A CompressedAdamW state dict -> one torch.optim.AdamW loads (moments decompressed to fp32).
+    4-bit moments' packed codes do not record their parameter's shape: pass `shapes` ({param id:
+    shape}; a checkpoint's header lists them) for those."""
     groups, state = [], {}
     for saved in state_dict["param_groups"]:
         groups.append({k: v for k, v in saved.items() if k not in FORMAT_DEFAULTS})
@@ -240,9 +250,24 @@ def to_adamw_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
             out = {"step": s["step"]}
             for name in MOMENTS:
                 if name in s or name + CODES in s:
-                    out[name] = read_moment(s, name, g).float().clone()
+                    fmt, shape = _four_bit(s, name, saved, g, shapes, pid)
+                    out[name] = read_moment(s, name, g, fmt, shape).float().clone()
             state[pid] = out
     return {"state": state, "param_groups": groups}
+
+
+def _four_bit(s: dict, name: str, group: dict, group_size: int, shapes, pid) -> tuple:
+    """(MomentFormat, shape) to read a 4-bit moment with; (None, None) for any other."""
+    if name + CODES not in s or s[name + CODES].dtype != torch.uint8:
+        return None, None
+    shape = (shapes or {}).get(pid)
+    if shape is None:
+        raise ValueError(
+            f"param {pid}: {name} is in 4 bits, whose packed codes do not record the parameter's "
+            "shape; pass shapes={param id: shape} (a checkpoint's header has them)"
+        )
+    fmt = parse_format(group.get("exp_avg_format" if name == "exp_avg" else "exp_avg_sq_format"))
+    return MomentFormat(fmt, False, group_size), tuple(shape)
 
 
 def _convert_master_correction(
