@@ -174,3 +174,21 @@ def test_convert_refuses_expand_with_4bit(tmp_path, capsys):
     ]
     assert cli([*argv, "--expand"]) == 1
     assert "pass exp_avg_expand=False" in capsys.readouterr().err
+
+
+def test_a_string_group_size_on_a_4bit_moment_is_refused_not_a_crash(saved, tmp_path):
+    path, _, _ = saved
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(_with_header(path.read_bytes(), lambda h: _moment(h).update(group_size="128")))
+    with pytest.raises(CheckpointError, match="positive int group_size"):
+        ck.read(str(bad))
+    bad.write_bytes(_with_header(path.read_bytes(), lambda h: _group_size(h, 127)))
+    with pytest.raises(CheckpointError, match="even group_size"):
+        ck.read(str(bad))
+
+
+def _group_size(h, n):
+    h["param_groups"][0]["group_size"] = n
+    for p in h["params"].values():
+        for m in p.get("compressed", {}).values():
+            m["group_size"] = n

@@ -163,16 +163,16 @@ def _check_params(params: dict, group_of: dict, group_sizes: list, fail) -> None
                 fail(f"params[{key}].compressed.{m}.format must be one of {sorted(_FORMATS)}")
             if f["format"] in _FP4_FORMATS and (m == "exp_avg") != (f["format"] == "e2m1"):
                 fail(f"params[{key}].compressed.{m}.format {f['format']!r} is not a format for {m}")
-            if f["format"] in _FP4_FORMATS and (f.get("expand") is not False or f.get("group_size", 1) % 2):
-                fail(
-                    f"params[{key}].compressed.{m}: a 4-bit format needs expand false and an even group_size"
-                )
             if (
                 not _is_int(f.get("group_size"))
                 or f["group_size"] < 1
                 or not isinstance(f.get("expand"), bool)
             ):
                 fail(f"params[{key}].compressed.{m} needs a positive int group_size and a bool expand")
+            if f["format"] in _FP4_FORMATS and (f.get("expand") is not False or f["group_size"] % 2):
+                fail(
+                    f"params[{key}].compressed.{m}: a 4-bit format needs expand false and an even group_size"
+                )
             if f["group_size"] != group_sizes[info["group"]]:
                 fail(
                     f"params[{key}].compressed.{m}.group_size is {f['group_size']}, its param group's "
