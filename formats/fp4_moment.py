@@ -9,6 +9,9 @@ a row (G even), one float32 scale per group:
               group even v = 0 decodes to the smallest level, so m / sqrt(v) never divides by a
               decoded zero; an all-zero group has scale 0 and decodes to exact zeros.
 
+A nonzero group's scale is at least MIN_SCALE (2**-120) so that top / scale stays finite. The
+spec, with the non-finite rule's cost: docs/FORMAT.md, "4-bit optimizer moments".
+
 Codes: uint8 of shape (rows, ceil(cols / 2)), element 2j of a row in the low nibble of byte j,
 2j+1 in the high one (an odd row's last high nibble is 0). No range expansion, no exponents.
 Non-finite input: a group holding a NaN or Inf stores a NaN scale (its codes are taken from the
