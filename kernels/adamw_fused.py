@@ -59,12 +59,12 @@ def _group_pointers(row_ptr, COL: tl.constexpr, gid, EXPAND: tl.constexpr):
 
 
 @triton.jit
-def _load_moment(base_ptr, row_ptr, COL: tl.constexpr, offs, mask, gid, gmask, poffs, pmask,
+def _load_moment(base_ptr, row_ptr, COL: tl.constexpr, offs, mask, gid, gmask, eoffs,
                  COMPRESSED: tl.constexpr, EXPAND: tl.constexpr, IS_E4M3: tl.constexpr,
                  GROUP: tl.constexpr, FP4: tl.constexpr):  # fmt: skip
-    if COMPRESSED and FP4 > 0:  # packed 4-bit codes: byte offsets `poffs` (kernels/fp4_triton.py)
+    if COMPRESSED and FP4 > 0:  # packed 4-bit codes: each element's byte at `eoffs` (kernels/fp4_triton.py)
         scales, _ = _group_pointers(row_ptr, COL, gid, False)
-        return load_decode4(_data(base_ptr, row_ptr, COL, poffs), pmask, scales, gmask, mask, GROUP, FP4)
+        return load_decode4(_data(base_ptr, row_ptr, COL, eoffs), scales, gmask, mask, GROUP, FP4)
     elif COMPRESSED:
         scales, exps = _group_pointers(row_ptr, COL, gid, EXPAND)
         return load_decode(_data(base_ptr, row_ptr, COL, offs), scales, exps, mask, gmask, EXPAND, IS_E4M3)
@@ -233,9 +233,9 @@ def _adamw_kernel(
     gmask = gid < n_groups
     offs, mask = group_offsets(gid, n_groups, cols, groups_per_row, GROUP, EVEN)
     if M_FP4 + V_FP4 > 0:  # byte offsets of packed 4-bit codes (the same groups)
-        poffs, pmask = packed_offsets(gid, n_groups, cols, groups_per_row, GROUP, EVEN)
+        eoffs, poffs, pmask = packed_offsets(gid, n_groups, cols, groups_per_row, GROUP, EVEN)
     else:
-        poffs, pmask = offs, mask
+        eoffs, poffs, pmask = offs, offs, mask
 
     # per-launch hyperparameters and per-tensor step size / bias correction (see _scalars)
     decay = tl.load(hyper_ptr)
@@ -258,9 +258,9 @@ def _adamw_kernel(
         g = g * tl.load(grad_scale_ptr)
     if MAXIMIZE:
         g = -g
-    m = _load_moment(m_base, row_ptr, 2, offs, mask, gid, gmask, poffs, pmask, COMPRESSED, M_EXPAND, M_E4M3,
+    m = _load_moment(m_base, row_ptr, 2, offs, mask, gid, gmask, eoffs, COMPRESSED, M_EXPAND, M_E4M3,
                      GROUP, M_FP4)  # fmt: skip
-    v = _load_moment(v_base, row_ptr, 5, offs, mask, gid, gmask, poffs, pmask, COMPRESSED, V_EXPAND, V_E4M3,
+    v = _load_moment(v_base, row_ptr, 5, offs, mask, gid, gmask, eoffs, COMPRESSED, V_EXPAND, V_E4M3,
                      GROUP, V_FP4)  # fmt: skip
     if COMPRESSED:  # a second moment's NaN code reads as +Inf (formats.optimizer_state.SECOND_MOMENTS)
         v = tl.where(v != v, float("inf"), v)
@@ -272,7 +272,7 @@ def _adamw_kernel(
         m = g - (g - m) * (1.0 - w1)
     v = v * b2 + w2 * g * g
     if AMSGRAD:
-        vmax = _load_moment(x_base, row_ptr, 8, offs, mask, gid, gmask, poffs, pmask, COMPRESSED, V_EXPAND,
+        vmax = _load_moment(x_base, row_ptr, 8, offs, mask, gid, gmask, eoffs, COMPRESSED, V_EXPAND,
                             V_E4M3, GROUP, V_FP4)  # fmt: skip
         if COMPRESSED:
             vmax = tl.where(vmax != vmax, float("inf"), vmax)

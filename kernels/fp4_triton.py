@@ -22,19 +22,25 @@ MIN_SCALE = tl.constexpr(_MIN_SCALE)
 
 @triton.jit
 def packed_offsets(gid, n_groups, cols, groups_per_row, GROUP: tl.constexpr, EVEN: tl.constexpr):
-    """Byte offsets [len(gid), GROUP // 2] and mask of groups `gid` in packed codes of shape
-    (rows, ceil(cols / 2)). GROUP is even, so a group starts at a byte."""
+    """Offsets into packed codes of shape (rows, ceil(cols / 2)) for groups `gid`: per element
+    [len(gid), GROUP] (the byte each element is in: the decoder loads every byte twice, which the
+    cache serves, instead of shuffling a byte tile into an element tile), and per byte
+    [len(gid), GROUP // 2] with its mask (the encoder's stores). GROUP is even: a group starts at
+    a byte."""
     HALF: tl.constexpr = GROUP // 2
     gmask = gid < n_groups
     if EVEN:
-        offs = gid[:, None] * HALF + tl.arange(0, HALF)[None, :]
-        offs = tl.max_contiguous(tl.multiple_of(offs, [HALF, HALF]), [1, HALF])
-        return offs, gmask[:, None]
+        boffs = gid[:, None] * HALF + tl.arange(0, HALF)[None, :]
+        boffs = tl.max_contiguous(tl.multiple_of(boffs, [HALF, HALF]), [1, HALF])
+        eoffs = (gid[:, None] * GROUP + tl.arange(0, GROUP)[None, :]) >> 1
+        return eoffs, boffs, gmask[:, None]
     else:
         row = gid // groups_per_row
         col0 = (gid - row * groups_per_row) * GROUP
+        start = row[:, None] * ((cols + 1) // 2)
         first = col0[:, None] + 2 * tl.arange(0, HALF)[None, :]  # the byte's first element
-        return row[:, None] * ((cols + 1) // 2) + first // 2, gmask[:, None] & (first < cols)
+        eoffs = start + ((col0[:, None] + tl.arange(0, GROUP)[None, :]) >> 1)
+        return eoffs, start + first // 2, gmask[:, None] & (first < cols)
 
 
 @triton.jit
@@ -67,12 +73,12 @@ def _nearest(y, FMT: tl.constexpr):
 
 
 @triton.jit
-def load_decode4(code_ptrs, pmask, scale_ptrs, gmask, mask, GROUP: tl.constexpr, FMT: tl.constexpr):
-    """float32 [groups, GROUP] values of a 4-bit moment (0 where `mask` is off)."""
-    GPP: tl.constexpr = code_ptrs.shape[0]
+def load_decode4(byte_ptrs, scale_ptrs, gmask, mask, GROUP: tl.constexpr, FMT: tl.constexpr):
+    """float32 [groups, GROUP] values of a 4-bit moment (0 where `mask` is off) from the pointers
+    to each element's byte."""
     TOP: tl.constexpr = 6.0 if FMT == 1 else 192.0
-    b = tl.load(code_ptrs, mask=pmask, other=0).to(tl.int32)
-    c = tl.reshape(tl.join(b & 15, b >> 4), [GPP, GROUP])  # element 2j from the low nibble
+    b = tl.load(byte_ptrs, mask=mask, other=0).to(tl.int32)
+    c = (b >> ((tl.arange(0, GROUP) & 1) * 4)[None, :]) & 15  # element 2j from the low nibble
     scale = tl.load(scale_ptrs, mask=gmask, other=0.0)
     step = tl.math.div_rn(scale, tl.full(scale.shape, TOP, tl.float32))
     u = _level(c, FMT) * step[:, None]
