@@ -9,6 +9,10 @@ benchmarks/optimizer_step.py, for bfloat16 models with compact master weights ag
   optimi AdamW, kahan_sum=True               bfloat16 weights + a bfloat16 Kahan compensation
   coatstate CompressedAdamW, float32 params  FP8 moments
   coatstate CompressedAdamW, bfloat16, master_bits 32 / 24 / 16
+  coatstate CompressedAdamW, bfloat16, master_bits 24, 4-bit moments (e2m1 m, ue3m1_sqrt v)
+  coatstate CompressedAdamW, bfloat16, master_bits 24, FP8 m + 4-bit v (ue3m1_sqrt)
+  torchao AdamW4bit, bfloat16 params        4-bit moments, no master (skipped with a note when
+                                            torchao does not import)
 Each variant builds its parameters and gradients (random, never zero), runs warm-up steps, then
 the variants are timed in interleaved rounds (--rounds): per round and variant, --steps steps
 back to back between two CUDA events (the GPU's time per step, as in a training loop). Reported:
@@ -69,6 +73,16 @@ def variants(which: set[str]) -> dict:
             )
         except Exception as e:  # noqa: BLE001
             print(f"optimi unavailable: {type(e).__name__}: {e}")
+    if "torchao" in which:
+        try:
+            from torchao.optim import AdamW4bit
+
+            out["torchao AdamW4bit, bf16 params (no master)"] = (
+                torch.bfloat16,
+                lambda ps: AdamW4bit(ps, lr=1e-3),
+            )
+        except Exception as e:  # noqa: BLE001 - a missing peer is reported, not fatal
+            print(f"torchao unavailable (AdamW4bit row skipped): {type(e).__name__}: {e}")
     if "coat" in which:  # FP8 moments as CompressedAdamW defaults to (no range expansion)
         expand = {}
         out["coatstate CompressedAdamW, fp32 params"] = (
@@ -80,6 +94,15 @@ def variants(which: set[str]) -> dict:
                 torch.bfloat16,
                 lambda ps, b=bits: coatstate.CompressedAdamW(ps, lr=1e-3, master_bits=b, **expand),
             )
+        four = {"exp_avg_format": "e2m1", "exp_avg_sq_format": "ue3m1_sqrt"}  # issue #33
+        out["coatstate CompressedAdamW, bf16, master_bits=24, 4-bit moments"] = (
+            torch.bfloat16,
+            lambda ps: coatstate.CompressedAdamW(ps, lr=1e-3, master_bits=24, **four),
+        )
+        out["coatstate CompressedAdamW, bf16, master_bits=24, FP8 m + 4-bit v"] = (
+            torch.bfloat16,
+            lambda ps: coatstate.CompressedAdamW(ps, lr=1e-3, master_bits=24, exp_avg_sq_format="ue3m1_sqrt"),
+        )
     return out
 
 
@@ -137,7 +160,8 @@ def bytes_moved(name: str, n: int, p_bytes: int, g_bytes: int) -> float:
         return n * (2 * p_bytes + g_bytes + 2 * 8)
     if "coatstate" in name:
         corr = 2 if "=32" in name else 1 if "=24" in name else 0
-        moments = 2 * (1 + 4 / 128)  # codes + per-group float32 scale, two moments
+        fp8, four = 1 + 4 / 128, 0.5 + 4 / 128  # codes + per-group float32 scale, per moment
+        moments = 2 * four if "4-bit moments" in name else fp8 + four if "4-bit v" in name else 2 * fp8
         return n * (2 * p_bytes + g_bytes + 2 * corr + 2 * moments)
     return float("nan")  # peers: their layouts are theirs; the measured time is what counts
 
@@ -148,7 +172,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--which", default="torch,flashoptim,optimi,coat")
+    ap.add_argument("--which", default="torch,flashoptim,optimi,torchao,coat")
     ap.add_argument("--out", default="benchmarks/results/whole_state_step.json")
     args = ap.parse_args()
     device = torch.device("cuda")
@@ -189,11 +213,11 @@ def main() -> None:
 
 def report(rows: dict, bw: float, args) -> None:
     print(f"\ncopy bandwidth {bw / 1e12:.2f} TB/s, {torch.cuda.get_device_name()}, rounds {args.rounds}")
-    head = f"{'variant':48s} {'weights':>7s} {'corr':>5s} {'grads':>5s} {'moments':>7s} {'total':>6s} "
+    head = f"{'variant':64s} {'weights':>7s} {'corr':>5s} {'grads':>5s} {'moments':>7s} {'total':>6s} "
     print(head + f"{'release':>7s} {'floor ms':>8s} {'step ms':>8s} {'spread':>13s} {'first s':>7s}")
     for r in rows.values():
         if not r["times_ms"] or "params" not in r:
-            print(f"{r['name']:48s} failed: {r.get('error')}")
+            print(f"{r['name']:64s} failed: {r.get('error')}")
             continue
         r["step_ms"] = statistics.median(r["times_ms"])
         r["spread_ms"] = [min(r["times_ms"]), max(r["times_ms"])]
@@ -201,7 +225,7 @@ def report(rows: dict, bw: float, args) -> None:
         r["total_B"] = r["weights_B"] + r["correction_B"] + r["grads_B"] + r["moments_B"]
         r["total_with_release_B"] = r["total_B"] - r["grads_B"]
         print(
-            f"{r['name']:48s} {r['weights_B']:7.2f} {r['correction_B']:5.2f} {r['grads_B']:5.2f} "
+            f"{r['name']:64s} {r['weights_B']:7.2f} {r['correction_B']:5.2f} {r['grads_B']:5.2f} "
             f"{r['moments_B']:7.2f} {r['total_B']:6.2f} {r['total_with_release_B']:7.2f} "
             f"{r['floor_ms']:8.2f} {r['step_ms']:8.2f} {r['spread_ms'][0]:6.2f}-{r['spread_ms'][1]:6.2f} "
             f"{r['first_step_s']:7.2f}"

@@ -62,7 +62,9 @@ def _global_shape(key: str, local: torch.Tensor, p: torch.Tensor) -> tuple[int, 
     """The global shape of state tensor `key` (local shard `local`) of DTensor parameter `p`."""
     if key.endswith(("_scales", "_exponents")):  # (rows, groups): rows are cut like p's
         return (group_layout(p.shape, 1)[0], local.shape[1])
-    return tuple(p.shape)  # codes and float32 moments are shaped like their parameter
+    if key.endswith("_codes") and local.dtype == torch.uint8:  # 4-bit: (rows, ceil(cols / 2)) bytes
+        return (group_layout(p.shape, 1)[0], local.shape[1])
+    return tuple(p.shape)  # FP8 codes and float32 moments are shaped like their parameter
 
 
 def wrap_state(state: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:

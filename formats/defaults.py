@@ -13,7 +13,7 @@ from typing import Any
 GROUP_SIZE = 128
 """Elements per group of an optimizer moment along a row (COAT's choice)."""
 FORMAT = "e4m3"
-"""FP8 format of both moments' codes."""
+"""FP8 format of both moments' codes (4-bit ones are opt-in: "e2m1" and "ue3m1_sqrt")."""
 EXPAND = True
 """COAT's dynamic range expansion, for both moments and the codecs. On: training runs cannot tell
 it from plain E4M3, and on real Adam moments it loses far less of the update m / sqrt(v)
@@ -25,8 +25,8 @@ OPTIMIZER_DEFAULTS: MappingProxyType[str, Any] = MappingProxyType(
         "group_size": GROUP_SIZE,
         "exp_avg_format": FORMAT,
         "exp_avg_sq_format": FORMAT,
-        "exp_avg_expand": EXPAND,
-        "exp_avg_sq_expand": EXPAND,
+        "exp_avg_expand": "auto",
+        "exp_avg_sq_expand": "auto",
         "min_numel": 4096,
         "compress_1d": False,
         "master_bits": "auto",
@@ -35,4 +35,5 @@ OPTIMIZER_DEFAULTS: MappingProxyType[str, Any] = MappingProxyType(
 )
 """CompressedAdamW's own param-group options (beside torch.optim.AdamW's) and their defaults.
 min_numel: smaller tensors keep float32 moments (bitsandbytes' threshold); master_bits "auto"
-is resolved per param group when it is added (24 for bfloat16 parameters)."""
+is resolved per param group when it is added (24 for bfloat16 parameters); so are the expand
+options' "auto": EXPAND for an FP8 format, False for a 4-bit one (which takes no expansion)."""

@@ -11,10 +11,14 @@ A code indexes a codebook of magnitudes; the largest stands for the scale:
              to 0 (for the second moment, whose zeros make m / sqrt(v) explode: Li et al. 2023)
   linear_nz  unsigned, 16 levels 1..16, no zero code at all (non-negative inputs only:
              the second moment), the linear zero-free mapping of Li et al.
+  ue3m1      unsigned, zero-free, 16 levels m * 2**e (e in 0..7, m in {1, 1.5}): 1, 1.5, 2, 3,
+             ..., 128, 192; code i is level e = i >> 1, m = 1 + (i & 1) / 2. Used on sqrt(v)
+             by the optimizer's "ue3m1_sqrt" second-moment format (formats/fp4_moment.py)
 
 Rounding goes to the nearest codebook value, ties to the even code index (for e2m1 that is
-round-to-nearest-even). An all-zero group has scale 0 and decodes to exact zeros. No kernel or
-optimizer path uses these yet: they exist to be measured (benchmarks/fp4_reconstruction.py).
+round-to-nearest-even). An all-zero group has scale 0 and decodes to exact zeros. The optimizer
+uses e2m1 and ue3m1 through formats/fp4_moment.py; the others exist to be measured
+(benchmarks/fp4_reconstruction.py).
 """
 
 from __future__ import annotations
@@ -28,10 +32,11 @@ CODEBOOKS: dict[str, tuple[tuple[float, ...], bool]] = {  # name: (magnitudes, s
     "e2m1": (_E2M1, True),
     "e2m1_nz": (_E2M1, True),
     "linear_nz": (tuple(float(i + 1) for i in range(16)), False),
+    "ue3m1": (tuple(float((1 + (i & 1) / 2) * 2 ** (i >> 1)) for i in range(16)), False),
 }
 """Magnitudes in the codebook's own units (exact in float32, so ties are exact); a group's
 largest magnitude maps onto the last one."""
-ZERO_FREE = {"e2m1_nz", "linear_nz"}
+ZERO_FREE = {"e2m1_nz", "linear_nz", "ue3m1"}
 """Codebooks under which a nonzero input never decodes to zero."""
 
 
@@ -50,11 +55,47 @@ def _nearest(mag: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
     return torch.where(tie & (idx % 2 == 1), idx + 1, idx)
 
 
+def encode_groups(padded: torch.Tensor, scales: torch.Tensor, codebook: str) -> torch.Tensor:
+    """4-bit codes (uint8, one per element) of float32 groups (rows, groups, G) with their
+    per-group scales: the float32 operations of the fused step's encoder, in its order (one
+    division a group, a multiply and the nearest level per element)."""
+    levels, signed = _codebook(codebook)
+    top = levels[-1].item()
+    # one true division a group (a tensor numerator: the kernel's div_rn on every device)
+    to_units = torch.where(scales > 0, torch.full_like(scales, top) / scales, 0.0).unsqueeze(-1)
+    idx = _nearest((padded.abs() * to_units).clamp(max=top), levels.to(padded.device))
+    if codebook == "e2m1_nz":  # a nonzero value keeps at least the smallest nonzero level
+        idx = torch.where((padded != 0) & (idx == 0), 1, idx)
+    return idx.to(torch.uint8) | ((padded < 0).to(torch.uint8) << 3 if signed else 0)
+
+
+def pack(codes: torch.Tensor, cols: int) -> torch.Tensor:
+    """(rows, >= cols) 4-bit codes -> (rows, ceil(cols / 2)) bytes, element 2j in the low nibble;
+    an odd row's last high nibble is 0."""
+    codes = codes[:, :cols]
+    if cols % 2:
+        codes = torch.nn.functional.pad(codes, (0, 1))
+    return codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+
+def unpack(packed: torch.Tensor, cols: int) -> torch.Tensor:
+    """The inverse of `pack`: (rows, cols) uint8 codes."""
+    rows = packed.shape[0]
+    return torch.stack((packed & 15, packed >> 4), dim=-1).reshape(rows, 2 * packed.shape[-1])[:, :cols]
+
+
+def decode_levels(codes: torch.Tensor, codebook: str) -> torch.Tensor:
+    """float32 codebook values (signed, in the codebook's units) of uint8 4-bit codes."""
+    levels, signed = _codebook(codebook)
+    values = levels.to(codes.device)[(codes & 7 if signed else codes).long()]
+    return torch.where(codes >= 8, -values, values) if signed else values
+
+
 def quantize_fp4(
     x: torch.Tensor, *, group_size: int = 128, codebook: str = "e2m1"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed uint8 codes of shape (rows, ceil(cols / 2)), float32 scales (rows, groups)) of x."""
-    levels, signed = _codebook(codebook)
+    _, signed = _codebook(codebook)
     if not isinstance(group_size, int) or group_size < 1:
         raise ValueError(f"group_size must be a positive int; got {group_size!r}")
     if not torch.isfinite(x).all():
@@ -67,16 +108,8 @@ def quantize_fp4(
     x2d = x.reshape(rows, cols).float()
     padded = torch.nn.functional.pad(x2d, (0, groups * group_size - cols)).view(rows, groups, group_size)
     scales = padded.abs().amax(dim=-1)
-    top = levels[-1].item()
-    to_units = torch.where(scales > 0, top / scales, 0.0).unsqueeze(-1)  # one division a group
-    idx = _nearest((padded.abs() * to_units).clamp(max=top), levels.to(x.device))
-    if codebook == "e2m1_nz":  # a nonzero value keeps at least the smallest nonzero level
-        idx = torch.where((padded != 0) & (idx == 0), 1, idx)
-    codes = idx.to(torch.uint8) | ((padded < 0).to(torch.uint8) << 3 if signed else 0)
-    codes = codes.view(rows, groups * group_size)[:, :cols]
-    if cols % 2:
-        codes = torch.nn.functional.pad(codes, (0, 1))
-    return codes[:, 0::2] | (codes[:, 1::2] << 4), scales
+    codes = encode_groups(padded, scales, codebook)
+    return pack(codes.view(rows, groups * group_size), cols), scales
 
 
 def dequantize_fp4(
@@ -84,13 +117,9 @@ def dequantize_fp4(
     codebook: str = "e2m1",
 ) -> torch.Tensor:  # fmt: skip
     """The float32 tensor of `shape` that (packed, scales) stand for."""
-    levels, signed = _codebook(codebook)
+    levels, _ = _codebook(codebook)
     rows, cols, groups = group_layout(tuple(shape), group_size)
-    codes = torch.stack((packed & 15, packed >> 4), dim=-1).reshape(rows, 2 * packed.shape[-1])[:, :cols]
-    idx = (codes & 7 if signed else codes).long()
-    values = levels.to(packed.device)[idx]
-    if signed:
-        values = torch.where(codes >= 8, -values, values)
+    values = decode_levels(unpack(packed, cols), codebook)
     values = torch.nn.functional.pad(values, (0, groups * group_size - cols)).view(rows, groups, group_size)
     out = (values * (scales / levels[-1]).unsqueeze(-1)).view(rows, groups * group_size)[:, :cols]
     return out.reshape(shape)

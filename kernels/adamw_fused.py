@@ -9,6 +9,8 @@ lr, the step counts, GradScaler's scale and found_inf are read on the device.
 
 Host side (plans, launches, the custom op): kernels/adamw_launch.py. Twin: coatstate.optim.reference_step
 (adamw_step_reference), the CPU path and the oracle.
+A moment may instead be 4-bit (M_FP4/V_FP4: packed codes and a scale per group, no exponents;
+kernels/fp4_triton.py), in any mix with FP8.
 Bytes moved per element with fp32 p and g: p 4+4, g 4, codes 1+1 per moment, scales ~5/128 per
 moment: about 16.1 bytes, so the floor is numel * 16.1 / copy bandwidth.
 """
@@ -18,8 +20,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..formats.fp4_moment import FP4Format
 from ..formats.fp8 import FP8Format
 from ..formats.optimizer_state import MomentFormat
+from .fp4_triton import E2M1, UE3M1_SQRT, encode_store4, load_decode4, packed_offsets
 from .fp8_triton import encode_store, fast_divide, fp8_constants, group_offsets, load_decode
 
 # columns of the address table
@@ -55,9 +59,13 @@ def _group_pointers(row_ptr, COL: tl.constexpr, gid, EXPAND: tl.constexpr):
 
 
 @triton.jit
-def _load_moment(base_ptr, row_ptr, COL: tl.constexpr, offs, mask, gid, gmask,
-                 COMPRESSED: tl.constexpr, EXPAND: tl.constexpr, IS_E4M3: tl.constexpr):  # fmt: skip
-    if COMPRESSED:
+def _load_moment(base_ptr, row_ptr, COL: tl.constexpr, offs, mask, gid, gmask, eoffs,
+                 COMPRESSED: tl.constexpr, EXPAND: tl.constexpr, IS_E4M3: tl.constexpr,
+                 GROUP: tl.constexpr, FP4: tl.constexpr):  # fmt: skip
+    if COMPRESSED and FP4 > 0:  # packed 4-bit codes: each element's byte at `eoffs` (kernels/fp4_triton.py)
+        scales, _ = _group_pointers(row_ptr, COL, gid, False)
+        return load_decode4(_data(base_ptr, row_ptr, COL, eoffs), scales, gmask, mask, GROUP, FP4)
+    elif COMPRESSED:
         scales, exps = _group_pointers(row_ptr, COL, gid, EXPAND)
         return load_decode(_data(base_ptr, row_ptr, COL, offs), scales, exps, mask, gmask, EXPAND, IS_E4M3)
     else:
@@ -82,8 +90,15 @@ def _store_moment(
     LOG2_MAX: tl.constexpr,
     K_NUMERATOR: tl.constexpr,
     IS_E4M3: tl.constexpr,
+    poffs,
+    pmask,
+    GROUP: tl.constexpr,
+    FP4: tl.constexpr,
 ):
-    if COMPRESSED:
+    if COMPRESSED and FP4 > 0:
+        scales, _ = _group_pointers(row_ptr, COL, gid, False)
+        encode_store4(x, _data(base_ptr, row_ptr, COL, poffs), pmask, scales, gmask, mask, GROUP, FP4)
+    elif COMPRESSED:
         scales, exps = _group_pointers(row_ptr, COL, gid, EXPAND)
         encode_store(
             x,
@@ -200,6 +215,8 @@ def _adamw_kernel(
     V_KNUM: tl.constexpr,
     V_E4M3: tl.constexpr,
     MASTER: tl.constexpr,
+    M_FP4: tl.constexpr = 0,
+    V_FP4: tl.constexpr = 0,
 ):
     if HAS_INF:
         if tl.load(found_inf_ptr) != 0:
@@ -215,6 +232,10 @@ def _adamw_kernel(
     gid = local_block.to(tl.int64) * GPP + tl.arange(0, GPP)
     gmask = gid < n_groups
     offs, mask = group_offsets(gid, n_groups, cols, groups_per_row, GROUP, EVEN)
+    if M_FP4 + V_FP4 > 0:  # byte offsets of packed 4-bit codes (the same groups)
+        eoffs, poffs, pmask = packed_offsets(gid, n_groups, cols, groups_per_row, GROUP, EVEN)
+    else:
+        eoffs, poffs, pmask = offs, offs, mask
 
     # per-launch hyperparameters and per-tensor step size / bias correction (see _scalars)
     decay = tl.load(hyper_ptr)
@@ -237,8 +258,10 @@ def _adamw_kernel(
         g = g * tl.load(grad_scale_ptr)
     if MAXIMIZE:
         g = -g
-    m = _load_moment(m_base, row_ptr, 2, offs, mask, gid, gmask, COMPRESSED, M_EXPAND, M_E4M3)
-    v = _load_moment(v_base, row_ptr, 5, offs, mask, gid, gmask, COMPRESSED, V_EXPAND, V_E4M3)
+    m = _load_moment(m_base, row_ptr, 2, offs, mask, gid, gmask, eoffs, COMPRESSED, M_EXPAND, M_E4M3,
+                     GROUP, M_FP4)  # fmt: skip
+    v = _load_moment(v_base, row_ptr, 5, offs, mask, gid, gmask, eoffs, COMPRESSED, V_EXPAND, V_E4M3,
+                     GROUP, V_FP4)  # fmt: skip
     if COMPRESSED:  # a second moment's NaN code reads as +Inf (formats.optimizer_state.SECOND_MOMENTS)
         v = tl.where(v != v, float("inf"), v)
 
@@ -249,7 +272,8 @@ def _adamw_kernel(
         m = g - (g - m) * (1.0 - w1)
     v = v * b2 + w2 * g * g
     if AMSGRAD:
-        vmax = _load_moment(x_base, row_ptr, 8, offs, mask, gid, gmask, COMPRESSED, V_EXPAND, V_E4M3)
+        vmax = _load_moment(x_base, row_ptr, 8, offs, mask, gid, gmask, eoffs, COMPRESSED, V_EXPAND,
+                            V_E4M3, GROUP, V_FP4)  # fmt: skip
         if COMPRESSED:
             vmax = tl.where(vmax != vmax, float("inf"), vmax)
         vmax = tl.maximum(vmax, v)
@@ -265,12 +289,15 @@ def _adamw_kernel(
     else:
         tl.store(p_ptrs, p.to(p_base.dtype.element_ty), mask=mask)
     _store_moment(m, m_base, row_ptr, 2, offs, mask, gid, gmask, COMPRESSED,
-                  M_EXPAND, M_MAX, M_MBITS, M_EMIN, M_LOG2_MAX, M_KNUM, M_E4M3)  # fmt: skip
+                  M_EXPAND, M_MAX, M_MBITS, M_EMIN, M_LOG2_MAX, M_KNUM, M_E4M3, poffs, pmask, GROUP,
+                  M_FP4)  # fmt: skip
     _store_moment(v, v_base, row_ptr, 5, offs, mask, gid, gmask, COMPRESSED,
-                  V_EXPAND, V_MAX, V_MBITS, V_EMIN, V_LOG2_MAX, V_KNUM, V_E4M3)  # fmt: skip
+                  V_EXPAND, V_MAX, V_MBITS, V_EMIN, V_LOG2_MAX, V_KNUM, V_E4M3, poffs, pmask, GROUP,
+                  V_FP4)  # fmt: skip
     if AMSGRAD:
         _store_moment(vmax, x_base, row_ptr, 8, offs, mask, gid, gmask, COMPRESSED,
-                      V_EXPAND, V_MAX, V_MBITS, V_EMIN, V_LOG2_MAX, V_KNUM, V_E4M3)  # fmt: skip
+                      V_EXPAND, V_MAX, V_MBITS, V_EMIN, V_LOG2_MAX, V_KNUM, V_E4M3, poffs, pmask, GROUP,
+                      V_FP4)  # fmt: skip
     # count non-finite moments (a NaN/Inf gradient): reported by CompressedAdamW, never hidden.
     # Per parameter: values, steps with any, the last such step (the first program of a step
     # to raise the last step counts the step)
@@ -284,9 +311,11 @@ def _adamw_kernel(
 
 
 def _constants(prefix: str, f: MomentFormat | None) -> dict:
-    fmt = f.fmt if f is not None else FP8Format.E4M3
+    fp4 = f is not None and isinstance(f.fmt, FP4Format)
+    fmt = f.fmt if f is not None and not fp4 else FP8Format.E4M3  # (unused by a 4-bit moment)
     c = fp8_constants(fmt)
     return {
+        f"{prefix}_FP4": (E2M1 if f.fmt is FP4Format.E2M1 else UE3M1_SQRT) if fp4 else 0,
         f"{prefix}_EXPAND": bool(f is not None and f.expand),
         f"{prefix}_MAX": c["FP8_MAX"],
         f"{prefix}_MBITS": c["MBITS"],

@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 import triton
 
-from ..formats.fp8 import FP8Format
 from ..formats.group import group_layout
 from ..formats.optimizer_state import (
     CODES,
@@ -24,6 +23,7 @@ from ..formats.optimizer_state import (
     SCALES,
     MomentFormat,
     is_compressed,
+    parse_format,
     state_keys,
 )
 from . import adamw_fused as kernel
@@ -242,7 +242,7 @@ def _parse_spec(spec: str) -> MomentFormat | None:
     if not spec:
         return None
     fmt, expand, group_size = spec.split(":")
-    return MomentFormat(FP8Format.parse(fmt), bool(int(expand)), int(group_size))
+    return MomentFormat(parse_format(fmt), bool(int(expand)), int(group_size))
 
 
 def _fused_adamw_impl(

@@ -27,6 +27,10 @@ def test_every_default_is_the_tables():
     table = dict(OPTIMIZER_DEFAULTS)
     signature = _defaults(CompressedAdamW.__init__)
     assert {k: signature[k] for k in table} == table, "the constructor's defaults differ from the table"
+    table = dict(table)
+    # the expand options' "auto" follows the format: formats.defaults.EXPAND for an FP8 one
+    assert table["exp_avg_expand"] == table["exp_avg_sq_expand"] == "auto"
+    table["exp_avg_expand"] = table["exp_avg_sq_expand"] = twin.EXPAND
     first = MomentFormat(FP8Format(table["exp_avg_format"]), table["exp_avg_expand"], table["group_size"])
     assert MomentFormat() == first
     assert moment_formats({}, torch.Size((64, 64)))["exp_avg"] == first, "a group's fallbacks"
@@ -51,7 +55,7 @@ def test_every_default_is_the_tables():
 @pytest.mark.parametrize(
     ("option", "value", "message"),
     [
-        ("exp_avg_format", "e9m9", "param group 1: exp_avg_format: unknown FP8 format"),
+        ("exp_avg_format", "e9m9", "param group 1: exp_avg_format: unknown moment format"),
         ("exp_avg_sq_expand", "yes", "param group 1: exp_avg_sq_expand must be True or False"),
         ("min_numel", -1, "param group 1: min_numel must be an int >= 0"),
         ("group_size", 0, "param group 1: group_size must be an int >= 1"),

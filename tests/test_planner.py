@@ -16,6 +16,7 @@ from coatstate.activations import KEEP_ALL
 from coatstate.cli import main
 from coatstate.optim import optimizer_state_bytes
 from coatstate.planner import Variant, optimizer_bytes, plan, resolve_model
+from coatstate.planner.memory import FOUR_BIT_OPTIONS
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -60,7 +61,8 @@ def test_gpt2_medium_shape_predictions_within_5_percent():
             f"{row.variant.name}: activations predicted {pred:,} vs {saved:,}"
         )
         if row.variant.optimizer == "compressed":
-            opt = CompressedAdamW(model.parameters())
+            four_bit = FOUR_BIT_OPTIONS if row.variant.moments == "4bit" else {}
+            opt = CompressedAdamW(model.parameters(), **four_bit)
         else:
             opt = torch.optim.AdamW(model.parameters())
         real, pred = _real_state_bytes(model, opt), row.bytes["optimizer"]
@@ -70,7 +72,13 @@ def test_gpt2_medium_shape_predictions_within_5_percent():
 
 @pytest.mark.parametrize(
     "options",
-    [{}, {"group_size": 64, "exp_avg_expand": False}, {"compress_1d": True, "min_numel": 100}],
+    [
+        {},
+        {"group_size": 64, "exp_avg_expand": False},
+        {"compress_1d": True, "min_numel": 100},
+        {"exp_avg_format": "e2m1", "exp_avg_sq_format": "ue3m1_sqrt", "compress_1d": True},
+        {"exp_avg_sq_format": "ue3m1_sqrt", "group_size": 64},
+    ],
 )
 def test_optimizer_bytes_equal_compressed_adamw_state(options):
     """Odd shapes: rows not a multiple of anything, a last group shorter than the group, 1-D,

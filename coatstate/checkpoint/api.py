@@ -100,6 +100,14 @@ def _size(nbytes: int) -> str:
 
 
 # ------------------------------------------------------------------------------------ saving
+def header_shapes(header: Mapping[str, Any]) -> dict[int, list[int]]:
+    """{param id: shape} that a checkpoint's header records (4-bit moments need them to decode)."""
+    params = header.get("params") or {}
+    return {
+        int(k): v["shape"] for k, v in params.items() if isinstance(v, dict) and v.get("shape") is not None
+    }
+
+
 def save(
     optimizer_or_state_dict: torch.optim.Optimizer | Mapping[str, Any],
     url: str | os.PathLike,
@@ -514,7 +522,7 @@ def load(
         validate.check_model(model, ckpt.model, url)
     try:
         if has_codes and not compressed_optimizer:
-            sd = to_adamw_state_dict(sd)
+            sd = to_adamw_state_dict(sd, header_shapes(ckpt.header))
         if not compressed_optimizer:  # CompressedAdamW cuts full tensors itself
             sd = dtensors.shard_like_params(sd, optimizer)
     except Exception as e:  # noqa: BLE001 - nothing is modified yet

@@ -16,8 +16,11 @@ import torch
 from coatstate import __version__
 from coatstate.checkpoint import container
 from coatstate.formats import schema
+from coatstate.formats.fp4_moment import FP4Format
 from coatstate.formats.optimizer_state import CODES, EXPONENTS, moment_of
 from coatstate.formats.schema import CheckpointError
+
+FP4_NAMES = {f.value for f in FP4Format}
 
 
 def to_cpu(t: torch.Tensor) -> torch.Tensor:
@@ -71,6 +74,14 @@ def source(
     return sd, shapes, names, kind
 
 
+def _code_format(moment: str, codes: torch.Tensor, group: Mapping[str, Any]) -> str:
+    """A moment's format name: FP8 codes say it by their dtype; 4-bit codes (uint8) are in their
+    param group's format for that moment."""
+    if codes.dtype == torch.uint8:
+        return str(group.get("exp_avg_format" if moment == "exp_avg" else "exp_avg_sq_format"))
+    return "e4m3" if codes.dtype == torch.float8_e4m3fn else "e5m2"
+
+
 def _moment_formats(state: Mapping[str, Any], group: Mapping[str, Any]) -> dict[str, Any]:
     out = {}
     for name, value in state.items():
@@ -78,7 +89,7 @@ def _moment_formats(state: Mapping[str, Any], group: Mapping[str, Any]) -> dict[
         if parts and parts[1] == CODES and isinstance(value, torch.Tensor):
             moment = parts[0]
             out[moment] = {
-                "format": "e4m3" if value.dtype == torch.float8_e4m3fn else "e5m2",
+                "format": _code_format(moment, value, group),
                 "group_size": group.get("group_size"),
                 "expand": moment + EXPONENTS in state,
             }
@@ -120,9 +131,15 @@ def flatten(
         info["compressed"] = _moment_formats(pstate, sd["param_groups"][info["group"]])
         if info["shape"] is None:
             for name in ("exp_avg" + CODES, "exp_avg"):
-                if isinstance(pstate.get(name), torch.Tensor):
-                    info["shape"] = list(pstate[name].shape)
+                t = pstate.get(name)
+                if isinstance(t, torch.Tensor) and t.dtype != torch.uint8:  # packed 4-bit: not the shape
+                    info["shape"] = list(t.shape)
                     break
+        if info["shape"] is None and any(f["format"] in FP4_NAMES for f in info["compressed"].values()):
+            raise ValueError(
+                f"param {pid} has 4-bit moments, whose packed codes do not record the parameter's "
+                "shape: save the optimizer itself, or pass model= so its shape is known"
+            )
     model_keys = None
     if model_sd is not None:
         model_keys = []

@@ -25,6 +25,9 @@ from coatstate.formats.schema import CheckpointError
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _FP8_DTYPES = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}
+_FP4_FORMATS = {"e2m1": "exp_avg", "ue3m1_sqrt": "exp_avg_sq"}
+"""4-bit moment formats (codes: packed uint8 (rows, ceil(cols / 2))) and the moment each is for"""
+_FORMATS = {**_FP8_DTYPES, **dict.fromkeys(_FP4_FORMATS, "uint8")}
 _BOOL_KEYS = (
     "amsgrad", "maximize", "capturable", "differentiable", "decoupled_weight_decay", "compress",
     "compress_1d", "exp_avg_expand", "exp_avg_sq_expand", "nesterov",
@@ -156,14 +159,20 @@ def _check_params(params: dict, group_of: dict, group_sizes: list, fail) -> None
         if not isinstance(compressed, dict) or not set(compressed) <= set(MOMENTS):
             fail(f"params[{key}].compressed must map moments {MOMENTS} to their format")
         for m, f in compressed.items():
-            if not isinstance(f, dict) or f.get("format") not in _FP8_DTYPES:
-                fail(f"params[{key}].compressed.{m}.format must be one of {sorted(_FP8_DTYPES)}")
+            if not isinstance(f, dict) or f.get("format") not in _FORMATS:
+                fail(f"params[{key}].compressed.{m}.format must be one of {sorted(_FORMATS)}")
+            if f["format"] in _FP4_FORMATS and (m == "exp_avg") != (f["format"] == "e2m1"):
+                fail(f"params[{key}].compressed.{m}.format {f['format']!r} is not a format for {m}")
             if (
                 not _is_int(f.get("group_size"))
                 or f["group_size"] < 1
                 or not isinstance(f.get("expand"), bool)
             ):
                 fail(f"params[{key}].compressed.{m} needs a positive int group_size and a bool expand")
+            if f["format"] in _FP4_FORMATS and (f.get("expand") is not False or f["group_size"] % 2):
+                fail(
+                    f"params[{key}].compressed.{m}: a 4-bit format needs expand false and an even group_size"
+                )
             if f["group_size"] != group_sizes[info["group"]]:
                 fail(
                     f"params[{key}].compressed.{m}.group_size is {f['group_size']}, its param group's "
@@ -253,8 +262,8 @@ def _check_group_values(g: int, values: dict[str, Any], fail) -> None:
     if "min_numel" in values and not (_is_int(values["min_numel"]) and values["min_numel"] >= 0):
         fail(f"{where}.min_numel must be a non-negative integer")
     for name in ("exp_avg_format", "exp_avg_sq_format"):
-        if name in values and values[name] not in _FP8_DTYPES:
-            fail(f"{where}.{name} must be one of {sorted(_FP8_DTYPES)}; got {values[name]!r:.40}")
+        if name in values and values[name] not in _FORMATS:
+            fail(f"{where}.{name} must be one of {sorted(_FORMATS)}; got {values[name]!r:.40}")
     if values.get("master_bits") not in (None, 16, 24, 32) or isinstance(values.get("master_bits"), bool):
         fail(f"{where}.master_bits must be null, 16, 24 or 32")
     if "master_seed" in values and not _is_int(values["master_seed"]):
@@ -292,6 +301,20 @@ def _param_groups(groups: list, fail, ref) -> dict[int, int]:
     return group_of
 
 
+def _check_packed(where: str, m: str, codes: Any, shape: Any, group_size: int, key: str, fail) -> list[int]:
+    """4-bit codes: (rows, ceil(cols / 2)) of the parameter's recorded shape, which they need.
+    Returns that shape (the moment's, for the scales' and the shape checks)."""
+    if shape is None:
+        fail(f"{where}: 4-bit {m}{CODES} need their parameter's shape (params[{key}].shape is null)")
+    rows, cols, _ = group_layout(tuple(shape), group_size)
+    if list(codes.shape) != [rows, (cols + 1) // 2]:
+        fail(
+            f"{where}.{m}{CODES} is {codes.shape}; a parameter of shape {shape} in 4 bits packs into "
+            f"{[rows, (cols + 1) // 2]} bytes"
+        )
+    return list(shape)
+
+
 def _param_state(key: str, values: dict[str, Any], info: dict, group_size: int, fail) -> None:
     """One parameter's state: moments shaped like the parameter, compressed parts consistent."""
     where = f"state[{key}]"
@@ -325,10 +348,12 @@ def _param_state(key: str, values: dict[str, Any], info: dict, group_size: int, 
                 )
             fmt = compressed[m]
             dtype, mshape = parts[CODES].dtype, parts[CODES].shape
-            if dtype != _FP8_DTYPES[fmt["format"]]:
+            if dtype != _FORMATS[fmt["format"]]:
                 fail(f"{where}.{m}{CODES} is {dtype} but its format is {fmt['format']}")
             if (EXPONENTS in parts) != fmt["expand"]:
                 fail(f"{where}: {m}{EXPONENTS} must be present exactly when expand is true")
+            if fmt["format"] in _FP4_FORMATS:
+                mshape = _check_packed(where, m, parts[CODES], shape, group_size, key, fail)
             rows, _, groups = group_layout(mshape, group_size)
             for part, want in ((SCALES, "float32"), (EXPONENTS, "uint8")):
                 if part in parts and (parts[part].dtype, parts[part].shape) != (want, [rows, groups]):
@@ -491,7 +516,7 @@ def _expected_shape(pid: Any, header: Mapping[str, Any], state: Mapping[Any, Any
         return list(info["shape"])
     for name in ("exp_avg" + CODES, *MOMENTS):
         t = state.get(pid, {}).get(name)
-        if isinstance(t, torch.Tensor):
+        if isinstance(t, torch.Tensor) and t.dtype != torch.uint8:  # packed 4-bit codes: not the shape
             return list(t.shape)
     return None
 

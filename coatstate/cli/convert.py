@@ -67,15 +67,15 @@ def add_convert_parser(sub) -> None:
     )
     c.add_argument(
         "--exp-avg-format",
-        choices=("e4m3", "e5m2"),
+        choices=("e4m3", "e5m2", "e2m1"),
         default="e4m3",
-        help="FP8 format of exp_avg (default e4m3)",
+        help="format of exp_avg: FP8 e4m3 or e5m2, or 4-bit e2m1 (default e4m3)",
     )
     c.add_argument(
         "--exp-avg-sq-format",
-        choices=("e4m3", "e5m2"),
+        choices=("e4m3", "e5m2", "ue3m1_sqrt"),
         default="e4m3",
-        help="FP8 format of exp_avg_sq (default e4m3)",
+        help="format of exp_avg_sq: FP8 e4m3 or e5m2, or 4-bit ue3m1_sqrt (default e4m3)",
     )
     c.add_argument(
         "--expand",
@@ -205,9 +205,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if direction == "keep":
         direction = "compressed" if has_codes else "adamw"
     elif direction == "compressed":
-        if has_codes:
-            raise checkpoint_error(f"{args.src} already holds compressed states (convert --to adamw first)")
-        from coatstate.optim import compress_adamw_state_dict
+        from coatstate.optim import compress_adamw_state_dict, to_adamw_state_dict
+
+        if has_codes:  # into other formats (FP8 <-> 4-bit): through float32 moments
+            shapes = checkpoint.header_shapes(ckpt.header)
+            sd = _converted("decompress its states", args.src, to_adamw_state_dict, sd, shapes)
 
         options = {
             k: getattr(args, k) for k in ("group_size", "exp_avg_format", "exp_avg_sq_format", "min_numel")
@@ -219,7 +221,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
     elif has_codes:
         from coatstate.optim import to_adamw_state_dict
 
-        sd = _converted("decompress its states", args.src, to_adamw_state_dict, sd)
+        sd = _converted(
+            "decompress its states", args.src, to_adamw_state_dict, sd, checkpoint.header_shapes(ckpt.header)
+        )
     if extension(args.dst) in ST_EXTENSIONS:
         _converted(
             "store its state dict",

@@ -22,7 +22,6 @@ from coatstate.distributed import (
     local_tensor,
     wrap_state,
 )
-from coatstate.formats import FP8Format
 from coatstate.formats.defaults import OPTIMIZER_DEFAULTS
 from coatstate.formats.master_weights import CORRECTION_DTYPES
 from coatstate.formats.optimizer_state import (
@@ -30,6 +29,7 @@ from coatstate.formats.optimizer_state import (
     MOMENTS,
     init_moment,
     is_compressed,
+    parse_format,
 )
 from coatstate.kernels.runtime import triton_usable
 from coatstate.optim.external_writes import ExternalWrites
@@ -104,8 +104,10 @@ class CompressedAdamW(torch.optim.Optimizer):
             elsewhere; `True` requires the Triton step; `False` forces pure torch.
         compress (`bool`): store moments in the FP8 group format.
         group_size (`int`): elements per quantization group along a row.
-        exp_avg_format, exp_avg_sq_format (`str`): `"e4m3"` or `"e5m2"`.
-        exp_avg_expand, exp_avg_sq_expand (`bool`): COAT's dynamic range expansion, per moment.
+        exp_avg_format, exp_avg_sq_format (`str`): `"e4m3"` or `"e5m2"` (FP8), or 4-bit:
+            `"e2m1"` for exp_avg and `"ue3m1_sqrt"` for exp_avg_sq (docs/FORMAT.md).
+        exp_avg_expand, exp_avg_sq_expand (`bool | str`): COAT's dynamic range expansion, per
+            moment; `"auto"` turns it on for FP8 formats and off for 4-bit ones (which take none).
         min_numel (`int`): parameters with fewer elements keep float32 moments.
         compress_1d (`bool`): also compress 1-D parameters (norm weights and biases stay float32
             otherwise).
@@ -170,8 +172,8 @@ class CompressedAdamW(torch.optim.Optimizer):
         group_size: int = _DEFAULTS["group_size"],
         exp_avg_format: str = _DEFAULTS["exp_avg_format"],
         exp_avg_sq_format: str = _DEFAULTS["exp_avg_sq_format"],
-        exp_avg_expand: bool = _DEFAULTS["exp_avg_expand"],
-        exp_avg_sq_expand: bool = _DEFAULTS["exp_avg_sq_expand"],
+        exp_avg_expand: bool | str = _DEFAULTS["exp_avg_expand"],
+        exp_avg_sq_expand: bool | str = _DEFAULTS["exp_avg_sq_expand"],
         min_numel: int = _DEFAULTS["min_numel"],
         compress_1d: bool = _DEFAULTS["compress_1d"],
         master_bits: int | str | None = _DEFAULTS["master_bits"],
@@ -203,8 +205,8 @@ class CompressedAdamW(torch.optim.Optimizer):
             decoupled_weight_decay=True,
             compress=compress,
             group_size=group_size,
-            exp_avg_format=FP8Format.parse(exp_avg_format).value,
-            exp_avg_sq_format=FP8Format.parse(exp_avg_sq_format).value,
+            exp_avg_format=parse_format(exp_avg_format).value,
+            exp_avg_sq_format=parse_format(exp_avg_sq_format).value,
             exp_avg_expand=exp_avg_expand,
             exp_avg_sq_expand=exp_avg_sq_expand,
             min_numel=min_numel,

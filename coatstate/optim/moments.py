@@ -8,9 +8,8 @@ from typing import Any
 
 import torch
 
-from coatstate.formats import FP8Format
 from coatstate.formats.defaults import OPTIMIZER_DEFAULTS
-from coatstate.formats.optimizer_state import MOMENTS, MomentFormat
+from coatstate.formats.optimizer_state import MOMENTS, MomentFormat, parse_format, resolve_expand
 
 FORMAT_DEFAULTS: dict[str, Any] = dict(OPTIMIZER_DEFAULTS)
 """coatstate's own param-group keys (beside torch.optim.AdamW's) and their defaults, as
@@ -37,12 +36,9 @@ def moment_formats(group: dict, shape: torch.Size) -> dict[str, MomentFormat | N
     if not compress:
         return dict.fromkeys(MOMENTS)
     g = _option(group, "group_size")
-    first = MomentFormat(
-        FP8Format.parse(_option(group, "exp_avg_format")), _option(group, "exp_avg_expand"), g
-    )
-    second = MomentFormat(
-        FP8Format.parse(_option(group, "exp_avg_sq_format")), _option(group, "exp_avg_sq_expand"), g
-    )
+    fm, fv = parse_format(_option(group, "exp_avg_format")), parse_format(_option(group, "exp_avg_sq_format"))
+    first = MomentFormat(fm, resolve_expand(fm, _option(group, "exp_avg_expand")), g)
+    second = MomentFormat(fv, resolve_expand(fv, _option(group, "exp_avg_sq_expand")), g)
     return {"exp_avg": first, "exp_avg_sq": second, "max_exp_avg_sq": second}
 
 

@@ -9,10 +9,12 @@ from typing import Any
 
 import torch
 
-from coatstate.formats import FP8Format
+from coatstate.formats.fp4_moment import FP4Format
 from coatstate.formats.master_weights import MASTER_BITS
+from coatstate.formats.optimizer_state import check_moment_format, parse_format, resolve_expand
 
 logger = logging.getLogger("coatstate")
+FP4 = {f.value for f in FP4Format}
 
 
 def _number(v: Any) -> bool:
@@ -41,6 +43,11 @@ def check_group(gi: int, group: dict[str, Any]) -> None:
         v, least = group[key], 1 if key == "group_size" else 0
         if isinstance(v, bool) or not isinstance(v, int) or v < least:
             raise ValueError(f"param group {gi}: {key} must be an int >= {least}; got {v!r:.40}")
+    for key in ("exp_avg_format", "exp_avg_sq_format"):  # first: a bad format leaves expand "auto"
+        try:
+            parse_format(group[key])
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"param group {gi}: {key}: {e}") from None
     for key in ("compress", "exp_avg_expand", "exp_avg_sq_expand", "compress_1d"):
         if not isinstance(group[key], bool):
             raise ValueError(f"param group {gi}: {key} must be True or False; got {group[key]!r:.40}")
@@ -50,9 +57,16 @@ def check_group(gi: int, group: dict[str, Any]) -> None:
         )
     for key in ("exp_avg_format", "exp_avg_sq_format"):
         try:
-            FP8Format.parse(group[key])
+            fmt = parse_format(group[key])
+            check_moment_format(key[: -len("_format")], fmt, group[key[: -len("_format")] + "_expand"])
         except (ValueError, TypeError) as e:
             raise ValueError(f"param group {gi}: {key}: {e}") from None
+    four_bit = [k for k in ("exp_avg_format", "exp_avg_sq_format") if parse_format(group[k]).value in FP4]
+    if group["group_size"] % 2 and four_bit:
+        raise ValueError(
+            f"param group {gi}: 4-bit formats pack two codes a byte within a group: group_size must "
+            f"be even; got {group['group_size']}"
+        )
 
 
 def settle_group(gi: int, group: dict) -> None:
@@ -71,9 +85,11 @@ def settle_group(gi: int, group: dict) -> None:
         )
     for key in ("exp_avg_format", "exp_avg_sq_format"):  # one spelling in state dicts and launches
         try:
-            group[key] = FP8Format.parse(group[key]).value
+            group[key] = parse_format(group[key]).value
         except (ValueError, TypeError):
-            pass  # check_group names the group and the option
+            continue  # check_group names the group and the option
+        expand = key[: -len("_format")] + "_expand"  # "auto" follows the format: state dicts hold bools
+        group[expand] = resolve_expand(parse_format(group[key]), group.get(expand, "auto"))
     check_group(gi, group)
     if group.get("master_bits") is None and dtypes & {torch.bfloat16, torch.float16}:
         logger.info(
@@ -108,7 +124,7 @@ def check_arguments(lr, betas, eps, weight_decay, unsupported_mode, group_size, 
         raise ValueError(f"group_size must be a positive int; got {group_size!r}")
     for name, value in zip(("exp_avg_format", "exp_avg_sq_format"), formats, strict=True):
         try:
-            FP8Format.parse(value)
+            parse_format(value)
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
 

@@ -1,4 +1,4 @@
-"""The pure-torch AdamW step over FP8 group-compressed moments: the CPU path and the oracle of
+"""The pure-torch AdamW step over group-compressed moments (FP8 or 4-bit): the CPU path and the oracle of
 the fused Triton step (coatstate.kernels.adamw_fused).
 
 The update is torch.optim.AdamW's single-tensor update, op for op and in its order, in float32:
@@ -59,8 +59,9 @@ def _adamw_step_block(
         g = g * inv_grad_scale
     if maximize:
         g = -g
-    exp_avg = read_moment(state, "exp_avg", group_size)
-    exp_avg_sq = read_moment(state, "exp_avg_sq", group_size)
+    shape = tuple(param.shape)
+    exp_avg = read_moment(state, "exp_avg", group_size, formats["exp_avg"], shape)
+    exp_avg_sq = read_moment(state, "exp_avg_sq", group_size, formats["exp_avg_sq"], shape)
 
     if isinstance(lr, torch.Tensor):  # torch does this arithmetic in the tensor's dtype: so here
         lr = lr.to(p.device).reshape(())
@@ -74,7 +75,7 @@ def _adamw_step_block(
     step_size = lr / bias_correction1
     bias_correction2_sqrt = bias_correction2**0.5
     if amsgrad:
-        max_exp_avg_sq = read_moment(state, "max_exp_avg_sq", group_size)
+        max_exp_avg_sq = read_moment(state, "max_exp_avg_sq", group_size, formats["max_exp_avg_sq"], shape)
         torch.maximum(max_exp_avg_sq, exp_avg_sq, out=max_exp_avg_sq)
         denom = (max_exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
         write_moment(state, "max_exp_avg_sq", max_exp_avg_sq, formats["max_exp_avg_sq"])

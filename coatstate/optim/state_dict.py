@@ -19,9 +19,13 @@ from coatstate.formats.optimizer_state import (
     MASTER_CORRECTION,
     MOMENTS,
     SCALES,
+    MomentFormat,
+    check_moment_format,
     init_moment,
     is_compressed,
+    parse_format,
     read_moment,
+    resolve_expand,
     write_moment,
 )
 from coatstate.optim.moments import FORMAT_DEFAULTS, global_shape, master_mode, moment_formats
@@ -96,6 +100,20 @@ def loaded_state(
     return new_groups, new_state
 
 
+def _saved_format(src: dict, name: str, fmt: MomentFormat | None) -> MomentFormat | None:
+    """The format saved moment `name` is in: FP8 codes say theirs (None: read by dtype); 4-bit
+    codes (uint8) are in the group's 4-bit format, which must be one."""
+    if src[name + CODES].dtype != torch.uint8:
+        return None
+    if fmt is None or fmt.bits != 4:
+        raise ValueError(
+            f"state {name}_codes holds 4-bit codes but its param group stores {name} as "
+            f"{'float32' if fmt is None else fmt.fmt.value}: load it into an optimizer built with "
+            "the checkpoint's formats, or convert the checkpoint (coatstate convert)"
+        )
+    return fmt
+
+
 def convert_param_state(saved: dict, p: torch.Tensor, group: dict) -> dict:
     """One parameter's saved state, in this group's format for `p`, on p's device."""
     if not isinstance(saved, dict):
@@ -132,14 +150,17 @@ def convert_param_state(saved: dict, p: torch.Tensor, group: dict) -> dict:
                 f"state {name!r} has shape {tuple(src[name].shape)} but its parameter has shape "
                 f"{tuple(local.shape)}"
             )
-        if is_compressed(src, name) and tuple(src[name + CODES].shape) != tuple(local.shape):
+        saved_format = _saved_format(src, name, formats[name]) if is_compressed(src, name) else None
+        expected = saved_format.codes_shape(local.shape) if saved_format is not None else tuple(local.shape)
+        if is_compressed(src, name) and tuple(src[name + CODES].shape) != tuple(expected):
             raise ValueError(
                 f"state {name}_codes has shape {tuple(src[name + CODES].shape)} but its parameter has "
-                f"shape {tuple(local.shape)}"
+                f"shape {tuple(local.shape)} (codes of shape {tuple(expected)})"
             )
         init_moment(out, name, local, formats[name])
         if formats[name] is None:
-            out[name].copy_(read_moment(src, name, saved_group_size).float())
+            shape = tuple(local.shape)
+            out[name].copy_(read_moment(src, name, saved_group_size, saved_format, shape).float())
         else:
             same = (
                 is_compressed(src, name)
@@ -152,7 +173,8 @@ def convert_param_state(saved: dict, p: torch.Tensor, group: dict) -> dict:
                     if k in src:
                         out[k].copy_(src[k])
             else:  # (decoded only here: a load in the same format moves no float32 copy)
-                write_moment(out, name, read_moment(src, name, saved_group_size).float(), formats[name])
+                value = read_moment(src, name, saved_group_size, saved_format, tuple(local.shape))
+                write_moment(out, name, value.float(), formats[name])
     _convert_master_correction(saved, out, p, group, local)
     if "step" not in out:
         raise ValueError("parameter state has no 'step'")
@@ -180,6 +202,11 @@ def _format_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     options = {**FORMAT_DEFAULTS, **kwargs}
     if options["master_bits"] == "auto":  # a torch AdamW state names no parameter dtypes to decide from
         options["master_bits"] = None
+    for moment in ("exp_avg", "exp_avg_sq"):  # one spelling, "auto" resolved: state dicts hold bools
+        fmt = parse_format(options[moment + "_format"])
+        options[moment + "_format"] = fmt.value
+        options[moment + "_expand"] = resolve_expand(fmt, options[moment + "_expand"])
+        check_moment_format(moment, fmt, options[moment + "_expand"])
     return options
 
 
@@ -208,8 +235,10 @@ def compress_adamw_state_dict(state_dict: dict[str, Any], **format_options: Any)
     return {"state": state, "param_groups": groups}
 
 
-def to_adamw_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
-    """A CompressedAdamW state dict -> one torch.optim.AdamW loads (moments decompressed to fp32)."""
+def to_adamw_state_dict(state_dict: dict[str, Any], shapes: dict[Any, Any] | None = None) -> dict[str, Any]:
+    """A CompressedAdamW state dict -> one torch.optim.AdamW loads (moments decompressed to fp32).
+    4-bit moments' packed codes do not record their parameter's shape: pass `shapes` ({param id:
+    shape}; a checkpoint's header lists them) for those."""
     groups, state = [], {}
     for saved in state_dict["param_groups"]:
         groups.append({k: v for k, v in saved.items() if k not in FORMAT_DEFAULTS})
@@ -221,9 +250,24 @@ def to_adamw_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
             out = {"step": s["step"]}
             for name in MOMENTS:
                 if name in s or name + CODES in s:
-                    out[name] = read_moment(s, name, g).float().clone()
+                    fmt, shape = _four_bit(s, name, saved, g, shapes, pid)
+                    out[name] = read_moment(s, name, g, fmt, shape).float().clone()
             state[pid] = out
     return {"state": state, "param_groups": groups}
+
+
+def _four_bit(s: dict, name: str, group: dict, group_size: int, shapes, pid) -> tuple:
+    """(MomentFormat, shape) to read a 4-bit moment with; (None, None) for any other."""
+    if name + CODES not in s or s[name + CODES].dtype != torch.uint8:
+        return None, None
+    shape = (shapes or {}).get(pid)
+    if shape is None:
+        raise ValueError(
+            f"param {pid}: {name} is in 4 bits, whose packed codes do not record the parameter's "
+            "shape; pass shapes={param id: shape} (a checkpoint's header has them)"
+        )
+    fmt = parse_format(group.get("exp_avg_format" if name == "exp_avg" else "exp_avg_sq_format"))
+    return MomentFormat(fmt, False, group_size), tuple(shape)
 
 
 def _convert_master_correction(

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from coatstate.formats.fp4 import storage_bytes_fp4
 from coatstate.formats.group import storage_bytes
 from coatstate.formats.master_weights import CORRECTION_DTYPES, MASTER_BITS
 from coatstate.optim.moments import FORMAT_DEFAULTS, moment_formats
@@ -46,6 +47,10 @@ def local_shape(shape: tuple[int, ...], shards: int) -> tuple[int, ...]:
     if shards <= 1 or not shape:
         return tuple(shape)
     return (math.ceil(shape[0] / shards), *shape[1:])
+
+
+FOUR_BIT_OPTIONS = {"exp_avg_format": "e2m1", "exp_avg_sq_format": "ue3m1_sqrt"}
+"""CompressedAdamW's options of a '4bit' Variant (expansion follows the format: off)."""
 
 
 def optimizer_bytes(
@@ -70,6 +75,8 @@ def optimizer_bytes(
             fmt = formats[name]
             if fmt is None:
                 total += 4 * math.prod(local)
+            elif fmt.bits == 4:
+                total += storage_bytes_fp4(local, group_size=fmt.group_size)
             else:
                 total += storage_bytes(local, group_size=fmt.group_size, expand=fmt.expand)
     return total
@@ -91,10 +98,15 @@ class Variant:
     gradient_release: bool = False
     """Each parameter steps during backward and frees its gradient: the grads column holds the
     largest parameter's gradient, not all of them."""
+    moments: str = "fp8"
+    """CompressedAdamW's moment formats: 'fp8' (the plan's optimizer_options, by default the
+    library's) or '4bit' (exp_avg e2m1, exp_avg_sq ue3m1_sqrt over those options)."""
 
     def __post_init__(self) -> None:
         if self.optimizer not in ("adamw", "compressed"):
             raise ValueError(f"optimizer must be 'adamw' or 'compressed'; got {self.optimizer!r}")
+        if self.moments not in ("fp8", "4bit") or (self.moments == "4bit" and self.optimizer != "compressed"):
+            raise ValueError(f"Variant {self.name!r}: moments must be 'fp8', or '4bit' with 'compressed'")
         allowed = ("auto",) if self.optimizer == "adamw" else ("auto", None, *MASTER_BITS)
         if self.master_bits not in allowed:
             raise ValueError(
@@ -166,12 +178,17 @@ class Plan:
             "params": local * pb,
             "grads": (largest if v.gradient_release else local) * pb,
             "master": local * v.master_bytes(s["param_dtype"], s["master_weights"]),
-            "optimizer": optimizer_bytes(self.shapes, v.optimizer, n, self.optimizer_options),
+            "optimizer": optimizer_bytes(self.shapes, v.optimizer, n, self._options(v)),
             "activations": saved,
             "transient": max(peak_act - saved, 0) + fsdp,  # the fitted peak can dip below the saved bytes
         }
         out["peak"] = sum(out.values())
         return out
+
+    def _options(self, v: Variant) -> dict[str, Any]:
+        if v.moments == "4bit":
+            return {**self.optimizer_options, **FOUR_BIT_OPTIONS}
+        return self.optimizer_options
 
     def _fits(self, v: Variant, batch: int, gpus: int, sharding: str) -> bool:
         return self.breakdown(v, batch, gpus, sharding)["peak"] <= self.setup["gpu_memory"]

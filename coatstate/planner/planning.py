@@ -197,6 +197,13 @@ def default_variants(param_dtype: str = "bf16") -> tuple[list[Variant], str]:
             "compressed",
             gradient_release=True,
         ),
+        Variant(
+            "CompressedAdamW + compress_activations + gradient release + 4-bit moments",
+            "compressed",
+            "compressed",
+            gradient_release=True,
+            moments="4bit",
+        ),
     ]
     convert, why = fp8_linear_converter()
     if convert is not None:

@@ -1,0 +1,169 @@
+"""The fused step with 4-bit moments (kernels/fp4_triton.py) against the twin.
+
+Under Triton's interpreter (no CUDA) the 4-bit codec is compared bit for bit: packed codes and
+scales of every moment must be equal. Both sides then do the same float32 operations in the same
+order: one correctly rounded division a group, exact midpoint comparisons, a correctly rounded
+sqrt. The moment updates are made exact on both sides by the betas (0.5, 0.0): m = g - (g - m)/2
+and v = g*g round once whatever the hardware fuses, while torch's CPU addcmul may fuse
+v*b2 + (1-b2)*g*g into one fma where the kernel rounds twice, a 1-ulp difference that is the
+update's, not the codec's. The decode path is still exercised bit for bit: m's decoded state
+feeds m, and with amsgrad the decoded max_exp_avg_sq feeds the maximum. Weights are compared
+within a few float32 ulps (the twin's denominator uses torch's CPU sqrt, which can be 1 ulp off;
+the FP8 fused step shows the same), bfloat16 ones within one bfloat16 step.
+On a GPU see tests/test_fp4_gpu.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from coatstate import CompressedAdamW
+
+# the interpreter's exactness (fast_divide divides exactly there); on CUDA tests/test_fp4_gpu.py
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="interpreter test: CUDA runs test_fp4_gpu.py"
+)
+
+SHAPES = [(3, 129), (1, 300), (5, 127), (7, 2, 33), (4, 256), (2, 1), (300,)]
+BETAS = (0.5, 0.0)
+FORMATS = [("e2m1", "ue3m1_sqrt"), ("e4m3", "ue3m1_sqrt"), ("e2m1", "e4m3")]
+
+
+def _params(dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter((torch.randn(s, generator=g) * 0.1).to(dtype)) for s in SHAPES]
+
+
+def _grads(params, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randn(p.shape, generator=g).mul(torch.rand((), generator=g) + 0.01).to(p.dtype) for p in params
+    ]
+
+
+def _pair(dtype, fm, fv, **kw):
+    a, b = _params(dtype), _params(dtype)
+    # an FP8 moment without expansion: its codec is bit-exact too (expansion's log2/exp2 are
+    # not, tests/test_kernels.py)
+    fp8 = {f"{n}_expand": False for n, f in (("exp_avg", fm), ("exp_avg_sq", fv)) if f in ("e4m3", "e5m2")}
+    opts = dict(lr=1e-2, betas=BETAS, min_numel=1, compress_1d=True, exp_avg_format=fm, exp_avg_sq_format=fv)
+    opts.update(fp8, **kw)
+    return a, b, CompressedAdamW(a, fused=False, **opts), CompressedAdamW(b, fused=True, **opts)
+
+
+def _bits(t):
+    return (
+        t.view(torch.uint8)
+        if t.element_size() == 1
+        else t.view(torch.int32)
+        if t.dtype == torch.float32
+        else t
+    )
+
+
+def _assert_same(a, b, opt_a, opt_b, step, before, carried):
+    for i, (pa, pb) in enumerate(zip(a, b, strict=True)):
+        where = f"step {step}, param {i} {tuple(pa.shape)}"
+        sa, sb = opt_a.state[pa], opt_b.state[pb]
+        assert sa.keys() == sb.keys(), where
+        for k in sa:
+            if k.endswith(("_codes", "_scales")):
+                assert torch.equal(_bits(sa[k]), _bits(sb[k])), f"{where}: {k} differs"
+        diff = (pa.float() - pb.float()).abs()
+        # the difference carried from earlier steps plus a few ulps of the weight and of this
+        # step's update (|m / denom| can be far above 1 here: the gradients change scale)
+        update = (pa.float() - before[i]).abs()
+        ulps = 2**-7 if pa.dtype == torch.bfloat16 else 2**-21
+        tol = carried[i] + (pa.float().abs() + update) * ulps + 1e-12
+        assert (diff <= tol).all(), f"{where}: weights differ by up to {diff.max():.3e}"
+        carried[i] = diff.detach()
+
+
+def _run(a, b, opt_a, opt_b, steps=3, **step_kw):
+    carried = [torch.zeros(p.shape) for p in a]
+    for step in range(steps):
+        before = [p.detach().float().clone() for p in a]
+        for params, opt in ((a, opt_a), (b, opt_b)):
+            for p, g in zip(params, _grads(params, step), strict=True):
+                p.grad = g
+            opt.step(**step_kw)
+        _assert_same(a, b, opt_a, opt_b, step, before, carried)
+
+
+@pytest.mark.parametrize(("fm", "fv"), FORMATS, ids="/".join)
+@pytest.mark.parametrize(
+    ("dtype", "master_bits"),
+    [(torch.float32, None), (torch.bfloat16, 24), (torch.bfloat16, 32), (torch.bfloat16, 16)],
+    ids=["fp32", "bf16-24", "bf16-32", "bf16-16"],
+)
+def test_fused_4bit_step_equals_the_twin_bit_for_bit(fm, fv, dtype, master_bits):
+    a, b, opt_a, opt_b = _pair(dtype, fm, fv, master_bits=master_bits)
+    _run(a, b, opt_a, opt_b)
+    state = opt_b.state[b[0]]
+    if fm == "e2m1":
+        assert state["exp_avg_codes"].shape == (3, 65) and state["exp_avg_codes"].dtype == torch.uint8
+
+
+def test_fused_4bit_amsgrad_and_maximize_equal_the_twin():
+    a, b, opt_a, opt_b = _pair(torch.float32, "e2m1", "ue3m1_sqrt", amsgrad=True, maximize=True)
+    _run(a, b, opt_a, opt_b)
+    assert opt_b.state[b[0]]["max_exp_avg_sq_codes"].dtype == torch.uint8
+
+
+def test_fused_4bit_skips_the_step_on_found_inf():
+    a, b, opt_a, opt_b = _pair(torch.float32, "e2m1", "ue3m1_sqrt")
+    _run(a, b, opt_a, opt_b, steps=1)
+    before = [p.detach().clone() for p in b]
+    found = torch.ones(())
+    for p, g in zip(b, _grads(b, 9), strict=True):
+        p.grad = g
+    opt_b.grad_scale, opt_b.found_inf = torch.ones(()), found  # as torch.amp.GradScaler.step sets them
+    opt_b.step()
+    assert all(torch.equal(x, p) for x, p in zip(before, b, strict=True))
+    assert opt_b.state[b[0]]["step"].item() == 1
+
+
+def test_fused_4bit_nan_gradient_is_counted_and_matches_the_twin():
+    a, b, opt_a, opt_b = _pair(torch.float32, "e2m1", "ue3m1_sqrt")
+    for params, opt in ((a, opt_a), (b, opt_b)):
+        for p, g in zip(params, _grads(params, 0), strict=True):
+            p.grad = g
+        params[0].grad[1, 5] = float("nan")
+        opt.step()
+    for pa, pb in zip(a, b, strict=True):
+        assert torch.equal(pa.isnan(), pb.isnan())
+    for k in ("exp_avg_codes", "exp_avg_scales", "exp_avg_sq_codes", "exp_avg_sq_scales"):
+        assert torch.equal(_bits(opt_a.state[a[0]][k]), _bits(opt_b.state[b[0]][k])), k
+    assert torch.isnan(opt_b.state[b[0]]["exp_avg_scales"][1, 0])
+    assert b[0][1, 5].isnan() and not b[0][1, 6].isnan(), "v's NaN group reads as +Inf: m / Inf = 0"
+    assert [x["shape"] for x in opt_b.nonfinite_parameters()] == [(3, 129)]
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["twin", "fused"])
+def test_gradient_release_with_4bit_moments_equals_the_ordinary_step(fused):
+    torch.manual_seed(0)
+    make = lambda: torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))  # noqa: E731
+    a = make().to(torch.bfloat16)
+    b = make().to(torch.bfloat16)
+    b.load_state_dict(a.state_dict())
+    kw = dict(
+        lr=1e-2,
+        min_numel=1,
+        master_bits=24,
+        fused=fused,
+        exp_avg_format="e2m1",
+        exp_avg_sq_format="ue3m1_sqrt",
+    )
+    opt_a = CompressedAdamW(a.parameters(), **kw)
+    opt_b = CompressedAdamW(b.parameters(), gradient_release=True, **kw)
+    for _ in range(3):
+        x = torch.randn(8, 32, dtype=torch.bfloat16)
+        for model, opt in ((a, opt_a), (b, opt_b)):
+            model(x).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert all(p.grad is None for p in b.parameters()), "released gradients must be freed"
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(pa, pb)
+    assert opt_b.state[b[0].weight]["exp_avg_codes"].shape == (64, 16)
