@@ -113,6 +113,9 @@ WHOLE_STATE_ROWS = {  # whole_state_step.json row name: the label a user reads
     "coatstate CompressedAdamW, fp32 params": "**coatstate**, fp32 params",
     "coatstate CompressedAdamW, bf16, master_bits=24": "**coatstate**, bf16, `master_bits=24` (bf16 default)",
     "coatstate CompressedAdamW, bf16, master_bits=32": "**coatstate**, bf16, `master_bits=32` (exact)",
+    "torchao AdamW4bit, bf16 params (no master)": "torchao 0.18 AdamW4bit, bf16, no master",
+    "coatstate CompressedAdamW, bf16, master_bits=24, 4-bit moments": "**coatstate**, bf16, 24-bit master, "
+    '4-bit moments (`"e2m1"` / `"ue3m1_sqrt"`, opt-in)',
 }
 
 
@@ -122,17 +125,27 @@ def expansion_cost_ms(step: dict) -> float:
     return ms["coatstate CompressedAdamW (expansion on)"] - ms["coatstate CompressedAdamW (expansion off)"]
 
 
+def expansion_note(meta: dict, step: dict) -> str:
+    """What the coatstate rows' FP8 moments ran with: expansion on (the default) or off."""
+    if meta.get("expand"):
+        return "coatstate's FP8 moments at the defaults (range expansion on for both)."
+    return (
+        "coatstate rows measured with range expansion off (the default then); turning it on added "
+        f"{expansion_cost_ms(step):.2f} ms to the fp32 step in `optimizer_step.py`'s run of "
+        f"{step['meta']['date'][:10]} (one round, docs/benchmarks.md)."
+    )
+
+
 def headline_table(whole: dict, step: dict, activations: dict, checkpoint: dict) -> str:
     """Whole training state per parameter and step time on the 1.31B set; activation memory and
     checkpoint size in one line each."""
     meta = whole["meta"]
     out = [
-        f"Optimizer step, {meta['device']}, {meta['date']}, 1.31B GPT-shaped params, median of "
+        f"Optimizer step, {meta.get('machine', meta['device'])}, {meta['date']}, 1.31B GPT-shaped params, "
+        "median of "
         f"{meta['rounds']} interleaved rounds [min-max]; bytes per parameter of weights + master "
         "correction + gradients + moments; floor = bytes the step must move / copy bandwidth. "
-        "coatstate rows measured with range expansion off (the default then); turning it on added "
-        f"{expansion_cost_ms(step):.2f} ms to the fp32 step in `optimizer_step.py`'s run of "
-        f"{step['meta']['date'][:10]} (one round, docs/benchmarks.md).",
+        + expansion_note(meta, step),
         "",
         "| optimizer | state B/param | with gradient release | step ms | floor ms |",
         "|---|---|---|---|---|",

@@ -498,6 +498,7 @@ SECTIONS = {
     "table7": section_table7,
     "table7_x2_4layers": section_table7,
     "whole_state_step": section_whole_state_step,
+    "whole_state_step_expand_off": section_whole_state_step,
     "parity_gpu": section_parity_gpu,
     "parity_gpu_val1M": section_parity_gpu,
     "parity_gpu_session1": section_parity_gpu,
