@@ -96,5 +96,8 @@ def test_4bit_step_tracks_the_twin_with_adamw_betas_on_the_gpu(fm, fv):
                 worst = max(worst, share)
                 assert moved.max().item() <= 1 and share <= 0.01, f"step {step}, param {i}: {k} {share:.2%}"
             diff = (pf.float() - ps.float()).abs()
-            assert diff.max().item() <= 1e-3 / 4 + 2**-8 * pf.float().abs().max().item(), f"step {step}"
+            # a code one level off moves that element's m or sqrt(v) by at most 2x (e2m1 0.5 <-> 1)
+            # and its update, about lr * |m / sqrt(v)|, by about lr: two lr bound it, plus a bf16 step
+            bound = 2 * 1e-3 + 2**-8 * pf.float().abs().max().item()
+            assert diff.max().item() <= bound, f"step {step}: {diff.max().item():.3e}"
     print(f"\n{fm}/{fv}: at most {worst:.3%} of codes one level apart in a step")
