@@ -33,6 +33,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from coatstate.formats.defaults import EXPAND  # noqa: E402
 from coatstate.formats.optimizer_state import MASTER_CORRECTION  # noqa: E402
 from common import gpt_shapes  # noqa: E402
 from optimizer_step import build_optimizer, copy_bandwidth, write_results  # noqa: E402
@@ -83,7 +84,7 @@ def variants(which: set[str]) -> dict:
             )
         except Exception as e:  # noqa: BLE001 - a missing peer is reported, not fatal
             print(f"torchao unavailable (AdamW4bit row skipped): {type(e).__name__}: {e}")
-    if "coat" in which:  # FP8 moments as CompressedAdamW defaults to (no range expansion)
+    if "coat" in which:  # FP8 moments at CompressedAdamW's defaults (the JSON's meta.expand says which)
         expand = {}
         out["coatstate CompressedAdamW, fp32 params"] = (
             torch.float32,
@@ -156,7 +157,7 @@ def time_steps(opt, steps) -> float:
 def bytes_moved(name: str, n: int, p_bytes: int, g_bytes: int) -> float:
     """Fewest bytes a step must move per the state each variant keeps (read + write of weights,
     correction and moments; read of gradients)."""
-    if "torch" in name:
+    if name.startswith("torch AdamW"):
         return n * (2 * p_bytes + g_bytes + 2 * 8)
     if "coatstate" in name:
         corr = 2 if "=32" in name else 1 if "=24" in name else 0
@@ -231,8 +232,9 @@ def report(rows: dict, bw: float, args) -> None:
             f"{r['first_step_s']:7.2f}"
         )
     write_results(
-        args.out, bw, list(rows.values()), "cuda", scale=args.scale, steps=args.steps, rounds=args.rounds
-    )
+        args.out, bw, list(rows.values()), "cuda", scale=args.scale, steps=args.steps, rounds=args.rounds,
+        expand=EXPAND,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":
