@@ -13,6 +13,7 @@ import pytest
 import torch
 from coatstate.formats import GroupQuantized, error_bound
 
+import coatstate
 from coatstate import checkpoint as ck
 from coatstate.cli import main
 
@@ -319,3 +320,28 @@ def test_each_help_says_what_the_command_prints(command, capsys):
     assert main([command, "--help"]) == 0
     description = capsys.readouterr().out.split("positional arguments")[0]
     assert "rints" in description, description  # "Prints ..." / "prints ..."
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--no-expand"], ["--exp-avg-format", "e2m1", "--exp-avg-sq-format", "ue3m1_sqrt"]],
+    ids=["fp8-plain", "4-bit"],
+)
+def test_convert_between_compressed_formats_keeps_the_master_weights(tmp_path, flags):
+    """Re-encoding the moments (FP8 -> plain FP8, FP8 -> 4-bit) goes through torch AdamW's layout,
+    which has no master: the 24-bit master of a bf16 model used to be dropped, silently."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256))
+    model = model.to(torch.bfloat16)
+    opt = coatstate.CompressedAdamW(model.parameters(), lr=1e-3)
+    for _ in range(3):
+        model(torch.randn(8, 256, dtype=torch.bfloat16)).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    src, dst = str(tmp_path / "src.safetensors"), str(tmp_path / "dst.safetensors")
+    coatstate.save(opt, src, model=model)
+    assert main(["convert", src, dst, "--to", "compressed", *flags]) == 0
+    before, after = ck.read(src).optimizer, ck.read(dst).optimizer
+    assert [g["master_bits"] for g in after["param_groups"]] == [24]
+    for pid, state in before["state"].items():
+        assert torch.equal(after["state"][pid]["master_correction"], state["master_correction"])

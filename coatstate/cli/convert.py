@@ -207,6 +207,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     elif direction == "compressed":
         from coatstate.optim import compress_adamw_state_dict, to_adamw_state_dict
 
+        original = sd  # its master weights, which the float32 moments' layout cannot hold
         if has_codes:  # into other formats (FP8 <-> 4-bit): through float32 moments
             shapes = checkpoint.header_shapes(ckpt.header)
             sd = _converted("decompress its states", args.src, to_adamw_state_dict, sd, shapes)
@@ -217,7 +218,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         if args.expand is not None:  # else compress_adamw_state_dict's own default, the optimizer's
             options.update(exp_avg_expand=args.expand, exp_avg_sq_expand=args.expand)
         what = "compress its states (are they torch.optim.AdamW's?)"
-        sd = _converted(what, args.src, compress_adamw_state_dict, sd, **options)
+        sd = _carry_master(original, _converted(what, args.src, compress_adamw_state_dict, sd, **options))
     elif has_codes:
         from coatstate.optim import to_adamw_state_dict
 
@@ -249,6 +250,22 @@ def cmd_convert(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def _carry_master(before: dict, after: dict) -> dict:
+    """`after` (moments re-encoded from `before`) with `before`'s master weights: the corrections
+    and each group's master_bits / master_seed. The re-encoding goes through torch AdamW's layout,
+    which has no master; without this a converted 24-bit master would silently become none."""
+    from coatstate.formats.optimizer_state import MASTER_CORRECTION
+
+    for old, new in zip(before["param_groups"], after["param_groups"], strict=True):
+        for key in ("master_bits", "master_seed"):
+            if key in old:
+                new[key] = old[key]
+    for pid, state in before["state"].items():
+        if MASTER_CORRECTION in state and pid in after["state"]:
+            after["state"][pid][MASTER_CORRECTION] = state[MASTER_CORRECTION]
+    return after
 
 
 def _master(args: argparse.Namespace, ckpt, names: dict[int, str]):

@@ -184,7 +184,7 @@ def _print_summary(url: str, s: dict[str, Any], checksums: str, show_all: bool) 
         )
         print(f"group {i}: " + ", ".join(f"{k}={g[k]}" for k in keys if k in g))
     print(
-        f"params: {len(s['params'])}; elements {s['compressed_elements']:,} in FP8, "
+        f"params: {len(s['params'])}; elements {s['compressed_elements']:,} compressed, "
         f"{s['full_precision_elements']:,} in fp32"
     )
     shown = s["params"] if show_all else s["params"][:20]
