@@ -340,7 +340,7 @@ def train_run(variant: str, seed: int, args, corpus: dict, val: torch.Tensor) ->
     if record is None:
         record = dict(variant=variant, seed=seed, status="running", step=0, steps_total=total, tokens=0)
         record |= dict(params=sum(p.numel() for p in params), peak_gib=0.0, wall_s=0.0, config=config(args))
-        record |= {k: [] for k in LISTS} | {"device": str(device), "compiled": compiled, "gpu_shared_by": 1}
+        record |= {k: [] for k in LISTS} | {"device": str(device), "compiled": compiled}
         group = opt.param_groups[0]  # the options as the optimizer resolved them ("auto" is a number now)
         record["optimizer_options"] = {k: group[k] for k in sorted(OPTION_KEYS & set(group))}
     else:

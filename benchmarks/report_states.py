@@ -27,7 +27,8 @@ def section_parity_gpu(data: dict, path: Path) -> str:
         "peak GiB | optimizer MB |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in summaries(data, list(dict.fromkeys(x["variant"] for x in data["runs"].values()))):
+    variants = list(dict.fromkeys(x["variant"] for x in data["runs"].values()))
+    for r in summaries(data, variants):
         std = "" if r["std"] is None else f"{r['std']:.4f}"
         rate = f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else ""
         out.append(
@@ -35,7 +36,7 @@ def section_parity_gpu(data: dict, path: Path) -> str:
             f"{fmt_pct(r['vs_adamw_mean_pct'])} | {fmt_pct(r['paired_mean_pct'])} "
             f"{fmt_ci(r['paired_ci_pct'])} | {rate} | {r['peak_gib']:.1f} | {r['opt_state_mb']:.0f} |"
         )
-    if noise := pooled_noise(data, list(dict.fromkeys(x["variant"] for x in data["runs"].values()))):
+    if noise := pooled_noise(data, variants):
         resolve = f"±{noise['resolvable_3_seeds_pct']:.2f}% (95%)"
         out += ["", f"One run's std about its variant's mean, pooled over {noise['runs']} runs "
                 f"({noise['dof']} degrees of freedom): {noise['std_pct']:.2f}% of the loss; 3 seeds a side "
