@@ -27,6 +27,19 @@ def interval(xs: list[float]) -> tuple[float, float] | None:
     return mean - half, mean + half
 
 
+def welch_interval_pct(xs: list[float], ref: list[float]) -> tuple[float, float] | None:
+    """95% Welch interval of mean(xs) - mean(ref), in percent of mean(ref): each group keeps its own
+    seed variance (a recipe that makes runs noisier widens only its own interval). Welch's degrees
+    of freedom, rounded down (conservative). None below two values a side."""
+    if len(xs) < 2 or len(ref) < 2:
+        return None
+    a, b = statistics.variance(xs) / len(xs), statistics.variance(ref) / len(ref)
+    dof = (a + b) ** 2 / (a**2 / (len(xs) - 1) + b**2 / (len(ref) - 1)) if a + b > 0 else 1
+    half = T_975.get(max(1, math.floor(dof)), 2.2) * math.sqrt(a + b)
+    diff, scale = statistics.fmean(xs) - statistics.fmean(ref), statistics.fmean(ref) / 100
+    return (diff - half) / scale, (diff + half) / scale
+
+
 def variant_summary(data: dict, variant: str) -> dict | None:
     """Mean, std, spread of the final validation loss; vs AdamW's mean and paired, in percent."""
     runs = finished(data, variant)
@@ -48,6 +61,9 @@ def variant_summary(data: dict, variant: str) -> dict | None:
         "std": statistics.stdev(losses) if len(losses) > 1 else None,
         "spread_pct": 100 * (max(losses) - min(losses)) / mean if len(losses) > 1 else None,
         "vs_adamw_mean_pct": 100 * (mean / ref_mean - 1) if ref_mean else None,
+        "welch_ci_pct": welch_interval_pct(losses, [r["final_val_loss"] for r in ref.values()])
+        if ref and variant != "adamw"
+        else None,
         "paired_pct": paired,
         "paired_mean_pct": statistics.fmean(paired) if paired else None,
         "paired_ci_pct": interval(paired),
@@ -58,25 +74,34 @@ def variant_summary(data: dict, variant: str) -> dict | None:
     return out
 
 
+NOISIER = 2.0
+"""a variant whose seed std exceeds AdamW's by this factor is noisier: named, and left out of the pool"""
+
+
 def pooled_noise(data: dict, variants: list[str]) -> dict | None:
     """One run's noise, pooled over the variants with >= 2 finished seeds: the std of a final loss
     about its variant's mean (in % of the grand mean), its degrees of freedom, and the smallest
     difference of two variants' means at 3 seeds each that a 95% t interval resolves. It holds
-    when the seed noise is the same for every variant, which is what it estimates."""
-    groups = [[r["final_val_loss"] for r in finished(data, v).values()] for v in variants]
-    groups = [g for g in groups if len(g) > 1]
-    dof = sum(len(g) - 1 for g in groups)
+    when the seed noise is the same for every variant, which is what it estimates; so a variant
+    NOISIER than AdamW is left out (`excluded`) instead of widening everyone's floor."""
+    groups = {v: [r["final_val_loss"] for r in finished(data, v).values()] for v in variants}
+    groups = {v: g for v, g in groups.items() if len(g) > 1}
+    ref = groups.get("adamw")
+    excluded = [v for v, g in groups.items() if ref and statistics.stdev(g) > NOISIER * statistics.stdev(ref)]
+    kept = [g for v, g in groups.items() if v not in excluded]
+    dof = sum(len(g) - 1 for g in kept)
     if not dof:
         return None
-    ss = sum(sum((x - statistics.fmean(g)) ** 2 for x in g) for g in groups)
-    grand = statistics.fmean(x for g in groups for x in g)
+    ss = sum(sum((x - statistics.fmean(g)) ** 2 for x in g) for g in kept)
+    grand = statistics.fmean(x for g in kept for x in g)
     std_pct = 100 * math.sqrt(ss / dof) / grand
     resolvable = T_975.get(dof, 2.2) * std_pct * math.sqrt(2 / 3)
     return {
         "std_pct": std_pct,
         "dof": dof,
-        "runs": sum(map(len, groups)),
+        "runs": sum(map(len, kept)),
         "resolvable_3_seeds_pct": resolvable,
+        "excluded": excluded,
     }
 
 
@@ -94,7 +119,8 @@ def fmt_ci(ci: tuple[float, float] | None) -> str:
 
 
 COLUMNS = (
-    "variant|seeds|val loss mean|std|vs adamw mean %|paired % (mean)|paired 95% CI|tokens/s|peak GiB|opt MB"
+    "variant|seeds|val loss mean|std|vs adamw mean %|95% CI (Welch)|paired % (mean)|paired 95% CI|tokens/s"
+    "|peak GiB|opt MB"
 )
 UPDATE_PAIRS = ("plain/plain", "expand/expand", "plain/expand", "expand/plain")
 
@@ -125,10 +151,12 @@ def print_report(data: dict, order: list[str]) -> None:
         print(f"noise floor: adamw at seeds {ref['seeds']}: {spread}")
     if noise := pooled_noise(data, order):
         pooled = f"pooled over {noise['runs']} runs ({noise['dof']} dof): {noise['std_pct']:.2f}% of the loss"
+        if noise["excluded"]:
+            pooled += f" (left out, over {NOISIER:g}x AdamW's std: {', '.join(noise['excluded'])})"
         print(f"one run's std, {pooled}; 3 seeds a side resolve +-{noise['resolvable_3_seeds_pct']:.2f}%")
     table = [[r["variant"], ",".join(map(str, r["seeds"])), f"{r['mean']:.4f}",
               "-" if r["std"] is None else f"{r['std']:.4f}", fmt_pct(r["vs_adamw_mean_pct"]),
-              fmt_pct(r["paired_mean_pct"]), fmt_ci(r["paired_ci_pct"]),
+              fmt_ci(r["welch_ci_pct"]), fmt_pct(r["paired_mean_pct"]), fmt_ci(r["paired_ci_pct"]),
               f"{r['tokens_per_s']:.0f}" if r["tokens_per_s"] else "-", f"{r['peak_gib']:.1f}",
               f"{r['opt_state_mb']:.1f}"] for r in rows]  # fmt: skip
     cols = COLUMNS.split("|")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from parity_stats import fmt_ci, fmt_pct, pooled_noise, reconstruction_rows, summaries
+from parity_stats import NOISIER, fmt_ci, fmt_pct, pooled_noise, reconstruction_rows, summaries
 from report_common import provenance
 
 
@@ -23,8 +23,8 @@ def section_parity_gpu(data: dict, path: Path) -> str:
         f"validation loss on {final}. Source: `python benchmarks/parity_gpu.py` (curves: "
         "`docs/img/parity_gpu.png`).",
         "",
-        "| variant | seeds | val loss mean | std | vs AdamW's mean | paired % [95% CI] | tokens/s | "
-        "peak GiB | optimizer MB |",
+        "| variant | seeds | val loss mean | std | vs AdamW's mean [95% Welch CI] | paired % [95% CI] | "
+        "tokens/s | peak GiB | optimizer MB |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     variants = list(dict.fromkeys(x["variant"] for x in data["runs"].values()))
@@ -33,14 +33,18 @@ def section_parity_gpu(data: dict, path: Path) -> str:
         rate = f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else ""
         out.append(
             f"| {r['variant']} | {','.join(map(str, r['seeds']))} | {r['mean']:.4f} | {std} | "
-            f"{fmt_pct(r['vs_adamw_mean_pct'])} | {fmt_pct(r['paired_mean_pct'])} "
-            f"{fmt_ci(r['paired_ci_pct'])} | {rate} | {r['peak_gib']:.1f} | {r['opt_state_mb']:.0f} |"
+            f"{fmt_pct(r['vs_adamw_mean_pct'])} {fmt_ci(r['welch_ci_pct'])} | "
+            f"{fmt_pct(r['paired_mean_pct'])} {fmt_ci(r['paired_ci_pct'])} | {rate} | {r['peak_gib']:.1f} | "
+            f"{r['opt_state_mb']:.0f} |"
         )
     if noise := pooled_noise(data, variants):
         resolve = f"±{noise['resolvable_3_seeds_pct']:.2f}% (95%)"
         out += ["", f"One run's std about its variant's mean, pooled over {noise['runs']} runs "
                 f"({noise['dof']} degrees of freedom): {noise['std_pct']:.2f}% of the loss; 3 seeds a side "
                 f"resolve a difference of means of {resolve}."]  # fmt: skip
+        if noise["excluded"]:
+            out[-1] += (f" Left out of the pool as noisier than AdamW (seed std over {NOISIER:g}x "
+                        f"AdamW's): {', '.join(noise['excluded'])}.")  # fmt: skip
     if shared := sorted(k for k, r in data["runs"].items() if r.get("gpu_shared_by", 1) > 1):
         out += ["", f"{', '.join(shared)} shared one GPU with other runs: their losses count, their "
                 "tokens/s does not (left out of the rate column)."]  # fmt: skip
