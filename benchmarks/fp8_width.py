@@ -71,7 +71,7 @@ def make_variant(d: int, fp8: bool, args, device: torch.device) -> Variant:
     torch.manual_seed(d)
     mlp = MLP(d).to(device)
     if fp8:
-        coatstate.convert_to_fp8(mlp)
+        coatstate.convert_to_fp8(mlp, min_features=None)
     run = mlp if args.eager else torch.compile(mlp)
     xs = [torch.randn(args.tokens, d, device=device, requires_grad=True) for _ in range(2)]
 

@@ -32,6 +32,15 @@ def section_fp8_width(data: dict, path: Path) -> str:
         out.append(f"| {d} | {cell(b['wall_ms'])} | {floor(b['floor_ms'])} | {cell(f['wall_ms'])} | "
                    f"{floor(f['floor_ms'])} | {ratio} |")  # fmt: skip
     pays = data["fp8_pays_from_width"]
-    verdict = f"FP8Linear is faster from width {pays} on." if pays else "FP8Linear is faster at no width."
-    out += ["", verdict]
+    verdict = "FP8Linear is faster at no width"
+    if pays:
+        verdict = f"FP8Linear is faster at every width from {pays} on"
+    ratios = {int(d): r for d, r in data["ratios"].items() if r}
+    first = next((d for d in sorted(ratios) if ratios[d]["min"] > 1.0), None)  # faster in every round
+    if first is not None and first != pays:
+        slower = [d for d in sorted(ratios) if d > first and ratios[d]["median"] <= 1.0]
+        verdict += (f"; first faster in every round at {first} (slower at every narrower width), "
+                    f"slower again at {', '.join(map(str, slower))}")  # fmt: skip
+    out += ["", verdict + ". `convert_to_fp8` keeps layers narrower than its `min_features` (default "
+            "1536, the first width that paid) in high precision."]  # fmt: skip
     return "\n".join(out + [""])

@@ -172,7 +172,7 @@ class Trainer:
             model = Llama(self.cfg)
         self.ctx = contextlib.nullcontext
         if self.setup == "coatstate":
-            coatstate.convert_to_fp8(model, filter_fn=_not_head)
+            coatstate.convert_to_fp8(model, filter_fn=_not_head, min_features=None)
             self.ctx = coatstate.compress_activations
         elif self.setup.startswith("torchao"):
             from torchao.float8 import convert_to_float8_training

@@ -181,7 +181,7 @@ def test_layers_fed_the_same_input_share_one_fp8_copy():
 def test_compress_activations_never_compresses_the_fp8_codes_again():
     torch.manual_seed(2)
     model = nn.Sequential(nn.Linear(64, 128), nn.Linear(128, 96), nn.Linear(96, 32))
-    convert_to_fp8(model)
+    convert_to_fp8(model, min_features=None)
     x = torch.randn(4, 40, 64)
     w = torch.randn(4, 40, 32)  # a loss whose own saved tensor (w) is not an activation
 
@@ -223,7 +223,9 @@ class _Tiny(nn.Module):
 
 def test_state_dict_keys_round_trip_with_the_original_model(tmp_path):
     original = _Tiny()
-    converted = convert_to_fp8(copy.deepcopy(original), filter_fn=lambda mod, name: name != "head")
+    converted = convert_to_fp8(
+        copy.deepcopy(original), filter_fn=lambda mod, name: name != "head", min_features=None
+    )
     assert type(converted.up) is FP8Linear and type(converted.head) is nn.Linear
     assert type(converted.mha.out_proj) is not FP8Linear  # MHA never calls out_proj.forward
     assert converted.head.weight is converted.emb.weight  # ties survive
@@ -233,7 +235,7 @@ def test_state_dict_keys_round_trip_with_the_original_model(tmp_path):
     fresh.load_state_dict(torch.load(tmp_path / "fp8.pt", weights_only=True), strict=True)
     for a, b in zip(fresh.state_dict().values(), original.state_dict().values(), strict=True):
         assert torch.equal(a, b)
-    back = convert_to_fp8(_Tiny())
+    back = convert_to_fp8(_Tiny(), min_features=None)
     back.load_state_dict(original.state_dict(), strict=True)
     idx = torch.randint(0, 64, (2, 16))
     assert _cos(back(idx), original(idx)) >= 0.999
@@ -242,7 +244,7 @@ def test_state_dict_keys_round_trip_with_the_original_model(tmp_path):
 def test_fallback_is_reported_and_runs_high_precision(caplog):
     model = _Tiny()
     with caplog.at_level(logging.WARNING, logger="coatstate"):
-        convert_to_fp8(model)
+        convert_to_fp8(model, min_features=None)
     lines = [r.getMessage() for r in caplog.records if "high precision" in r.getMessage()]
     assert len(lines) == 1 and "odd" in lines[0] and "out_features=40" in lines[0], lines
     assert list(fp8_fallbacks(model)) == ["odd"]
@@ -299,7 +301,7 @@ def test_bad_arguments_raise_clear_errors():
 def test_trains_with_compressed_adamw_and_compress_activations():
     torch.manual_seed(3)
     model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
-    convert_to_fp8(model)
+    convert_to_fp8(model, min_features=None)
     opt = coatstate.CompressedAdamW(model.parameters(), lr=3e-3, min_numel=0)
     target = torch.randn(64, 64) / 8
     x = torch.randn(256, 64)
@@ -327,7 +329,9 @@ def test_fsdp2_shards_the_master_weight_and_keeps_the_fp8_path(tmp_path):
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        model = convert_to_fp8(nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64)))
+        model = convert_to_fp8(
+            nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64)), min_features=None
+        )
         ref = copy.deepcopy(model)
         mesh = init_device_mesh("cpu", (1,))
         for layer in model:
@@ -335,7 +339,7 @@ def test_fsdp2_shards_the_master_weight_and_keeps_the_fp8_path(tmp_path):
                 fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         with pytest.raises(ValueError, match="BEFORE fully_shard"):
-            convert_to_fp8(model)
+            convert_to_fp8(model, min_features=None)
         x = torch.randn(32, 64)
         model(x).sum().backward()
         ref(x).sum().backward()
@@ -409,7 +413,7 @@ def test_scaled_mm_matches_emulation_on_gpu(dtype, m, weight_grad):
 def test_auto_backend_uses_scaled_mm_on_fp8_gpus():
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("needs compute capability >= 8.9")
-    layer = convert_to_fp8(nn.Sequential(nn.Linear(256, 256))).cuda()
+    layer = convert_to_fp8(nn.Sequential(nn.Linear(256, 256)), min_features=None).cuda()
     calls = []
     real = torch._scaled_mm
     try:
@@ -433,7 +437,7 @@ def test_matches_torchao_float8_tensorwise_on_gpu():
     float8 = pytest.importorskip("torchao.float8")
     torch.manual_seed(6)
     base = nn.Sequential(nn.Linear(1024, 2048)).cuda()
-    ours = convert_to_fp8(copy.deepcopy(base), config=FP8LinearConfig(grad_fmt="e5m2"))
+    ours = convert_to_fp8(copy.deepcopy(base), config=FP8LinearConfig(grad_fmt="e5m2"), min_features=None)
     theirs = float8.convert_to_float8_training(copy.deepcopy(base))
     x = torch.randn(4096, 1024, device="cuda")
     gy = torch.randn(4096, 2048, device="cuda")
@@ -473,3 +477,16 @@ def test_min_features_keeps_narrow_layers_and_says_so(caplog):
         convert_to_fp8(model, min_features=32)
     assert isinstance(model[0], FP8Linear) and type(model[2]) is nn.Linear
     assert "kept 1 linear layers narrower than min_features=32" in caplog.text and "2 (256x16)" in caplog.text
+
+
+def test_by_default_layers_narrower_than_fp8s_measured_crossover_stay_high_precision(caplog):
+    """The default min_features (the width from which FP8 paid on an H200) keeps a 1024-wide layer
+    and converts a 1536-wide one; the log line names the way to convert every width."""
+    from coatstate.nn.convert import DEFAULT_MIN_FEATURES
+
+    assert DEFAULT_MIN_FEATURES == 1536
+    model = nn.Sequential(nn.Linear(1024, 1536, bias=False), nn.Linear(1536, 1536, bias=False))
+    with caplog.at_level(logging.INFO, logger="coatstate"):
+        convert_to_fp8(model)
+    assert type(model[0]) is nn.Linear and isinstance(model[1], FP8Linear)
+    assert "0 (1024x1536)" in caplog.text and "min_features=None converts them" in caplog.text

@@ -88,7 +88,9 @@ def test_float64_division_rounds_like_float32_division():
 def _stack(backend: str, weight_grad: str = "fp8") -> nn.Sequential:
     torch.manual_seed(5)
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 96, bias=False), nn.Linear(96, 48))
-    return convert_to_fp8(model, config=FP8LinearConfig(backend=backend, weight_grad=weight_grad))
+    return convert_to_fp8(
+        model, config=FP8LinearConfig(backend=backend, weight_grad=weight_grad), min_features=None
+    )
 
 
 def _forward_backward(model: nn.Module, x: torch.Tensor, autocast: bool) -> list[torch.Tensor]:
@@ -160,7 +162,12 @@ def test_compiled_model_trains_with_compressed_adamw_under_compress_activations(
     base = nn.Sequential(
         nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64), nn.LayerNorm(64), nn.Linear(64, 16)
     )
-    convert_to_fp8(base, filter_fn=lambda mod, name: name != "4", config=FP8LinearConfig(backend="emulate"))
+    convert_to_fp8(
+        base,
+        filter_fn=lambda mod, name: name != "4",
+        config=FP8LinearConfig(backend="emulate"),
+        min_features=None,
+    )
     data = [(torch.randn(64, 64), torch.randn(64, 16)) for _ in range(8)]
     losses, packed = {}, 0
     for compress in (False, True):
