@@ -10,6 +10,8 @@ Training parity on a GPU, for a skeptic: a 100M-parameter byte-level GPT trained
   diagnostics    one deviation each: compressed_plain / compressed_expand (range expansion off / on
                  for both moments), compressed_m_expand / compressed_v_expand (on for one moment),
                  master16, compressed_off (compress=False: torch's arithmetic in our step)
+  4-bit moments  fp4 (exp_avg_format="e2m1", exp_avg_sq_format="ue3m1_sqrt"), fp4_v (FP8 m, 4-bit
+                 v): options of issue #33, judged here before any becomes a default
 Model: 14 pre-norm GPT-2 blocks of width 768 (12 heads of 64, 4x GELU-tanh MLP, causal SDPA),
 learned positions, untied head, seq 1024: 100.4M parameters. bf16 autocast; every block
 torch.compile'd in every variant, so compiling is not what differs. AdamW betas (0.9, 0.95),
@@ -65,45 +67,9 @@ from common import result_meta  # noqa: E402
 from corpus_python import joined_files, load_corpus, validation_tokens, window_batch  # noqa: E402
 from parity_plot import plot  # noqa: E402
 from parity_stats import print_report  # noqa: E402
+from parity_variants import BF16_MODEL, OPTIMIZER_OPTIONS, OPTION_KEYS, RECIPES, VARIANTS  # noqa: E402
 from state_reconstruction import state_reconstruction  # noqa: E402
 
-VARIANTS = {  # name: (optimizer, CompiledActivations, FP8Linear)
-    "adamw": ("adamw", False, False),
-    # the recipes, each with the library's defaults (whatever those are when it runs)
-    "compressed": ("compressed", False, False),
-    "compressed_ca": ("compressed", True, False),
-    "full": ("compressed", True, True),
-    "master24": ("master", False, False),  # a bfloat16 model: master_bits="auto" gives 24
-    # diagnostics, each named by its one deviation from the defaults
-    "compressed_plain": ("compressed_plain", False, False),  # FP8 moments without range expansion
-    "compressed_expand": ("compressed_expand", False, False),  # COAT's expansion on both moments
-    "compressed_m_expand": ("compressed_m_expand", False, False),  # expansion on the first moment only
-    "compressed_v_expand": ("compressed_v_expand", False, False),  # expansion on the second moment only
-    "master16": ("master16", False, False),  # bfloat16 model, stochastic rounding, no correction
-    "compressed_off": ("compressed_off", False, False),  # compress=False: torch AdamW's math, our step
-}
-OPTIMIZER_OPTIONS = {
-    "compressed": {},
-    "master": {},
-    "compressed_off": {"compress": False},
-    "compressed_plain": {"exp_avg_expand": False, "exp_avg_sq_expand": False},
-    "compressed_expand": {"exp_avg_expand": True, "exp_avg_sq_expand": True},
-    "compressed_m_expand": {"exp_avg_expand": True, "exp_avg_sq_expand": False},
-    "compressed_v_expand": {"exp_avg_expand": False, "exp_avg_sq_expand": True},
-    "master16": {"master_bits": 16},
-}
-RECIPES = ("adamw", "compressed", "master24", "compressed_ca", "full")
-OPTION_KEYS = {
-    "compress",
-    "exp_avg_format",
-    "exp_avg_sq_format",
-    "exp_avg_expand",
-    "exp_avg_sq_expand",
-    "group_size",
-    "min_numel",
-    "master_bits",
-}  # recorded per run, as the optimizer resolved them
-BF16_MODEL = {"master", "master16"}  # optimizer kinds that train a coatstate.cast_model'd model
 FINAL_VAL = "every held-out file"
 """The final validation point reads all held-out tokens (whole batches); the curve's points the
 first --val-tokens of them (on those alone AdamW's seeds spread too far: parity_gpu_val1M.json)."""
@@ -116,7 +82,7 @@ TRAINING_KEYS = (  # the config keys that change what a run computes: runs in on
 SMOKE = dict(device="cpu", layers=2, dim=64, heads=2, seq=64, batch=4, tokens=30 * 256, warmup=5, lr=2e-3)
 SMOKE |= dict(val_every=10, val_tokens=4096, log_every=5, roots="stdlib", max_corpus_mb=4, compile="needed")
 SMOKE |= dict(
-    min_start_s=0, png="", variants="adamw:0,adamw:1,compressed:0,compressed_ca:0,full:0,master24:0"
+    min_start_s=0, png="", variants="adamw:0,adamw:1,compressed:0,compressed_ca:0,full:0,master24:0,fp4:0"
 )
 """--smoke: 2 x 64, 30 steps of 4 x 64 tokens on 4 MiB of the stdlib, about a minute on 2 cores."""
 

@@ -17,6 +17,8 @@ RECIPES = {  # variant: (what a user runs, the bound on its mean vs AdamW's mean
     "master24": ("bf16 model + `CompressedAdamW` (`master_bits=24`)", 0.3),
     "compressed_ca": ("+ `CompiledActivations`", 0.5),
     "full": ("+ `FP8Linear` (the full recipe)", 0.7),
+    "fp4": ("`CompressedAdamW`, 4-bit moments (`e2m1` / `ue3m1_sqrt`; opt-in)", 0.3),
+    "fp4_v": ("`CompressedAdamW`, FP8 m + 4-bit v (`ue3m1_sqrt`; opt-in)", 0.3),
     "compressed_plain": ("diagnostic: no range expansion", None),
     "compressed_expand": ("diagnostic: expansion on both moments", None),
     "master16": ("diagnostic: `master_bits=16`", None),
