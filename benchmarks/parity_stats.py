@@ -54,8 +54,12 @@ def variant_summary(data: dict, variant: str) -> dict | None:
     # a run that shared its GPU with others measured their load too: no rate from it
     alone = [r for r in runs.values() if r.get("gpu_shared_by", 1) == 1]
     rates = [r["tokens_per_s"] for r in alone if r.get("tokens_per_s")]
+    # instability shows in the clipped gradient's norm: its largest value after the first fifth of
+    # the run (past warm-up and the early fall), per seed
+    late_max = [max(r["grad_norm"][len(r["grad_norm"]) // 5 :]) for r in runs.values() if r.get("grad_norm")]
     out = {
         "variant": variant,
+        "grad_norm_late_max": max(late_max) if late_max else None,
         "seeds": sorted(runs),
         "mean": mean,
         "std": statistics.stdev(losses) if len(losses) > 1 else None,

@@ -7,7 +7,7 @@ import statistics
 from pathlib import Path
 
 from parity_stats import NOISIER, fmt_ci, fmt_pct, pooled_noise, reconstruction_rows, summaries
-from report_common import provenance
+from report_common import _f, provenance
 
 
 def section_parity_gpu(data: dict, path: Path) -> str:
@@ -24,8 +24,8 @@ def section_parity_gpu(data: dict, path: Path) -> str:
         "`docs/img/parity_gpu.png`).",
         "",
         "| variant | seeds | val loss mean | std | vs AdamW's mean [95% Welch CI] | paired % [95% CI] | "
-        "tokens/s | peak GiB | optimizer MB |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "tokens/s | peak GiB | optimizer MB | max grad norm after 1/5 |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     variants = list(dict.fromkeys(x["variant"] for x in data["runs"].values()))
     for r in summaries(data, variants):
@@ -35,7 +35,7 @@ def section_parity_gpu(data: dict, path: Path) -> str:
             f"| {r['variant']} | {','.join(map(str, r['seeds']))} | {r['mean']:.4f} | {std} | "
             f"{fmt_pct(r['vs_adamw_mean_pct'])} {fmt_ci(r['welch_ci_pct'])} | "
             f"{fmt_pct(r['paired_mean_pct'])} {fmt_ci(r['paired_ci_pct'])} | {rate} | {r['peak_gib']:.1f} | "
-            f"{r['opt_state_mb']:.0f} |"
+            f"{r['opt_state_mb']:.0f} | {_f(r['grad_norm_late_max'], '.2f')} |"
         )
     if noise := pooled_noise(data, variants):
         resolve = f"±{noise['resolvable_3_seeds_pct']:.2f}% (95%)"
