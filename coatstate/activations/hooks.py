@@ -62,7 +62,6 @@ silently doing nothing."""
 from __future__ import annotations
 
 import functools
-import math
 import sys
 import threading
 import warnings
@@ -71,9 +70,9 @@ import weakref
 import torch
 
 from coatstate.activations.op_kinds import OpKind, kind_of_call_site, kind_on_stack
-from coatstate.activations.policy import RECOMPUTABLE, ActivationPolicy, Granularity
+from coatstate.activations.policy import ActivationPolicy, Granularity
+from coatstate.activations.recompute import _NODE_NAMES, _node_name, _Recomputer
 from coatstate.activations.regions import (
-    _contiguous_strides,
     _expired,
     _Handle,
     _Kept,
@@ -81,7 +80,6 @@ from coatstate.activations.regions import (
     _layout,
     _Packed,
     _Pending,
-    _Recomputed,
     _Region,
 )
 from coatstate.activations.stats import ActivationStats, KeepReason
@@ -98,12 +96,9 @@ _VIEW_OR_COPY_NODES = frozenset(
     "AsStridedBackward0 UnsafeViewBackward0 ReshapeAliasBackward0 AliasBackward0".split()
 )
 _CAST_OR_LEAF = _VIEW_OR_COPY_NODES | {"torch::autograd::AccumulateGrad"}  # nodes it does not stop at
-_RESHAPE_NODES = frozenset("ViewBackward0 UnsafeViewBackward0 ReshapeAliasBackward0 AliasBackward0".split())
 _POLICY_KEEPS: dict = {}  # label -> KeepReason.by_policy(label): one f-string per label, not per save
-_NODE_NAMES: dict = {}  # autograd node class -> its name()
 _SLOTS = 4096  # per-tensor scale slots per device buffer (kernel path)
 _MAX_STORAGE_PER_VIEW = 4  # a strided view packs its whole storage only up to this many times its size
-_MAX_SOURCES = 64  # activation inputs remembered for recomputing their outputs (newest kept)
 _next_sequence_nr = torch._C._autograd._get_sequence_nr  # number the next autograd node gets
 _is_compiling = torch.compiler.is_compiling
 _thread_id = threading.get_ident
@@ -123,14 +118,6 @@ def _policy_keeps(label: str) -> str:
     if reason is None:
         reason = _POLICY_KEEPS[label] = KeepReason.by_policy(label)
     return reason
-
-
-def _node_name(node) -> str:
-    """node.name(), cached per node class (one class per kind of autograd node)."""
-    name = _NODE_NAMES.get(type(node))
-    if name is None:
-        name = _NODE_NAMES[type(node)] = node.name()
-    return name
 
 
 def _derived_from_parameter(x: torch.Tensor, node=None) -> bool:
@@ -158,7 +145,7 @@ def _derived_from_parameter(x: torch.Tensor, node=None) -> bool:
     return False
 
 
-class compress_activations(_Unpacker):  # noqa: N801  (a context manager used like a function)
+class compress_activations(_Recomputer, _Unpacker):  # noqa: N801  (a context manager used like a function)
     """Hold the floating-point tensors autograd saves for backward in FP8 inside this context.
 
     Each saved tensor is packed by the policy's granularity for its op kind and restored (original
@@ -525,48 +512,6 @@ class compress_activations(_Unpacker):  # noqa: N801  (a context manager used li
             used = 0
         self._slots[device] = (amax, scales, used + 1)
         return amax, scales, used
-
-    # -- recomputation of activation-function outputs --------------------------------------
-    def _note_source(self, handle: _Handle, ptr: int) -> None:
-        """The activation op being run saved its input compressed as `handle`: remember it under
-        the op's node, in case a later op saves the op's output."""
-        sources = self._sources
-        if len(sources) >= _MAX_SOURCES:
-            del sources[next(iter(sources))]
-        sources[(_thread_id(), _next_sequence_nr() - 1)] = (weakref.ref(handle), ptr)
-
-    def _recompute_region(
-        self, ptr: int, x: torch.Tensor, storage, start: int, stop: int
-    ) -> _Recomputed | None:
-        """A region that recomputes x in backward, if x is (a reshape of) the whole output of an
-        activation function whose contiguous input was saved compressed."""
-        node, thread = x.grad_fn, _thread_id()  # (sequence numbers count per thread)
-        for _ in range(3):  # the next linear saves a view of the output (its rows flattened)
-            entry = self._sources.get((thread, node._sequence_nr()))
-            if entry is not None:
-                break
-            nexts = node.next_functions if _node_name(node) in _RESHAPE_NODES else ()
-            if len(nexts) != 1 or nexts[0][0] is None:
-                return None
-            node = nexts[0][0]
-        else:
-            return None
-        source = entry[0]()
-        recipe = RECOMPUTABLE.get(_node_name(node))
-        if recipe is None or source is None or entry[1] == ptr or not x.is_contiguous():
-            return None  # (an in-place activation writes into its input's storage)
-        shape = source.shape
-        stride = _contiguous_strides(shape)
-        if source.stride != stride or x.numel() != math.prod(shape):
-            return None
-        del self._sources[(thread, node._sequence_nr())]
-        func, kwargs = recipe(node)
-        region = _Recomputed(
-            storage, start, stop, x.dtype, x.device, x._version, func, kwargs, source, shape, stride
-        )
-        self._stats.recomputed += 1
-        self._stats.bytes_recomputed += (stop - start) * x.element_size()
-        return region
 
 
 _OLD_PYTHON = (
