@@ -111,7 +111,7 @@ def _store_moment(
     if COMPRESSED and FP4 > 0:
         scales, _ = _group_pointers(row_ptr, COL, gid, False)
         codes = _packed(base_ptr, row_ptr, COL, poffs, EVEN)
-        encode_store4(x, codes, pmask, scales, gmask, GROUP, FP4, EVEN)
+        return encode_store4(x, codes, pmask, scales, gmask, GROUP, FP4, EVEN)
     elif COMPRESSED:
         scales, exps = _group_pointers(row_ptr, COL, gid, EXPAND)
         encode_store(
@@ -131,6 +131,21 @@ def _store_moment(
         )
     else:
         tl.store(_data(base_ptr, row_ptr, COL, offs), x, mask=mask)
+    return 0x7F800000  # (4-bit: the largest |value| pattern; here: unknown, as if Inf)
+
+
+@triton.jit
+def _count_nonfinite(m, v, row_ptr, nonfinite_ptr, t):
+    """Count non-finite moments (a NaN/Inf gradient): reported by CompressedAdamW, never hidden.
+    Per parameter: values, steps with any, the last such step (the first program of a step to
+    raise the last step counts the step)."""
+    s = m + v
+    bad = tl.sum(tl.sum(((s - s) != 0).to(tl.int32), axis=1), axis=0)
+    if bad > 0:
+        step_now = tl.load(tl.load(row_ptr + 11).to(tl.pointer_type(tl.float32))).to(tl.int32)
+        tl.atomic_add(nonfinite_ptr + 3 * t, bad)
+        if tl.atomic_max(nonfinite_ptr + 3 * t + 2, step_now) < step_now:
+            tl.atomic_add(nonfinite_ptr + 3 * t + 1, 1)
 
 
 @triton.jit
@@ -304,26 +319,23 @@ def _adamw_kernel(
         _store_master(p, p_ptrs, c_ptrs, mask, offs, seed, step, MASTER)
     else:
         tl.store(p_ptrs, p.to(p_base.dtype.element_ty), mask=mask)
-    _store_moment(m, m_base, row_ptr, 2, offs, mask, gid, gmask, COMPRESSED,
+    m_top = _store_moment(m, m_base, row_ptr, 2, offs, mask, gid, gmask, COMPRESSED,
                   M_EXPAND, M_MAX, M_MBITS, M_EMIN, M_LOG2_MAX, M_KNUM, M_E4M3, poffs, pmask, GROUP,
                   M_FP4, EVEN)  # fmt: skip
-    _store_moment(v, v_base, row_ptr, 5, offs, mask, gid, gmask, COMPRESSED,
+    v_top = _store_moment(v, v_base, row_ptr, 5, offs, mask, gid, gmask, COMPRESSED,
                   V_EXPAND, V_MAX, V_MBITS, V_EMIN, V_LOG2_MAX, V_KNUM, V_E4M3, poffs, pmask, GROUP,
                   V_FP4, EVEN)  # fmt: skip
     if AMSGRAD:
         _store_moment(vmax, x_base, row_ptr, 8, offs, mask, gid, gmask, COMPRESSED,
                       V_EXPAND, V_MAX, V_MBITS, V_EMIN, V_LOG2_MAX, V_KNUM, V_E4M3, poffs, pmask, GROUP,
                       V_FP4, EVEN)  # fmt: skip
-    # count non-finite moments (a NaN/Inf gradient): reported by CompressedAdamW, never hidden.
-    # Per parameter: values, steps with any, the last such step (the first program of a step
-    # to raise the last step counts the step)
-    s = m + v
-    bad = tl.sum(tl.sum(((s - s) != 0).to(tl.int32), axis=1), axis=0)
-    if bad > 0:
-        step_now = tl.load(tl.load(row_ptr + 11).to(tl.pointer_type(tl.float32))).to(tl.int32)
-        tl.atomic_add(nonfinite_ptr + 3 * t, bad)
-        if tl.atomic_max(nonfinite_ptr + 3 * t + 2, step_now) < step_now:
-            tl.atomic_add(nonfinite_ptr + 3 * t + 1, 1)
+    if COMPRESSED and M_FP4 > 0 and V_FP4 > 0:
+        # both 4-bit encoders saw every value: m + v can only be NaN/Inf where |m| or v (sqrt(v)
+        # >= 2**63 below) reaches 2**127 or is NaN/Inf (a sum of two below 2**127 stays finite)
+        if (m_top > 0x7EFFFFFF) | (v_top > 0x5EFFFFFF):  # rare
+            _count_nonfinite(m, v, row_ptr, nonfinite_ptr, t)
+    else:
+        _count_nonfinite(m, v, row_ptr, nonfinite_ptr, t)
 
 
 def _constants(prefix: str, f: MomentFormat | None) -> dict:

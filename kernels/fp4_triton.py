@@ -122,11 +122,11 @@ def encode_store4(x, code_ptrs, pmask, scale_ptrs, gmask, GROUP: tl.constexpr, F
                   EVEN: tl.constexpr):  # fmt: skip
     """Quantize a [groups, GROUP] float32 tile (exact zeros where the tile's mask is off: they
     give code 0) into a 4-bit moment and store its packed codes (EVEN: int32 words, else bytes:
-    packed_offsets) and scales. A group with a
-    NaN/Inf stores a NaN scale and takes its codes from the finite values, NaN/Inf counting as 0
-    (the twin's rule). The per-element checks for that run only in a program that holds a NaN/Inf:
-    elsewhere the groups' largest magnitude is the maximum of the patterns |u| (as integers,
-    ordered as the floats, NaN above Inf), and it is finite."""
+    packed_offsets) and scales. A group with a NaN/Inf stores a NaN scale and takes its codes
+    from the finite values, NaN/Inf counting as 0 (the twin's rule). The per-element checks for
+    that run only in a program that holds a NaN/Inf: elsewhere the groups' largest magnitude is
+    the maximum of the patterns |u| (as integers, ordered as the floats, NaN above Inf), and it
+    is finite. Returns the program's largest pattern |u| (int32; u = sqrt(x) for ue3m1_sqrt)."""
     GPP: tl.constexpr = x.shape[0]
     TOP: tl.constexpr = 6.0 if FMT == 1 else 192.0
     if FMT == 2:
@@ -139,7 +139,8 @@ def encode_store4(x, code_ptrs, pmask, scale_ptrs, gmask, GROUP: tl.constexpr, F
     mx_bits = tl.max(mag.to(tl.int32, bitcast=True), axis=1)
     mx = mx_bits.to(tl.float32, bitcast=True)
     bad = mx_bits > 0x7F7FFFFF  # a group holding a NaN/Inf
-    if tl.max(bad.to(tl.int32), axis=0) > 0:  # rare: NaN/Inf count as 0
+    top = tl.max(mx_bits, axis=0)
+    if top > 0x7F7FFFFF:  # rare: NaN/Inf count as 0
         finite = mag < float("inf")
         mag = tl.where(finite, mag, 0.0)
         if FMT == 1:
@@ -164,3 +165,4 @@ def encode_store4(x, code_ptrs, pmask, scale_ptrs, gmask, GROUP: tl.constexpr, F
     else:
         tl.store(code_ptrs, c.to(tl.uint8), mask=pmask)
     tl.store(scale_ptrs, tl.where(bad, float("nan"), scale), mask=gmask)
+    return top
