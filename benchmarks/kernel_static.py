@@ -26,12 +26,14 @@ import re
 import subprocess
 import tempfile
 
-import triton
-from coatstate.formats.fp4_moment import FP4Format
-from coatstate.formats.fp8 import FP8Format
-from coatstate.formats.optimizer_state import MomentFormat
-from coatstate.kernels import adamw_fused as K
-from triton.backends.compiler import GPUTarget
+os.environ["TRITON_INTERPRET"] = "0"  # compile the GPU code (kernels read this when imported)
+
+import triton  # noqa: E402
+from coatstate.formats.fp4_moment import FP4Format  # noqa: E402
+from coatstate.formats.fp8 import FP8Format  # noqa: E402
+from coatstate.formats.optimizer_state import MomentFormat  # noqa: E402
+from coatstate.kernels import adamw_fused as K  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 FP8 = MomentFormat(FP8Format.E4M3, True)
