@@ -97,7 +97,9 @@ def load_decode4(code_ptrs, pmask, scale_ptrs, gmask, mask, GROUP: tl.constexpr,
     tile is loaded once and each nibble's values are joined into the element tile, which stays in
     the thread's registers (a thread's words or bytes hold its elements). A second moment's NaN
     scale reads as +Inf, per group (formats.optimizer_state.SECOND_MOMENTS' rule: no NaN out).
-    EVEN: `mask` is the groups' mask, whose scale loads as 0 and so decodes to exact zeros."""
+    EVEN: `mask` is the groups' mask, whose scale loads as 0 and so decodes to exact zeros; the
+    select stays for e2m1 all the same: it keeps the compiler from fusing the decode's multiply
+    into the update's subtraction (an fma would round m once where the twin rounds it first)."""
     GPP: tl.constexpr = code_ptrs.shape[0]
     TOP: tl.constexpr = 6.0 if FMT == 1 else 192.0
     w = tl.load(code_ptrs, mask=pmask, other=0).to(tl.int32)
@@ -111,9 +113,12 @@ def load_decode4(code_ptrs, pmask, scale_ptrs, gmask, mask, GROUP: tl.constexpr,
                      tl.join(_decoded(w, 2, step, FMT), _decoded(w, 6, step, FMT)))  # fmt: skip
         e1 = tl.join(tl.join(_decoded(w, 1, step, FMT), _decoded(w, 5, step, FMT)),
                      tl.join(_decoded(w, 3, step, FMT), _decoded(w, 7, step, FMT)))  # fmt: skip
-        return tl.reshape(tl.join(e0, e1), [GPP, GROUP])
+        x = tl.reshape(tl.join(e0, e1), [GPP, GROUP])
     else:  # element 2j + c is nibble c of byte j
         x = tl.reshape(tl.join(_decoded(w, 0, step, FMT), _decoded(w, 1, step, FMT)), [GPP, GROUP])
+    if EVEN and FMT == 2:  # (v = u * u: a product the update's fma cannot absorb)
+        return x
+    else:
         return tl.where(mask, x, 0.0)
 
 
