@@ -111,7 +111,7 @@ def _store_moment(
     if COMPRESSED and FP4 > 0:
         scales, _ = _group_pointers(row_ptr, COL, gid, False)
         codes = _packed(base_ptr, row_ptr, COL, poffs, EVEN)
-        return encode_store4(x, codes, pmask, scales, gmask, GROUP, FP4, EVEN)
+        top = encode_store4(x, codes, pmask, scales, gmask, GROUP, FP4, EVEN)
     elif COMPRESSED:
         scales, exps = _group_pointers(row_ptr, COL, gid, EXPAND)
         encode_store(
@@ -129,9 +129,11 @@ def _store_moment(
             K_NUMERATOR,
             IS_E4M3,
         )
+        top = 0x7F800000  # (unknown: as if Inf)
     else:
         tl.store(_data(base_ptr, row_ptr, COL, offs), x, mask=mask)
-    return 0x7F800000  # (4-bit: the largest |value| pattern; here: unknown, as if Inf)
+        top = 0x7F800000
+    return top  # 4-bit: the largest |value| pattern of the program (encode_store4)
 
 
 @triton.jit
