@@ -11,8 +11,10 @@ loads/stores by width in bytes, per thread (a [8, 128] tile over 128 threads: 8 
 the hot path: the SASS a thread runs when nothing is rare (slow-path calls, NaN/Inf branches and
 the non-finite counters' atomics skipped), in all and on the integer/compare/select pipe ("alu":
 half the FP32 pipe's rate on Hopper, so 2 * alu > hot means that pipe limits the issue).
-The numbers are this machine's Triton (the H200 runs another version): compare variants and
-commits with each other, not with the GPU's build. Writes benchmarks/results/kernel_static.json.
+The numbers are the imported Triton's: the H200 runs 3.6, whose layouts differ (the 4-bit step's
+shared-memory shuffles showed only there); to see them, install its wheel into a folder
+(pip install --no-deps --target DIR triton==3.6.0) and put DIR first on PYTHONPATH.
+Writes benchmarks/results/kernel_static.json.
 """
 
 from __future__ import annotations
