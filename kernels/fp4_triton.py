@@ -5,9 +5,10 @@ plus one float32 scale per group. Every operation mirrors the twin's float32 ari
 order: decode = level * (scale / top) with one correctly rounded division a group (then squared
 for ue3m1_sqrt); encode = the nearest level of |u| * (top / scale), ties to the even code, found by
 rounding in float32 bit arithmetic, which lands exactly where the twin's midpoint search does (no
-float rounding, so the kernel and the twin agree bit for bit wherever their inputs do). The byte
-tile is loaded and stored whole, each thread's elements staying in its registers: no per-element
-byte gathers and no shuffles through shared memory. FMT: 1 = e2m1, 2 = ue3m1_sqrt.
+float rounding, so the kernel and the twin agree bit for bit wherever their inputs do). The code
+tile (int32 words where rows are whole groups, else bytes) is loaded and stored whole, each
+thread's elements staying in its registers: no per-element byte gathers and no shuffles through
+shared memory. FMT: 1 = e2m1, 2 = ue3m1_sqrt.
 """
 
 from __future__ import annotations
