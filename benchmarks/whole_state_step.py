@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from coatstate.formats.defaults import EXPAND  # noqa: E402
 from coatstate.formats.optimizer_state import MASTER_CORRECTION  # noqa: E402
 from common import gpt_shapes  # noqa: E402
-from optimizer_step import build_optimizer, copy_bandwidth, write_results  # noqa: E402
+from optimizer_step import build_optimizer, copy_bandwidth, expand_configs, write_results  # noqa: E402
 
 import coatstate  # noqa: E402
 
@@ -107,6 +107,13 @@ def variants(which: set[str]) -> dict:
     return out
 
 
+def _configured(table: dict, configs: str):
+    """((name, factory), base name) per variant and launch config (optimizer_step.expand_configs)."""
+    for base, (_, factory) in table.items():
+        for name, f in expand_configs({base: factory}, configs).items():
+            yield (name, f), base
+
+
 def _tensors(obj, seen: set) -> int:
     """Bytes of the tensors reachable from an optimizer state value (a peer's wrapper objects
     included), each storage counted once."""
@@ -174,12 +181,18 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--which", default="torch,flashoptim,optimi,torchao,coat")
+    ap.add_argument("--only", default="", help="keep the variants whose name holds one of these, e.g. 4-bit")
+    ap.add_argument("--configs", default="", help="fused kernel launch configs GPPxWARPS, e.g. 8x4,16x4")
     ap.add_argument("--out", default="benchmarks/results/whole_state_step.json")
     args = ap.parse_args()
     device = torch.device("cuda")
     bw = copy_bandwidth(device)
     shapes = gpt_shapes(scale=args.scale)
     table = variants(set(args.which.split(",")))
+    if args.only:
+        table = {k: v for k, v in table.items() if any(w in k for w in args.only.split(","))}
+    # (each variant is built and timed before the next: the config its factory sets holds meanwhile)
+    table = {name: (table[base][0], factory) for (name, factory), base in _configured(table, args.configs)}
     rows = {name: {"name": name, "times_ms": []} for name in table}
     for rnd in range(args.rounds):
         for name, (dtype, factory) in table.items():

@@ -47,6 +47,17 @@ def _data(base_ptr, row_ptr, COL: tl.constexpr, offs):
 
 
 @triton.jit
+def _packed(base_ptr, row_ptr, COL: tl.constexpr, offs, EVEN: tl.constexpr):
+    """Pointers to a 4-bit moment's packed codes at `offs` (packed_offsets): EVEN, int32 words
+    (the tensor's offset from the uint8 base is a multiple of 16 bytes), else bytes."""
+    if EVEN:
+        delta = tl.multiple_of(tl.load(row_ptr + COL), 16)
+        return (base_ptr + delta).to(tl.pointer_type(tl.int32)) + offs
+    else:
+        return _data(base_ptr, row_ptr, COL, offs)
+
+
+@triton.jit
 def _group_pointers(row_ptr, COL: tl.constexpr, gid, EXPAND: tl.constexpr):
     """Pointers to the per-group scales and exponent codes of groups `gid` of the moment in
     column COL of a tensor's table row (the exponent pointer is unused without expansion)."""
@@ -59,12 +70,13 @@ def _group_pointers(row_ptr, COL: tl.constexpr, gid, EXPAND: tl.constexpr):
 
 
 @triton.jit
-def _load_moment(base_ptr, row_ptr, COL: tl.constexpr, offs, mask, gid, gmask, eoffs,
+def _load_moment(base_ptr, row_ptr, COL: tl.constexpr, offs, mask, gid, gmask, poffs, pmask,
                  COMPRESSED: tl.constexpr, EXPAND: tl.constexpr, IS_E4M3: tl.constexpr,
-                 GROUP: tl.constexpr, FP4: tl.constexpr):  # fmt: skip
-    if COMPRESSED and FP4 > 0:  # packed 4-bit codes: each element's byte at `eoffs` (kernels/fp4_triton.py)
+                 GROUP: tl.constexpr, FP4: tl.constexpr, EVEN: tl.constexpr):  # fmt: skip
+    if COMPRESSED and FP4 > 0:  # packed 4-bit codes: the byte tile at `poffs` (kernels/fp4_triton.py)
         scales, _ = _group_pointers(row_ptr, COL, gid, False)
-        return load_decode4(_data(base_ptr, row_ptr, COL, eoffs), scales, gmask, mask, GROUP, FP4)
+        codes = _packed(base_ptr, row_ptr, COL, poffs, EVEN)
+        return load_decode4(codes, pmask, scales, gmask, mask, GROUP, FP4, EVEN)
     elif COMPRESSED:
         scales, exps = _group_pointers(row_ptr, COL, gid, EXPAND)
         return load_decode(_data(base_ptr, row_ptr, COL, offs), scales, exps, mask, gmask, EXPAND, IS_E4M3)
@@ -94,10 +106,12 @@ def _store_moment(
     pmask,
     GROUP: tl.constexpr,
     FP4: tl.constexpr,
+    EVEN: tl.constexpr,
 ):
     if COMPRESSED and FP4 > 0:
         scales, _ = _group_pointers(row_ptr, COL, gid, False)
-        encode_store4(x, _data(base_ptr, row_ptr, COL, poffs), pmask, scales, gmask, mask, GROUP, FP4)
+        codes = _packed(base_ptr, row_ptr, COL, poffs, EVEN)
+        top = encode_store4(x, codes, pmask, scales, gmask, GROUP, FP4, EVEN)
     elif COMPRESSED:
         scales, exps = _group_pointers(row_ptr, COL, gid, EXPAND)
         encode_store(
@@ -115,8 +129,25 @@ def _store_moment(
             K_NUMERATOR,
             IS_E4M3,
         )
+        top = 0x7F800000  # (unknown: as if Inf)
     else:
         tl.store(_data(base_ptr, row_ptr, COL, offs), x, mask=mask)
+        top = 0x7F800000
+    return top  # 4-bit: the largest |value| pattern of the program (encode_store4)
+
+
+@triton.jit
+def _count_nonfinite(m, v, row_ptr, nonfinite_ptr, t):
+    """Count non-finite moments (a NaN/Inf gradient): reported by CompressedAdamW, never hidden.
+    Per parameter: values, steps with any, the last such step (the first program of a step to
+    raise the last step counts the step)."""
+    s = m + v
+    bad = tl.sum(tl.sum(((s - s) != 0).to(tl.int32), axis=1), axis=0)
+    if bad > 0:
+        step_now = tl.load(tl.load(row_ptr + 11).to(tl.pointer_type(tl.float32))).to(tl.int32)
+        tl.atomic_add(nonfinite_ptr + 3 * t, bad)
+        if tl.atomic_max(nonfinite_ptr + 3 * t + 2, step_now) < step_now:
+            tl.atomic_add(nonfinite_ptr + 3 * t + 1, 1)
 
 
 @triton.jit
@@ -233,9 +264,9 @@ def _adamw_kernel(
     gmask = gid < n_groups
     offs, mask = group_offsets(gid, n_groups, cols, groups_per_row, GROUP, EVEN)
     if M_FP4 + V_FP4 > 0:  # byte offsets of packed 4-bit codes (the same groups)
-        eoffs, poffs, pmask = packed_offsets(gid, n_groups, cols, groups_per_row, GROUP, EVEN)
+        poffs, pmask = packed_offsets(gid, n_groups, cols, groups_per_row, GROUP, EVEN)
     else:
-        eoffs, poffs, pmask = offs, offs, mask
+        poffs, pmask = offs, mask
 
     # per-launch hyperparameters and per-tensor step size / bias correction (see _scalars)
     decay = tl.load(hyper_ptr)
@@ -258,11 +289,13 @@ def _adamw_kernel(
         g = g * tl.load(grad_scale_ptr)
     if MAXIMIZE:
         g = -g
-    m = _load_moment(m_base, row_ptr, 2, offs, mask, gid, gmask, eoffs, COMPRESSED, M_EXPAND, M_E4M3,
-                     GROUP, M_FP4)  # fmt: skip
-    v = _load_moment(v_base, row_ptr, 5, offs, mask, gid, gmask, eoffs, COMPRESSED, V_EXPAND, V_E4M3,
-                     GROUP, V_FP4)  # fmt: skip
-    if COMPRESSED:  # a second moment's NaN code reads as +Inf (formats.optimizer_state.SECOND_MOMENTS)
+    m = _load_moment(m_base, row_ptr, 2, offs, mask, gid, gmask, poffs, pmask, COMPRESSED, M_EXPAND,
+                     M_E4M3, GROUP, M_FP4, EVEN)  # fmt: skip
+    v = _load_moment(v_base, row_ptr, 5, offs, mask, gid, gmask, poffs, pmask, COMPRESSED, V_EXPAND,
+                     V_E4M3, GROUP, V_FP4, EVEN)  # fmt: skip
+    # a second moment's NaN code reads as +Inf (formats.optimizer_state.SECOND_MOMENTS; a 4-bit
+    # one's decoder does it per group)
+    if COMPRESSED and V_FP4 == 0:
         v = tl.where(v != v, float("inf"), v)
 
     p = p * decay
@@ -272,9 +305,9 @@ def _adamw_kernel(
         m = g - (g - m) * (1.0 - w1)
     v = v * b2 + w2 * g * g
     if AMSGRAD:
-        vmax = _load_moment(x_base, row_ptr, 8, offs, mask, gid, gmask, eoffs, COMPRESSED, V_EXPAND,
-                            V_E4M3, GROUP, V_FP4)  # fmt: skip
-        if COMPRESSED:
+        vmax = _load_moment(x_base, row_ptr, 8, offs, mask, gid, gmask, poffs, pmask, COMPRESSED,
+                            V_EXPAND, V_E4M3, GROUP, V_FP4, EVEN)  # fmt: skip
+        if COMPRESSED and V_FP4 == 0:
             vmax = tl.where(vmax != vmax, float("inf"), vmax)
         vmax = tl.maximum(vmax, v)
         denom = tl.sqrt(vmax) * inv_bc2_sqrt + eps
@@ -288,26 +321,23 @@ def _adamw_kernel(
         _store_master(p, p_ptrs, c_ptrs, mask, offs, seed, step, MASTER)
     else:
         tl.store(p_ptrs, p.to(p_base.dtype.element_ty), mask=mask)
-    _store_moment(m, m_base, row_ptr, 2, offs, mask, gid, gmask, COMPRESSED,
+    m_top = _store_moment(m, m_base, row_ptr, 2, offs, mask, gid, gmask, COMPRESSED,
                   M_EXPAND, M_MAX, M_MBITS, M_EMIN, M_LOG2_MAX, M_KNUM, M_E4M3, poffs, pmask, GROUP,
-                  M_FP4)  # fmt: skip
-    _store_moment(v, v_base, row_ptr, 5, offs, mask, gid, gmask, COMPRESSED,
+                  M_FP4, EVEN)  # fmt: skip
+    v_top = _store_moment(v, v_base, row_ptr, 5, offs, mask, gid, gmask, COMPRESSED,
                   V_EXPAND, V_MAX, V_MBITS, V_EMIN, V_LOG2_MAX, V_KNUM, V_E4M3, poffs, pmask, GROUP,
-                  V_FP4)  # fmt: skip
+                  V_FP4, EVEN)  # fmt: skip
     if AMSGRAD:
         _store_moment(vmax, x_base, row_ptr, 8, offs, mask, gid, gmask, COMPRESSED,
                       V_EXPAND, V_MAX, V_MBITS, V_EMIN, V_LOG2_MAX, V_KNUM, V_E4M3, poffs, pmask, GROUP,
-                      V_FP4)  # fmt: skip
-    # count non-finite moments (a NaN/Inf gradient): reported by CompressedAdamW, never hidden.
-    # Per parameter: values, steps with any, the last such step (the first program of a step
-    # to raise the last step counts the step)
-    s = m + v
-    bad = tl.sum(tl.sum(((s - s) != 0).to(tl.int32), axis=1), axis=0)
-    if bad > 0:
-        step_now = tl.load(tl.load(row_ptr + 11).to(tl.pointer_type(tl.float32))).to(tl.int32)
-        tl.atomic_add(nonfinite_ptr + 3 * t, bad)
-        if tl.atomic_max(nonfinite_ptr + 3 * t + 2, step_now) < step_now:
-            tl.atomic_add(nonfinite_ptr + 3 * t + 1, 1)
+                      V_FP4, EVEN)  # fmt: skip
+    if COMPRESSED and M_FP4 > 0 and V_FP4 > 0:
+        # both 4-bit encoders saw every value: m + v can only be NaN/Inf where |m| or v (sqrt(v)
+        # >= 2**63 below) reaches 2**127 or is NaN/Inf (a sum of two below 2**127 stays finite)
+        if (m_top > 0x7EFFFFFF) | (v_top > 0x5EFFFFFF):  # rare
+            _count_nonfinite(m, v, row_ptr, nonfinite_ptr, t)
+    else:
+        _count_nonfinite(m, v, row_ptr, nonfinite_ptr, t)
 
 
 def _constants(prefix: str, f: MomentFormat | None) -> dict:

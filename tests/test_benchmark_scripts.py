@@ -216,3 +216,17 @@ def test_fp8_width_smoke_pairs_each_width_and_finds_no_crossover_on_cpu(tmp_path
     for ratio in data["ratios"].values():
         assert ratio["n"] == 2 and ratio["min"] <= ratio["median"] <= ratio["max"]
     assert data["fp8_pays_from_width"] is None
+
+
+def test_kernel_static_compiles_the_fused_step_for_sm90_without_a_gpu(tmp_path):
+    """The 4-bit specializations keep what the rewrite bought: no per-element byte gathers, no
+    more layout conversions or shared memory than the FP8 step, no spills."""
+    out = tmp_path / "static.json"
+    _run("benchmarks/kernel_static.py", "--out", str(out))
+    rows = json.loads(out.read_text())["variants"]
+    fp8, four = rows["fp8 m + fp8 v (no expand)"], rows["4-bit m + 4-bit v"]
+    for r in rows.values():
+        assert r["spill_stores_B"] == r["spill_loads_B"] == 0
+    assert four["convert_layout"] <= fp8["convert_layout"] and four["shared_B"] <= fp8["shared_B"]
+    assert "LDG 1B" not in four["sass"]["memory"]
+    assert four["sass"]["hot_path"] < rows["fp8 m + fp8 v (expand)"]["sass"]["hot_path"]

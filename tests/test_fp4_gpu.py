@@ -21,6 +21,8 @@ from conftest import requires_cuda
 from coatstate import CompressedAdamW
 
 SHAPES = [(3, 129), (1, 300), (5, 127), (257, 1000), (64, 4096), (2, 3, 77, 5), (1_000_003,)]
+EVEN_SHAPES = [(257, 1024), (64, 4096), (3, 128), (2, 3, 256), (131_072,)]
+"""every row whole groups of 128: the launch's EVEN specialization (codes as int32 words)"""
 FORMATS = [("e2m1", "ue3m1_sqrt"), ("e4m3", "ue3m1_sqrt"), ("e2m1", "e4m3")]
 FP8 = ("e4m3", "e5m2")
 pytestmark = [requires_cuda, pytest.mark.gpu]
@@ -40,10 +42,10 @@ def _code_levels(codes: torch.Tensor, fmt: str) -> torch.Tensor:
     return torch.where(c >= 8, -(c & 7), c) if fmt == "e2m1" else c
 
 
-def _step_pair(dtype, fm, fv, steps, betas, master_bits):
+def _step_pair(dtype, fm, fv, steps, betas, master_bits, shapes=SHAPES):
     g = torch.Generator(device="cuda").manual_seed(0)
     params = [
-        torch.nn.Parameter((torch.randn(s, device="cuda", generator=g) * 0.1).to(dtype)) for s in SHAPES
+        torch.nn.Parameter((torch.randn(s, device="cuda", generator=g) * 0.1).to(dtype)) for s in shapes
     ]
     shadow = [torch.nn.Parameter(p.detach().clone()) for p in params]
     kw = dict(_opts(fm, fv), betas=betas, master_bits=master_bits)
@@ -67,8 +69,10 @@ def _step_pair(dtype, fm, fv, steps, betas, master_bits):
 @pytest.mark.parametrize(
     ("dtype", "master_bits"), [(torch.float32, None), (torch.bfloat16, 24)], ids=["fp32", "bf16-24"]
 )
-def test_4bit_codes_and_scales_are_bit_exact_on_the_gpu(fm, fv, dtype, master_bits):
-    for step, params, shadow, fused, twin, before in _step_pair(dtype, fm, fv, 5, (0.5, 0.0), master_bits):
+@pytest.mark.parametrize("shapes", [SHAPES, EVEN_SHAPES], ids=["mixed-rows", "whole-groups"])
+def test_4bit_codes_and_scales_are_bit_exact_on_the_gpu(fm, fv, dtype, master_bits, shapes):
+    pairs = _step_pair(dtype, fm, fv, 5, (0.5, 0.0), master_bits, shapes)
+    for step, params, shadow, fused, twin, before in pairs:
         for i, (pf, ps) in enumerate(zip(params, shadow, strict=True)):
             sf, st = fused.state[pf], twin.state[ps]
             for k in sf:

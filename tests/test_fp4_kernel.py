@@ -17,6 +17,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
+from coatstate.formats.fp4 import CODEBOOKS, decode_levels, unpack
+from coatstate.formats.fp4 import _nearest as _twin_nearest
+from coatstate.kernels.fp4_triton import E2M1, UE3M1_SQRT, _level, _nearest
 
 from coatstate import CompressedAdamW
 
@@ -26,13 +31,15 @@ pytestmark = pytest.mark.skipif(
 )
 
 SHAPES = [(3, 129), (1, 300), (5, 127), (7, 2, 33), (4, 256), (2, 1), (300,)]
+EVEN_SHAPES = [(4, 256), (2, 128), (3, 384), (128,), (5, 3, 128)]
+"""every row whole groups of 128: the launch's EVEN specialization (int32 words of packed codes)"""
 BETAS = (0.5, 0.0)
 FORMATS = [("e2m1", "ue3m1_sqrt"), ("e4m3", "ue3m1_sqrt"), ("e2m1", "e4m3")]
 
 
-def _params(dtype, seed=0):
+def _params(dtype, seed=0, shapes=SHAPES):
     g = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter((torch.randn(s, generator=g) * 0.1).to(dtype)) for s in SHAPES]
+    return [torch.nn.Parameter((torch.randn(s, generator=g) * 0.1).to(dtype)) for s in shapes]
 
 
 def _grads(params, seed):
@@ -42,8 +49,8 @@ def _grads(params, seed):
     ]
 
 
-def _pair(dtype, fm, fv, **kw):
-    a, b = _params(dtype), _params(dtype)
+def _pair(dtype, fm, fv, shapes=SHAPES, **kw):
+    a, b = _params(dtype, shapes=shapes), _params(dtype, shapes=shapes)
     # an FP8 moment without expansion: its codec is bit-exact too (expansion's log2/exp2 are
     # not, tests/test_kernels.py)
     fp8 = {f"{n}_expand": False for n, f in (("exp_avg", fm), ("exp_avg_sq", fv)) if f in ("e4m3", "e5m2")}
@@ -103,6 +110,47 @@ def test_fused_4bit_step_equals_the_twin_bit_for_bit(fm, fv, dtype, master_bits)
     state = opt_b.state[b[0]]
     if fm == "e2m1":
         assert state["exp_avg_codes"].shape == (3, 65) and state["exp_avg_codes"].dtype == torch.uint8
+
+
+@pytest.mark.parametrize(("fm", "fv"), FORMATS, ids="/".join)
+@pytest.mark.parametrize(
+    ("dtype", "master_bits"), [(torch.float32, None), (torch.bfloat16, 24)], ids=["fp32", "bf16-24"]
+)
+def test_fused_4bit_step_on_whole_groups_equals_the_twin_bit_for_bit(fm, fv, dtype, master_bits):
+    a, b, opt_a, opt_b = _pair(dtype, fm, fv, EVEN_SHAPES, master_bits=master_bits)
+    _run(a, b, opt_a, opt_b)
+    launches = [x for prepared in opt_b._prepared.values() for x in prepared.launches]
+    assert launches and all(x.plan.even for x in launches)
+
+
+def test_fused_4bit_whole_groups_nan_and_inf_equal_the_twin():
+    """The EVEN specialization's rare path: a program holding a NaN or an Inf (NaN scales, codes
+    from the finite values), and v's decoded NaN scales read as +Inf. (Not with amsgrad: there the
+    kernel's maximum drops a NaN that the twin's torch.maximum keeps, in the FP8 step too.)"""
+    a, b, opt_a, opt_b = _pair(torch.float32, "e2m1", "ue3m1_sqrt", EVEN_SHAPES)
+    _run(a, b, opt_a, opt_b, steps=2)
+    for params, opt in ((a, opt_a), (b, opt_b)):
+        for p, g in zip(params, _grads(params, 5), strict=True):
+            p.grad = g
+        params[0].grad[1, 5] = float("nan")
+        params[2].grad[2, 300] = float("inf")
+        params[2].grad[0, 7] = -float("inf")
+        opt.step()
+    for pa, pb in zip(a, b, strict=True):
+        assert torch.equal(pa.isnan(), pb.isnan())
+    for pa, pb in zip(a, b, strict=True):
+        sa, sb = opt_a.state[pa], opt_b.state[pb]
+        for k in sa:
+            if k.endswith(("_codes", "_scales")):
+                assert torch.equal(_bits(sa[k]), _bits(sb[k])), k
+    assert torch.isnan(opt_b.state[b[0]]["exp_avg_scales"][1, 0])
+    assert torch.isnan(opt_b.state[b[2]]["exp_avg_sq_scales"][2, 2])
+    assert sorted(x["shape"] for x in opt_b.nonfinite_parameters()) == [(3, 384), (4, 256)]
+
+
+def test_fused_4bit_whole_groups_amsgrad_and_maximize_equal_the_twin():
+    a, b, opt_a, opt_b = _pair(torch.float32, "e2m1", "ue3m1_sqrt", EVEN_SHAPES, amsgrad=True, maximize=True)
+    _run(a, b, opt_a, opt_b)
 
 
 def test_fused_4bit_amsgrad_and_maximize_equal_the_twin():
@@ -167,3 +215,42 @@ def test_gradient_release_with_4bit_moments_equals_the_ordinary_step(fused):
     for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
         assert torch.equal(pa, pb)
     assert opt_b.state[b[0].weight]["exp_avg_codes"].shape == (64, 16)
+
+
+@triton.jit
+def _levels_kernel(w_ptr, out_ptr, FMT: tl.constexpr, N: tl.constexpr):
+    offs = tl.arange(0, 256)
+    tl.store(out_ptr + offs * 8 + N, _level(tl.load(w_ptr + offs), N, FMT))
+
+
+@triton.jit
+def _nearest_kernel(y_ptr, out_ptr, FMT: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, _nearest(tl.load(y_ptr + offs), FMT))
+
+
+@pytest.mark.parametrize(("codebook", "fmt"), [("e2m1", E2M1), ("ue3m1", UE3M1_SQRT)])
+def test_kernel_decodes_every_code_at_every_nibble_of_a_word(codebook, fmt):
+    g = torch.Generator().manual_seed(0)
+    words = torch.randint(-(2**31), 2**31, (256,), generator=g, dtype=torch.int64).to(torch.int32)
+    words[:16] = torch.arange(16, dtype=torch.int32) * 0x11111111  # each code in every nibble
+    out = torch.empty((256, 8), dtype=torch.float32)
+    for n in range(8):
+        _levels_kernel[(1,)](words, out, fmt, n)
+    codes = unpack(words.view(torch.uint8).view(256, 4), 8)  # byte j, low nibble first
+    assert torch.equal(_bits(out), _bits(decode_levels(codes, codebook)))
+
+
+@pytest.mark.parametrize(("codebook", "fmt"), [("e2m1", E2M1), ("ue3m1", UE3M1_SQRT)])
+def test_kernel_nearest_code_at_every_level_and_midpoint_and_their_neighbours(codebook, fmt):
+    """A sample of tests/exhaustive_fp4_nearest.py (every float32 in [0, top], run by hand)."""
+    levels = torch.tensor(CODEBOOKS[codebook][0], dtype=torch.float32)
+    points = torch.cat([levels, (levels[1:] + levels[:-1]) / 2, torch.tensor([0.0, 2.0**-149, 1e-30])])
+    bits = points.view(torch.int32)[:, None] + torch.arange(-3, 4, dtype=torch.int32)
+    noise = torch.rand(2**14, generator=torch.Generator().manual_seed(0)) * 7
+    y = torch.cat([bits.view(torch.float32).flatten(), noise])
+    y = y[(y >= 0) & (y <= levels[-1] * (1 + 2**-22))]
+    y = torch.nn.functional.pad(y, (0, -y.numel() % 1024))
+    out = torch.empty(y.shape, dtype=torch.int32)
+    _nearest_kernel[(y.numel() // 1024,)](y, out, fmt, 1024)
+    assert torch.equal(out.long(), _twin_nearest(y.clamp(max=levels[-1].item()), levels))
