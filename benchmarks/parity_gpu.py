@@ -207,8 +207,8 @@ def build(variant: str, seed: int, args, device: torch.device):
         opt = torch.optim.AdamW(groups, fused=device.type == "cuda", **kw)
     else:
         opt = coatstate.CompressedAdamW(groups, **kw, **OPTIMIZER_OPTIONS[opt_kind])
-    ca = coatstate.CompiledActivations() if with_ca else None
-    compiled = with_ca or args.compile == "all"
+    ca = coatstate.CompiledActivations(**(with_ca if isinstance(with_ca, dict) else {})) if with_ca else None
+    compiled = bool(with_ca) or args.compile == "all"
     if compiled:
         for block in model.blocks:
             block.compile(options=ca.options if ca else None)
@@ -327,6 +327,7 @@ def train_run(variant: str, seed: int, args, corpus: dict, val: torch.Tensor) ->
         st = ca.stats  # (bytes saved for backward by one block, and held of them)
         record["activations"] = dict(graphs=ca.graphs, packed=st.packed, kept=st.kept)
         record["activations"] |= dict(saved=st.activation_bytes_original, held=st.activation_bytes_held)
+        record["activations"]["attention"] = ca.policy.attention.value  # (the default changed once)
     if device.type == "cuda":
         record["peak_gib"] = max(record["peak_gib"], torch.cuda.max_memory_allocated() / 2**30)
     rates = record["window_tokens_per_s"]

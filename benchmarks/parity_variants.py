@@ -2,7 +2,7 @@
 CompiledActivations and FP8Linear are on, and each optimizer kind's CompressedAdamW options (one
 deviation from the library's defaults per diagnostic)."""
 
-VARIANTS = {  # name: (optimizer, CompiledActivations, FP8Linear)
+VARIANTS = {  # name: (optimizer, CompiledActivations (True, or its policy overrides), FP8Linear)
     "adamw": ("adamw", False, False),
     # the recipes, each with the library's defaults (whatever those are when it runs)
     "compressed": ("compressed", False, False),
@@ -15,6 +15,9 @@ VARIANTS = {  # name: (optimizer, CompiledActivations, FP8Linear)
     "compressed_m_expand": ("compressed_m_expand", False, False),  # expansion on the first moment only
     "compressed_v_expand": ("compressed_v_expand", False, False),  # expansion on the second moment only
     "master16": ("master16", False, False),  # bfloat16 model, stochastic rounding, no correction
+    # q and k in FP8 (ActivationPolicy.attention's default until 2026-12-02, COAT's choice)
+    "compressed_ca_attn_group": ("compressed", {"attention": "group"}, False),
+    "full_attn_group": ("compressed", {"attention": "group"}, True),
     # 4-bit moments (issue #33; options, not defaults): 4-bit both, and FP8 m with 4-bit v
     "fp4": ("fp4", False, False),
     "fp4_v": ("fp4_v", False, False),

@@ -19,6 +19,11 @@ RECIPES = {  # variant: (what a user runs, the bound on its mean vs AdamW's mean
     "full": ("+ `FP8Linear` (the full recipe)", 0.7),
     "fp4": ("`CompressedAdamW`, 4-bit moments (`e2m1` / `ue3m1_sqrt`; opt-in)", 0.3),
     "fp4_v": ("`CompressedAdamW`, FP8 m + 4-bit v (`ue3m1_sqrt`; opt-in)", 0.3),
+    "compressed_ca_attn_group": (
+        "diagnostic: + `CompiledActivations` with q, k in FP8 (the default until now)",
+        None,
+    ),
+    "full_attn_group": ("diagnostic: the full recipe with q, k in FP8 (the default until now)", None),
     "compressed_plain": ("diagnostic: no range expansion", None),
     "compressed_expand": ("diagnostic: expansion on both moments", None),
     "master16": ("diagnostic: `master_bits=16`", None),
@@ -60,7 +65,7 @@ def accuracy_table(data: dict) -> str:
         f"the loss, spread {ref['spread_pct']:.2f}% (the harness aims at <= {NOISE_BAR_PCT}%). Each recipe's "
         "interval is a 95% Welch interval of its mean against AdamW's, from both groups' own seeds."
     )
-    noisy = [f"{RECIPES[v][0]} (std {100 * r['std'] / r['mean']:.2f}%)" for v, r in rows.items()
+    noisy = [f"{RECIPES[v][0].removeprefix('diagnostic: ')} (std {100 * r['std'] / r['mean']:.2f}%)" for v, r in rows.items()
              if v in RECIPES and r["std"] is not None and r["std"] > NOISIER * ref["std"]]  # fmt: skip
     if noisy:
         head += f" Noisier than AdamW across seeds (over {NOISIER:g}x its std): {'; '.join(noisy)}."

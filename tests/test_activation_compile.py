@@ -55,7 +55,7 @@ def test_gradient_fidelity_and_bytes(arch, autocast, device="cpu"):
     tgt = torch.randint(0, cfg.vocab, (4, cfg.seq), device=device)
     loss_ref, ref = _grads(_compiled_blocks(model), idx, tgt, autocast)
     torch._dynamo.reset()
-    fp8 = CompiledActivations(min_numel=1024)
+    fp8 = CompiledActivations(min_numel=1024, attention="group")  # (q, k in FP8: the path under test)
     loss, got = _grads(_compiled_blocks(model, fp8.options), idx, tgt, autocast)
     cos = {n: F.cosine_similarity(ref[n].flatten(), got[n].flatten(), dim=0).item() for n in ref}
     worst = min(cos, key=cos.get)
@@ -211,7 +211,7 @@ def test_whole_model_as_one_graph(device="cpu"):
     idx = torch.randint(0, cfg.vocab, (4, cfg.seq), device=device)
     _, ref = _grads(torch.compile(copy.deepcopy(model)), idx, idx, True)
     torch._dynamo.reset()
-    fp8 = CompiledActivations(min_numel=1024)
+    fp8 = CompiledActivations(min_numel=1024, attention="group")
     _, got = _grads(torch.compile(copy.deepcopy(model), options=fp8.options), idx, idx, True)
     worst = min(F.cosine_similarity(ref[n].flatten(), got[n].flatten(), dim=0).item() for n in ref)
     print(f"\nwhole GPT as one graph: min cosine {worst:.6f}\n{fp8.stats.summary()}")
@@ -246,7 +246,7 @@ def _fsdp2_worker(rank, world_size, port):
     base = GPT(cfg)
     idx = torch.randint(0, cfg.vocab, (2, cfg.seq), generator=torch.Generator().manual_seed(rank))
     grads = []
-    for fp8 in (None, CompiledActivations(min_numel=1024)):
+    for fp8 in (None, CompiledActivations(min_numel=1024, attention="group")):
         torch._dynamo.reset()
         model = copy.deepcopy(base)
         for block in model.blocks:
@@ -327,7 +327,7 @@ def test_fused_consumers_change_nothing_but_kernels(device="cpu"):
         again = (False,) if device == "cuda" else ()  # (CPU repeats itself bit for bit)
         for fuse in (False, True, *again):
             torch._dynamo.reset()
-            fp8 = CompiledActivations(min_numel=1024, fuse_consumers=fuse)
+            fp8 = CompiledActivations(min_numel=1024, attention="group", fuse_consumers=fuse)
             with pytest.MonkeyPatch.context() as mp:
                 if not fuse:  # (views packed one by one, as before the shared pack)
                     mp.setattr(compiled_module._Rewrite, "_merge_shared", lambda self, packs: packs)
@@ -391,3 +391,23 @@ def test_a_split_buffer_is_packed_once_only_where_groups_stay_its_pieces(widths,
         assert fp8.buffers_shared == (shared if merge else 0)
     for name in runs[0]:
         assert torch.equal(runs[0][name], runs[-1][name]), name
+
+
+def test_default_keeps_q_and_k_and_labels_the_gelu_input_under_autocast(device="cpu"):
+    """By default attention's q and k (and the v that shares their qkv storage) stay as they are:
+    FP8 q and k shrink attention's gradients (ActivationPolicy.attention). Under bf16 autocast the
+    MLP's pre-GELU tensor reaches tanh through a view and a cast, and is still an activation:
+    `activation="keep"` keeps it."""
+    cfg = ModelConfig(vocab=128, layers=1, dim=128, heads=4, seq=64, loss_chunks=1)
+    model = GPT(cfg).to(device)
+    idx = torch.randint(0, cfg.vocab, (4, cfg.seq), device=device)
+    fp8 = CompiledActivations(min_numel=1024)
+    _grads(_compiled_blocks(model, fp8.options), idx, idx, True)
+    assert fp8.stats.kept_reasons["policy keeps attention"] >= 2, fp8.report
+    assert not any(k.startswith("attention") for k in fp8.stats.packed_by_kind), fp8.stats.packed_by_kind
+    assert fp8.stats.packed_by_kind.get("activation/group", 0) == 1, fp8.stats.packed_by_kind
+    torch._dynamo.reset()
+    keep = CompiledActivations(min_numel=1024, activation="keep")
+    _grads(_compiled_blocks(model, keep.options), idx, idx, True)
+    assert keep.stats.kept_reasons["policy keeps activation"] >= 1, keep.report
+    assert "activation/group" not in keep.stats.packed_by_kind, keep.stats.packed_by_kind

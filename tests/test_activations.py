@@ -125,7 +125,7 @@ def test_views_of_one_storage_are_packed_once_and_unpacked_once():
     attention().backward()
     ref = qkv_proj.weight.grad.clone()
     qkv_proj.weight.grad = None
-    with compress_activations(min_numel=0, attention_v_out="group") as ctx:
+    with compress_activations(min_numel=0, attention="group", attention_v_out="group") as ctx:
         loss = attention()
     unpacked = []
     real = ctx._region_values
@@ -159,7 +159,7 @@ def test_attention_q_and_k_are_packed_v_kept_with_exact_gradients():
             w.grad = None
         return out
 
-    with compress_activations(min_numel=0) as ctx:
+    with compress_activations(min_numel=0, attention="group") as ctx:
         loss, _, _ = attention()
     loss.backward()
     got = grads()

@@ -522,10 +522,18 @@ def _is_statistic(node: fx.Node, depth: int = 3) -> bool:
 
 
 def _feeds(node: fx.Node, targets: frozenset, depth: int) -> bool:
-    """Some op in `targets` uses node within `depth` steps of its users (an activation's formula)."""
+    """Some op in `targets` uses node within `depth` steps of its users (an activation's formula).
+    Views and dtype casts on the way are not steps: under autocast tanh-GELU's tanh sits behind a
+    view and a cast of the matmul output as well as its add and mul."""
     frontier = [node]
     for _ in range(depth):
-        frontier = [u for n in frontier for u in n.users if u.op == "call_function"]
+        users = [u for n in frontier for u in n.users if u.op == "call_function"]
+        frontier = []
+        while users:
+            u = users.pop()
+            frontier.append(u)
+            if u.target in ops.VIEWS:
+                users += [w for w in u.users if w.op == "call_function"]
         if any(u.target in targets for u in frontier):
             return True
     return False

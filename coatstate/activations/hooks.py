@@ -20,9 +20,10 @@ work, elsewhere their pure-torch twins in coatstate.formats.activation.
 
 Attention: scaled_dot_product_attention saves q, k and v before its output; which input is which is
 known only from the op's autograd node, reachable once the output is saved (its grad_fn). So the inputs
-wait (uncompressed, as they are anyway) until the same op saves its output, then q and k are packed
-first (a qkv storage shared with v takes their granularity) and v after. Backends that save no output of
-their own (the math fallback) hold every input as `attention_v_out`.
+wait (uncompressed, as they are anyway) until the same op saves its output, then q and k are held
+first (a qkv storage shared with v takes their granularity: kept by default, ActivationPolicy.attention)
+and v after. Backends that save no output of their own (the math fallback) hold every input as
+`attention_v_out`.
 
 What is compressed is a REGION of memory, not a tensor: a dense tensor's own bytes, or, for a strided
 view such as the q, k and v that split one qkv projection, the whole storage it views (when that storage

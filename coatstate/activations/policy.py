@@ -81,8 +81,14 @@ class ActivationPolicy:
     norm reads is float32, so bfloat16 still halves it."""
     activation: Granularity = Granularity.GROUP
     """Inputs/outputs saved by GELU/SiLU/softmax/...: per-group, as COAT."""
-    attention: Granularity = Granularity.GROUP
-    """q and k saved by scaled_dot_product_attention (its logsumexp is always kept)."""
+    attention: Granularity = Granularity.KEEP
+    """q and k saved by scaled_dot_product_attention: kept by default, not COAT's per-group FP8
+    ("group"). Attention's backward recomputes the softmax from the held q and k but subtracts the
+    forward's exact logsumexp, so FP8 q and k give rows that no longer sum to one, and gradients
+    that come out systematically small; the shrink grows as the logits grow in training
+    (benchmarks/activation_grad_error.py), and the GPU parity runs with "group" ended +2.0% above
+    AdamW at four seeds, one of them unstable (docs/benchmarks.md). Where q, k and v are views of
+    one qkv projection they share one storage region, held with q's granularity."""
     attention_v_out: Granularity = Granularity.KEEP
     """v and the output saved by attention: kept by default. Backward forms dP - rowsum(dO * O)
     from them, a difference that cancels, and compressing them pushed gradient cosines below the
