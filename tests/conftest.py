@@ -8,6 +8,33 @@ if not torch.cuda.is_available():
     # must be set before any kernel module is imported, hence here.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+def _one_tree() -> None:
+    """coatstate, coatstate.formats and coatstate.kernels must come from one source tree. An
+    editable install maps formats/ and kernels/ to the tree it was made from, so a second
+    checkout (a git worktree) on PYTHONPATH would otherwise test its own coatstate against the
+    first tree's kernels, silently."""
+    from pathlib import Path
+
+    import coatstate.formats
+    import coatstate.kernels
+
+    import coatstate
+
+    package = Path(coatstate.__file__).resolve().parent
+    for module in (coatstate.formats, coatstate.kernels):
+        path = Path(module.__file__).resolve()
+        where, root = path.parents[1], package.parent
+        if where != root and package not in path.parents:  # (the tree's layout, or a wheel's)
+            raise RuntimeError(
+                f"{module.__name__} is imported from {where}, coatstate from {root}: an editable "
+                "install of another checkout maps it there. Install this checkout "
+                "(pip install -e .) or run from the tree the install points to."
+            )
+
+
+_one_tree()
+
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
