@@ -55,6 +55,18 @@ def parse_format(value: FP8Format | FP4Format | str | torch.dtype) -> FP8Format 
 
 
 _FP4_NAMES = {f.value: f for f in FP4Format}
+FP4_NAMES = frozenset(_FP4_NAMES)
+"""the 4-bit moment formats' names, as param groups and checkpoint headers spell them"""
+
+
+def format_option(moment: str) -> str:
+    """The param-group option naming `moment`'s format (max_exp_avg_sq shares exp_avg_sq's)."""
+    return "exp_avg_format" if moment == "exp_avg" else "exp_avg_sq_format"
+
+
+def expand_option(moment: str) -> str:
+    """The param-group option switching `moment`'s range expansion (shared as format_option)."""
+    return "exp_avg_expand" if moment == "exp_avg" else "exp_avg_sq_expand"
 
 
 def check_moment_format(name: str, fmt: FP8Format | FP4Format, expand: bool) -> None:
@@ -72,8 +84,7 @@ def check_moment_format(name: str, fmt: FP8Format | FP4Format, expand: bool) -> 
             "second moment"
         )
     if isinstance(fmt, FP4Format) and expand:
-        option = "exp_avg_expand" if name == "exp_avg" else "exp_avg_sq_expand"
-        raise ValueError(f"4-bit formats take no range expansion; pass {option}=False")
+        raise ValueError(f"4-bit formats take no range expansion; pass {expand_option(name)}=False")
 
 
 def resolve_expand(fmt: FP8Format | FP4Format, expand: bool | str) -> bool:

@@ -16,11 +16,8 @@ import torch
 from coatstate import __version__
 from coatstate.checkpoint import container
 from coatstate.formats import schema
-from coatstate.formats.fp4_moment import FP4Format
-from coatstate.formats.optimizer_state import CODES, EXPONENTS, moment_of
+from coatstate.formats.optimizer_state import CODES, EXPONENTS, FP4_NAMES, format_option, moment_of
 from coatstate.formats.schema import CheckpointError
-
-FP4_NAMES = {f.value for f in FP4Format}
 
 
 def to_cpu(t: torch.Tensor) -> torch.Tensor:
@@ -78,7 +75,7 @@ def _code_format(moment: str, codes: torch.Tensor, group: Mapping[str, Any]) -> 
     """A moment's format name: FP8 codes say it by their dtype; 4-bit codes (uint8) are in their
     param group's format for that moment."""
     if codes.dtype == torch.uint8:
-        return str(group.get("exp_avg_format" if moment == "exp_avg" else "exp_avg_sq_format"))
+        return str(group.get(format_option(moment)))
     return "e4m3" if codes.dtype == torch.float8_e4m3fn else "e5m2"
 
 

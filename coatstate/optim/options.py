@@ -9,12 +9,19 @@ from typing import Any
 
 import torch
 
-from coatstate.formats.fp4_moment import FP4Format
 from coatstate.formats.master_weights import MASTER_BITS
-from coatstate.formats.optimizer_state import check_moment_format, parse_format, resolve_expand
+from coatstate.formats.optimizer_state import (
+    MomentFormat,
+    check_moment_format,
+    expand_option,
+    format_option,
+    parse_format,
+    resolve_expand,
+)
 
 logger = logging.getLogger("coatstate")
-FP4 = {f.value for f in FP4Format}
+MOMENTS_WITH_OPTIONS = ("exp_avg", "exp_avg_sq")
+"""the moments with a format option of their own (max_exp_avg_sq shares exp_avg_sq's)"""
 
 
 def _number(v: Any) -> bool:
@@ -55,18 +62,14 @@ def check_group(gi: int, group: dict[str, Any]) -> None:
         raise ValueError(
             f"param group {gi}: master_bits must be None, 16, 24 or 32; got {group['master_bits']!r:.40}"
         )
-    for key in ("exp_avg_format", "exp_avg_sq_format"):
+    for moment in MOMENTS_WITH_OPTIONS:
+        key, expand = format_option(moment), group[expand_option(moment)]
         try:
             fmt = parse_format(group[key])
-            check_moment_format(key[: -len("_format")], fmt, group[key[: -len("_format")] + "_expand"])
+            check_moment_format(moment, fmt, expand)
+            MomentFormat(fmt, expand, group["group_size"])  # (its own rules: 4-bit needs an even group)
         except (ValueError, TypeError) as e:
             raise ValueError(f"param group {gi}: {key}: {e}") from None
-    four_bit = [k for k in ("exp_avg_format", "exp_avg_sq_format") if parse_format(group[k]).value in FP4]
-    if group["group_size"] % 2 and four_bit:
-        raise ValueError(
-            f"param group {gi}: 4-bit formats pack two codes a byte within a group: group_size must "
-            f"be even; got {group['group_size']}"
-        )
 
 
 def settle_group(gi: int, group: dict) -> None:
@@ -83,13 +86,14 @@ def settle_group(gi: int, group: dict) -> None:
             "float32 one); cast the model with coatstate.cast_model(model, torch.bfloat16), or "
             "keep float16 parameters with master_bits=None"
         )
-    for key in ("exp_avg_format", "exp_avg_sq_format"):  # one spelling in state dicts and launches
+    for moment in MOMENTS_WITH_OPTIONS:  # one spelling in state dicts and launches
+        key, expand = format_option(moment), expand_option(moment)
         try:
-            group[key] = parse_format(group[key]).value
+            fmt = parse_format(group[key])
         except (ValueError, TypeError):
             continue  # check_group names the group and the option
-        expand = key[: -len("_format")] + "_expand"  # "auto" follows the format: state dicts hold bools
-        group[expand] = resolve_expand(parse_format(group[key]), group.get(expand, "auto"))
+        group[key] = fmt.value
+        group[expand] = resolve_expand(fmt, group.get(expand, "auto"))  # state dicts hold bools
     check_group(gi, group)
     if group.get("master_bits") is None and dtypes & {torch.bfloat16, torch.float16}:
         logger.info(

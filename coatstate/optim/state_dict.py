@@ -21,6 +21,7 @@ from coatstate.formats.optimizer_state import (
     SCALES,
     MomentFormat,
     check_moment_format,
+    format_option,
     init_moment,
     is_compressed,
     parse_format,
@@ -266,7 +267,7 @@ def _four_bit(s: dict, name: str, group: dict, group_size: int, shapes, pid) -> 
             f"param {pid}: {name} is in 4 bits, whose packed codes do not record the parameter's "
             "shape; pass shapes={param id: shape} (a checkpoint's header has them)"
         )
-    fmt = parse_format(group.get("exp_avg_format" if name == "exp_avg" else "exp_avg_sq_format"))
+    fmt = parse_format(group.get(format_option(name)))
     return MomentFormat(fmt, False, group_size), tuple(shape)
 
 
