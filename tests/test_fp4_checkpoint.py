@@ -124,12 +124,18 @@ def test_hostile_4bit_headers_are_refused(saved, tmp_path, name):
         ck.read(str(bad))
 
 
-def test_convert_into_and_out_of_4bit(tmp_path, capsys):
+def _fp8_checkpoint(tmp_path, steps):
+    """An FP8 (default formats) checkpoint of _model after `steps` steps: what convert starts from."""
     model = _model()
     opt = CompressedAdamW(model.parameters(), lr=1e-2)
-    _train(model, opt, 3, seed=1)
+    _train(model, opt, steps, seed=1)
     fp8 = tmp_path / "fp8.safetensors"
     ck.save(opt, str(fp8), model=model)
+    return fp8
+
+
+def test_convert_into_and_out_of_4bit(tmp_path, capsys):
+    fp8 = _fp8_checkpoint(tmp_path, steps=3)
     four = tmp_path / "four.safetensors"
     argv = ["convert", str(fp8), str(four), "--to", "compressed", "--exp-avg-format", "e2m1"]
     assert cli([*argv, "--exp-avg-sq-format", "ue3m1_sqrt"]) == 0
@@ -158,11 +164,7 @@ def test_convert_into_and_out_of_4bit(tmp_path, capsys):
 
 
 def test_convert_refuses_expand_with_4bit(tmp_path, capsys):
-    model = _model()
-    opt = CompressedAdamW(model.parameters(), lr=1e-2)
-    _train(model, opt, 1, seed=1)
-    fp8 = tmp_path / "fp8.safetensors"
-    ck.save(opt, str(fp8), model=model)
+    fp8 = _fp8_checkpoint(tmp_path, steps=1)
     argv = [
         "convert",
         str(fp8),
