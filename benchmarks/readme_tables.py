@@ -148,6 +148,17 @@ def expansion_note(meta: dict, step: dict) -> str:
     )
 
 
+def _default_launch_name(name: str) -> str:
+    """A row measured under --configs is named "... [GPPxWARPS]": the headline shows the launch
+    config a user gets (the kernel's defaults) under the plain name, and drops the others."""
+    from coatstate.kernels.adamw_fused import GROUPS_PER_PROGRAM, NUM_WARPS
+
+    base, _, config = name.partition(" [")
+    if not config:
+        return name
+    return base if config == f"{GROUPS_PER_PROGRAM}x{NUM_WARPS}]" else ""
+
+
 def headline_table(whole: dict, step: dict, activations: dict, checkpoint: dict) -> str:
     """Whole training state per parameter and step time on the 1.31B set; activation memory and
     checkpoint size in one line each."""
@@ -163,7 +174,7 @@ def headline_table(whole: dict, step: dict, activations: dict, checkpoint: dict)
         "|---|---|---|---|---|",
     ]
     for r in whole["rows"]:
-        if (label := WHOLE_STATE_ROWS.get(r["name"])) is None:
+        if (label := WHOLE_STATE_ROWS.get(_default_launch_name(r["name"]))) is None:
             continue
         floor = f"{r['floor_ms']:.2f}" if r["floor_ms"] == r["floor_ms"] else ""  # NaN: the peer's layout
         lo, hi = r["spread_ms"]

@@ -503,6 +503,8 @@ SECTIONS = {
     "parity_gpu_val1M": section_parity_gpu,
     "parity_gpu_session1": section_parity_gpu,
     "parity_gpu_contiguous": section_parity_gpu,
+    "parity_gpu_minlr0": section_parity_gpu,
+    "parity_gpu_lr3e-4": section_parity_gpu,
     "fp4_reconstruction": section_fp4_reconstruction,
     "compare_trees": section_compare_trees,
     "compare_nan_policy": section_compare_trees,
