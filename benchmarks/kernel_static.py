@@ -3,13 +3,11 @@
 Static cost of the fused AdamW step's specializations (kernels/adamw_fused.py), without a GPU:
 each is compiled by triton.compile for GPUTarget("cuda", 90, 32) with the exact constexprs that
 kernels/adamw_launch.py launches it with for the 1.31B set of benchmarks/whole_state_step.py
-(bfloat16 p and g, master_bits=24, GROUP=128, EVEN, COMPRESSED, the launch config of
-adamw_fused.launch_config (8 groups a program in 4 warps; both moments 4-bit: 4 in 1), no AMSGrad,
+(bfloat16 p and g, master_bits=24, GROUP=128, GPP=8, EVEN, COMPRESSED, num_warps=4, no AMSGrad,
 GradScaler or maximize; FP8 moments at the default E4M3 with expansion). Reported per variant:
 ttg.convert_layout and ttg.local_alloc ops in the TTGIR, the shared memory Triton allocates,
 registers and spill bytes (ptxas -v, the ptxas Triton uses), PTX and SASS instruction counts, global
-loads/stores by width in bytes, per thread (8x4: a [8, 128] tile over 128 threads, 8 elements each;
-4x1: 16 each, so compare "hot/el", the hot path per element), and
+loads/stores by width in bytes, per thread (a [8, 128] tile over 128 threads: 8 elements each), and
 the hot path: the SASS a thread runs when nothing is rare (slow-path calls, NaN/Inf branches and
 the non-finite counters' atomics skipped), in all and on the integer/compare/select pipe ("alu":
 half the FP32 pipe's rate on Hopper, so 2 * alu > hot means that pipe limits the issue).
@@ -59,14 +57,14 @@ def compile_variant(fm: MomentFormat, fv: MomentFormat, grad: str):
     pointers = {**POINTERS, "g_base": grad}
     constexprs = dict(
         COMPRESSED=True, AMSGRAD=False, MAXIMIZE=False, HAS_SCALE=False, HAS_INF=False,
-        GROUP=128, GPP=K.launch_config(fm, fv)[0], EVEN=True, MASTER=24,
+        GROUP=128, GPP=K.GROUPS_PER_PROGRAM, EVEN=True, MASTER=24,
         **K._constants("M", fm), **K._constants("V", fv),
     )  # fmt: skip
     signature = {n: pointers.get(n, "constexpr") for n in fn.arg_names}
     # torch tensors are 16-byte aligned: the launcher's JIT specializes pointers as divisible by 16
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in pointers}
     src = triton.compiler.ASTSource(fn, signature, constexprs, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": K.launch_config(fm, fv)[1]})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": K.NUM_WARPS})
 
 
 SASS_LINE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
@@ -185,8 +183,7 @@ def main() -> None:
     rows = {}
     for name, (fm, fv) in VARIANTS.items():
         ck = compile_variant(fm, fv, args.grad)
-        gpp, warps = K.launch_config(fm, fv)
-        rows[name] = {"launch": f"{gpp}x{warps}", "elements_per_thread": gpp * 128 // (32 * warps), **analyse(ck)}
+        rows[name] = analyse(ck)
         for ext in ("ttgir", "ptx", "cubin") if args.dump else ():
             os.makedirs(args.dump, exist_ok=True)
             with open(os.path.join(args.dump, re.sub(r"\W+", "_", name).strip("_") + "." + ext), "wb") as f:
@@ -197,13 +194,12 @@ def main() -> None:
         "spill B": lambda r: r["spill_stores_B"] + r["spill_loads_B"],
         "PTX": lambda r: r["ptx_instructions"],
         **{k: (lambda r, k=k: r["sass"][k]) for k in ("instructions", "hot_path", "hot_path_alu")},
-        "hot/el": lambda r: round(r["sass"]["hot_path"] / r["elements_per_thread"]),
         **{k: (lambda r, k=k: r["sass"]["memory"].get(k, 0))
            for k in ("LDG 1B", "LDG 4B", "LDG 16B", "STG 1B", "STG 4B", "STG 16B")},
         "BAR": lambda r: r["sass"]["ops"]["BAR"], "SHFL": lambda r: r["sass"]["ops"]["SHFL"],
     }  # fmt: skip
     heads = {"instructions": "SASS", "hot_path": "hot", "hot_path_alu": "hot alu"}
-    print(f"Triton {triton.__version__}, sm_90, grad {args.grad}; per thread (hot/el: per element)")
+    print(f"Triton {triton.__version__}, sm_90, grad {args.grad}; per thread of 8 elements")
     print(f"{'variant':26s}" + "".join(f"{heads.get(c, c):>8s}" for c in cols))
     for name, r in rows.items():
         print(f"{name:26s}" + "".join(f"{get(r):>8d}" for get in cols.values()))

@@ -97,7 +97,6 @@ def with_launch_config(name, factory, config):
 
     def build(ps):
         adamw_fused.GROUPS_PER_PROGRAM, adamw_fused.NUM_WARPS = gpp, warps
-        adamw_fused.FP4_GROUPS_PER_PROGRAM, adamw_fused.FP4_NUM_WARPS = gpp, warps  # (4-bit launches)
         return factory(ps)
 
     build.launch_config = (gpp, warps)  # (set again before each step: the optimizers coexist)
@@ -175,7 +174,6 @@ def build_variants(optimizers: dict, shapes, dtype, device, burst: int, log=prin
                 from coatstate.kernels import adamw_fused
 
                 adamw_fused.GROUPS_PER_PROGRAM, adamw_fused.NUM_WARPS = config
-                adamw_fused.FP4_GROUPS_PER_PROGRAM, adamw_fused.FP4_NUM_WARPS = config
             for _ in range(burst):
                 opt.step()
 

@@ -33,11 +33,6 @@ META = 4
 """per tensor: columns, groups per row, groups, the seed of master_bits=16's rounding"""
 GROUPS_PER_PROGRAM = 8
 NUM_WARPS = 4
-FP4_GROUPS_PER_PROGRAM = 4
-FP4_NUM_WARPS = 1
-"""launch config where both moments are 4-bit: a program in one warp needs no barrier for its
-groups' reductions, and 16 elements a thread share the per-program work (sm_90 SASS, Triton
-3.6: 84 hot-path instructions an element against 118 at 8x4 and 103 at 16x4)"""
 DATA_COLUMNS = (P, G, M_CODES, V_CODES, X_CODES, C)
 """columns holding element offsets from the launch's base tensor; the others hold addresses"""
 
@@ -346,13 +341,6 @@ def _adamw_kernel(
             _count_nonfinite(m, v, row_ptr, nonfinite_ptr, t)
     else:
         _count_nonfinite(m, v, row_ptr, nonfinite_ptr, t)
-
-
-def launch_config(fm: MomentFormat | None, fv: MomentFormat | None) -> tuple[int, int]:
-    """(groups per program, warps) of a launch with moment formats fm, fv (read at plan time)."""
-    if all(f is not None and isinstance(f.fmt, FP4Format) for f in (fm, fv)):
-        return FP4_GROUPS_PER_PROGRAM, FP4_NUM_WARPS
-    return GROUPS_PER_PROGRAM, NUM_WARPS
 
 
 def _constants(prefix: str, f: MomentFormat | None) -> dict:

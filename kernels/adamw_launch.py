@@ -33,8 +33,8 @@ from .adamw_fused import M_CODES, META, NPTR, STEP, V_CODES, X_CODES, C, G, P, _
 class _Plan:
     """Everything about a launch that stays fixed from step to step (rebuilt when params/states change)."""
 
-    def __init__(self, params, states, group_size, device, seeds=None, fm=None, fv=None):
-        self.gpp, self.num_warps = kernel.launch_config(fm, fv)
+    def __init__(self, params, states, group_size, device, seeds=None):
+        self.gpp = kernel.GROUPS_PER_PROGRAM
         n = len(params)
         table = torch.zeros((n, NPTR), dtype=torch.int64)
         self.bases = {P: params[0]}
@@ -142,7 +142,7 @@ class Launch:
         self.nonfinite = torch.zeros((len(params), 3), dtype=torch.int32, device=params[0].device)
         """per parameter: moment values that came out NaN/Inf, steps with any, the last such
         step (read and reset by nonfinite_parameters)"""
-        self.plan = _Plan(params, states, self.group_size, params[0].device, self.seeds, fm, fv)
+        self.plan = _Plan(params, states, self.group_size, params[0].device, self.seeds)
         self.plan.nonfinite = self.nonfinite
         self.plan.master_bits = master_bits
         self.steps = [s["step"] for s in states]
@@ -300,7 +300,7 @@ def _fused_adamw_impl(
     if plan is None:
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.pop(next(iter(_PLANS)))
-        plan = _PLANS[key] = _Plan(params, state_dicts, group_size, params[0].device, seeds, fm, fv)
+        plan = _PLANS[key] = _Plan(params, state_dicts, group_size, params[0].device, seeds)
         plan.nonfinite = nonfinite
         plan.master_bits = master_bits or None
     _execute(plan, group, grads, fm, fv, group_size, grad_scale, found_inf)
@@ -395,7 +395,7 @@ def _execute(plan: _Plan, group: dict, grads: list, fm, fv, group_size: int, gra
             GROUP=group_size,
             GPP=plan.gpp,
             MASTER=plan.master_bits or 0,
-            num_warps=plan.num_warps,
+            num_warps=kernel.NUM_WARPS,
             **plan.constants(fm, fv),
         )
     if found_inf is not None:

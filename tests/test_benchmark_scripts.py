@@ -220,18 +220,13 @@ def test_fp8_width_smoke_pairs_each_width_and_finds_no_crossover_on_cpu(tmp_path
 
 def test_kernel_static_compiles_the_fused_step_for_sm90_without_a_gpu(tmp_path):
     """The 4-bit specializations keep what the rewrite bought: no per-element byte gathers, no
-    more shared memory or shared-memory traffic than the FP8 step, no spills, and fewer hot-path
-    instructions an element than FP8 with expansion (per element: their launch configs differ;
-    the one-warp 4-bit launch has one more layout conversion, through 4 bytes of shared memory)."""
+    more layout conversions or shared memory than the FP8 step, no spills."""
     out = tmp_path / "static.json"
     _run("benchmarks/kernel_static.py", "--out", str(out))
     rows = json.loads(out.read_text())["variants"]
     fp8, four = rows["fp8 m + fp8 v (no expand)"], rows["4-bit m + 4-bit v"]
     for r in rows.values():
         assert r["spill_stores_B"] == r["spill_loads_B"] == 0
-    lds = lambda r: sum(n for k, n in r["sass"]["memory"].items() if k.startswith(("LDS", "STS")))  # noqa: E731
-    assert four["convert_layout"] <= fp8["convert_layout"] + 1 and four["shared_B"] <= fp8["shared_B"]
-    assert lds(four) <= lds(fp8)
+    assert four["convert_layout"] <= fp8["convert_layout"] and four["shared_B"] <= fp8["shared_B"]
     assert "LDG 1B" not in four["sass"]["memory"]
-    per = lambda r: r["sass"]["hot_path"] / r["elements_per_thread"]  # noqa: E731
-    assert per(four) < per(rows["fp8 m + fp8 v (expand)"])
+    assert four["sass"]["hot_path"] < rows["fp8 m + fp8 v (expand)"]["sass"]["hot_path"]
