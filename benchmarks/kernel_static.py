@@ -105,7 +105,9 @@ ALU = set("LOP3 SHF ISETP FSETP SEL FSEL FMNMX IMNMX VIMNMX PRMT IADD3 LEA SGXT 
 def hot_path(ins: list[tuple[str, str, str]]) -> collections.Counter:
     """Opcodes a thread runs when nothing is rare: from the entry to the first EXIT, where a forward
     conditional branch skips its region if that holds a slow-path CALL or an atomic (the non-finite
-    counters) or if the branch is a source line marked `# rare`, and falls through otherwise."""
+    counters) or if the branch is a source line marked `# rare`, and falls through otherwise; so
+    does BRA.DIV (a warp-synchronous shuffle's check for a diverged warp: one-warp launches have
+    them, and jumping there would skip the rest of the kernel's hot path)."""
     at = {lab: i for i, (lab, _, _) in enumerate(ins) if lab}
     i, ops = 0, collections.Counter()
     while i < len(ins):
@@ -115,6 +117,9 @@ def hot_path(ins: list[tuple[str, str, str]]) -> collections.Counter:
         if op == "EXIT" and not text.startswith("@"):
             break
         target = re.search(r"`\((\.L_x_\d+)\)", text)
+        if text.startswith("BRA.DIV"):  # taken only by a diverged warp (shuffles' fallback)
+            i += 1
+            continue
         if op == "BRA" and target and at.get(target.group(1), -1) > i:
             j = at[target.group(1)]
             region = " ".join(t for _, t, _ in ins[i + 1 : j])
