@@ -151,10 +151,11 @@ def _count_nonfinite(m, v, row_ptr, nonfinite_ptr, t):
 
 
 @triton.jit
-def _correction_scale(high):
-    """s = ulp(w) / 256 of bfloat16 bit patterns `high` (int32), as formats.master_weights."""
-    field = tl.maximum((high >> 7) & 0xFF, 16)
-    return ((field - 15) << 23).to(tl.float32, bitcast=True)
+def _correction_bits(wbits):
+    """The float32 pattern of s = ulp(w) / 256 (formats.master_weights.correction_scale) from
+    the float32 pattern `wbits` (int32) of bfloat16 weights: its exponent field, clamped below
+    at 16 and less 15, kept in place (field << 23) so that no shift or 16-bit unpacking runs."""
+    return tl.maximum(wbits & 0x7F800000, 16 << 23) - (15 << 23)
 
 
 @triton.jit
@@ -176,9 +177,10 @@ def _load_master(p_raw, c_ptrs, mask, MASTER: tl.constexpr):
         x = ((high << 16) + rem).to(tl.float32, bitcast=True)
         return tl.where(p_raw != p_raw, p_raw.to(tl.float32), x)
     elif MASTER == 24:
-        high = p_raw.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        w = p_raw.to(tl.float32)  # exact: the pattern shifted up 16 bits
+        s = _correction_bits(w.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
         c = tl.load(c_ptrs, mask=mask, other=0).to(tl.float32)
-        return p_raw.to(tl.float32) + c * _correction_scale(high)
+        return w + c * s  # (an fma is the same: c * s is exact)
     else:
         return p_raw.to(tl.float32)
 
@@ -193,7 +195,8 @@ def _store_master(p, p_ptrs, c_ptrs, mask, offs, seed, step, MASTER: tl.constexp
     elif MASTER == 24:
         high = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # to nearest, ties to even
         w = (high << 16).to(tl.float32, bitcast=True)
-        inv_s = ((269 - tl.maximum((high >> 7) & 0xFF, 16)) << 23).to(tl.float32, bitcast=True)
+        # 1 / s: exponent fields add to 254 (s is a normal power of two, 2**-126 at least)
+        inv_s = ((254 << 23) - _correction_bits(high << 16)).to(tl.float32, bitcast=True)
         c = (p - w) * inv_s  # exact: a difference of neighbours times a power of two
         c = (c + 12582912.0) - 12582912.0  # to nearest integer, ties to even
         c = tl.minimum(tl.maximum(c, -128.0), 127.0)
