@@ -194,9 +194,10 @@ def _store_master(p, p_ptrs, c_ptrs, mask, offs, seed, step, MASTER: tl.constexp
         tl.store(c_ptrs, (bits - (high << 16)).to(tl.int16), mask=mask)
     elif MASTER == 24:
         high = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # to nearest, ties to even
-        w = (high << 16).to(tl.float32, bitcast=True)
+        wbits = high << 16
+        w = wbits.to(tl.float32, bitcast=True)
         # 1 / s: exponent fields add to 254 (s is a normal power of two, 2**-126 at least)
-        inv_s = ((254 << 23) - _correction_bits(high << 16)).to(tl.float32, bitcast=True)
+        inv_s = ((254 << 23) - _correction_bits(wbits)).to(tl.float32, bitcast=True)
         c = (p - w) * inv_s  # exact: a difference of neighbours times a power of two
         c = (c + 12582912.0) - 12582912.0  # to nearest integer, ties to even
         c = tl.minimum(tl.maximum(c, -128.0), 127.0)
