@@ -53,7 +53,7 @@ from report_gpu import (
     section_table7,
 )
 from report_linear import section_fp8_width
-from report_states import section_fp4_reconstruction, section_parity_gpu
+from report_states import section_fp4_reconstruction, section_fp4_shadow, section_parity_gpu
 
 
 def section_optimizer_cpu(data: dict, path: Path) -> str:
@@ -506,6 +506,7 @@ SECTIONS = {
     "parity_gpu_minlr0": section_parity_gpu,
     "parity_gpu_lr3e-4": section_parity_gpu,
     "fp4_reconstruction": section_fp4_reconstruction,
+    "fp4_shadow": section_fp4_shadow,
     "compare_trees": section_compare_trees,
     "compare_nan_policy": section_compare_trees,
     "master_train": section_master_train,

@@ -81,3 +81,28 @@ def section_fp4_reconstruction(data: dict, path: Path) -> str:
         errs = [r["update"][pair]["rel_sq_err"] for r in runs]
         out.append("| " + " | ".join(pair.split("/")) + f" | {mean(errs)} |")
     return "\n".join(out + [""])
+
+
+def section_fp4_shadow(data: dict, path: Path) -> str:
+    """Per candidate and report step, the mean over seeds of its shadow update against AdamW's."""
+    date, machine = provenance(data, path)
+    runs = data["runs"]
+    args = data["meta"].get("args", {})
+    out = [
+        "## 4-bit moments re-encoded every step (shadow states)",
+        f"{machine}, {date}: torch AdamW (betas {args.get('betas', '?')}, lr {args.get('lr', '?')}) trains "
+        f"`examples/train_gpt.py`'s GPT ({args.get('layers', '?')} x {args.get('dim', '?')}) on CPU at "
+        f"{len(runs)} seed(s); beside it each candidate keeps its own moments, fed the same gradients and "
+        "stored in its formats after every step. along = <u', u> / <u, u> of the candidate's update u' "
+        "against AdamW's u (above 1: larger steps in effect); cos = their cosine; v bias = exp(mean "
+        "log(v' / v)). Mean over seeds. Source: `python benchmarks/fp4_shadow.py`.",
+        "",
+        "| m / v formats | step | along | cos | v bias |",
+        "|---|---|---|---|---|",
+    ]
+    names = [k for k in runs[0]["rows"][0] if k not in ("step", "loss")]
+    for name in names:
+        for i, row in enumerate(runs[0]["rows"]):
+            vals = [statistics.fmean(r["rows"][i][name][k] for r in runs) for k in ("along", "cos", "v_bias")]
+            out.append(f"| {name} | {row['step']} | " + " | ".join(f"{x:.3f}" for x in vals) + " |")
+    return "\n".join(out + [""])
