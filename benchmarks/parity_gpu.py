@@ -67,7 +67,7 @@ from common import result_meta  # noqa: E402
 from corpus_python import joined_files, load_corpus, validation_tokens, window_batch  # noqa: E402
 from parity_plot import plot  # noqa: E402
 from parity_stats import print_report  # noqa: E402
-from parity_variants import BF16_MODEL, OPTIMIZER_OPTIONS, OPTION_KEYS, RECIPES, VARIANTS  # noqa: E402
+from parity_variants import BF16_MODEL, OPTIMIZER_OPTIONS, OPTION_KEYS, RECIPES, RETIRED, VARIANTS  # noqa: E402
 from state_reconstruction import state_reconstruction  # noqa: E402
 
 FINAL_VAL = "every held-out file"
@@ -483,7 +483,7 @@ def launch(args, argv) -> int:
 def report(args) -> None:
     """The seed table and the expansion measure (parity_stats.print_report), then the PNG."""
     data = read_results(args.out)
-    print_report(data, list(VARIANTS))
+    print_report(data, [*VARIANTS, *RETIRED])
     if args.png:
         try:
             plot(data, Path(args.png))

@@ -24,6 +24,8 @@ RECIPES = {  # variant: (what a user runs, the bound on its mean vs AdamW's mean
         None,
     ),
     "full_attn_group": ("diagnostic: the full recipe with q, k in FP8 (the default until now)", None),
+    "fp4_nearest": ("diagnostic: 4-bit moments, v rounded to the nearest level (until now)", None),
+    "fp4_v_nearest": ("diagnostic: FP8 m + 4-bit v, v rounded to the nearest level (until now)", None),
     "compressed_plain": ("diagnostic: no range expansion", None),
     "compressed_expand": ("diagnostic: expansion on both moments", None),
     "master16": ("diagnostic: `master_bits=16`", None),

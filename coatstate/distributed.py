@@ -86,6 +86,19 @@ def wrap_state(state: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
     return state
 
 
+def first_element(p: torch.Tensor) -> int:
+    """The offset in the global tensor of the first element of p's local tensor: 0 for a plain
+    tensor or a replicated DTensor, the shard's first row times the row's size for Shard(0) (the
+    only sharding compressed states take: check_compressible). Keys stochastic rounding, so
+    that a sharded run rounds each element as one process would."""
+    if not is_dtensor(p) or p.ndim == 0:
+        return 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return int(offset[0]) * (p.numel() // max(p.shape[0], 1)) if offset else 0
+
+
 def local_chunk(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """This rank's part of `full`, a gathered state tensor of DTensor parameter `p` (codes or
     moments shaped like p, or (rows, groups) scales), cut as p is cut. No collective."""

@@ -55,15 +55,29 @@ def _nearest(mag: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
     return torch.where(tie & (idx % 2 == 1), idx + 1, idx)
 
 
-def encode_groups(padded: torch.Tensor, scales: torch.Tensor, codebook: str) -> torch.Tensor:
+def encode_groups(
+    padded: torch.Tensor, scales: torch.Tensor, codebook: str, rounding: torch.Tensor | None = None
+) -> torch.Tensor:
     """4-bit codes (uint8, one per element) of float32 groups (rows, groups, G) with their
     per-group scales: the float32 operations of the fused step's encoder, in its order (one
-    division a group, a multiply and the nearest level per element)."""
+    division a group, a multiply and the nearest level per element).
+
+    `rounding` (ue3m1 only): 22 random bits per element (int64, shaped like `padded`) that round
+    stochastically instead: up to the next level with probability (y - lower) / (upper - lower),
+    so the decoded value is unbiased. ue3m1's levels are the floats with a 1-bit mantissa from 1
+    up, so within a level's interval y is linear in its 22 low mantissa bits: adding the random
+    bits and truncating at bit 22 does it in integers, exactly (below level 1: level 1)."""
     levels, signed = _codebook(codebook)
     top = levels[-1].item()
     # one true division a group (a tensor numerator: the kernel's div_rn on every device)
     to_units = torch.where(scales > 0, torch.full_like(scales, top) / scales, 0.0).unsqueeze(-1)
-    idx = _nearest((padded.abs() * to_units).clamp(max=top), levels.to(padded.device))
+    y = (padded.abs() * to_units).clamp(max=top)
+    if rounding is not None:
+        if codebook != "ue3m1":
+            raise ValueError(f"stochastic rounding is defined for the ue3m1 codebook only; got {codebook!r}")
+        bits = y.view(torch.int32).to(torch.int64)
+        return (((bits + rounding) >> 22) - 254).clamp(0, 15).to(torch.uint8)
+    idx = _nearest(y, levels.to(padded.device))
     if codebook == "e2m1_nz":  # a nonzero value keeps at least the smallest nonzero level
         idx = torch.where((padded != 0) & (idx == 0), 1, idx)
     return idx.to(torch.uint8) | ((padded < 0).to(torch.uint8) << 3 if signed else 0)

@@ -26,6 +26,7 @@ import enum
 import torch
 
 from .fp4 import CODEBOOKS, decode_levels, encode_groups, pack, unpack
+from .master_weights import hash32
 
 
 class FP4Format(str, enum.Enum):
@@ -69,10 +70,33 @@ def _groups(x2d: torch.Tensor, group_size: int) -> torch.Tensor:
     return torch.nn.functional.pad(x2d, (0, groups * group_size - cols)).view(rows, groups, group_size)
 
 
-def encode_moment(x2d: torch.Tensor, group_size: int, fmt: FP4Format) -> tuple[torch.Tensor, torch.Tensor]:
-    """(packed codes (rows, ceil(cols / 2)) uint8, scales (rows, groups) float32) of float32 rows."""
+ROUNDING_STREAM = 0x2545F491
+"""master_weights.hash32's stream of the second moment's stochastic rounding (master rounding
+uses stream 0 of the same seed and step)."""
+
+
+def rounding_bits(
+    seed: int, step: int, first_element: int, rows: int, cols: int, device=None
+) -> torch.Tensor:
+    """22 random bits (int64, (rows, cols)) per element for the optimizer step's stochastic
+    rounding of a ue3m1_sqrt moment: the top bits of hash32(seed, step, element offset), the
+    rows being elements first_element, first_element + 1, ... of their (global) tensor."""
+    offsets = torch.arange(first_element, first_element + rows * cols, device=device).reshape(rows, cols)
+    return hash32(seed, step, offsets, ROUNDING_STREAM) >> 10
+
+
+def encode_moment(
+    x2d: torch.Tensor, group_size: int, fmt: FP4Format, rounding: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed codes (rows, ceil(cols / 2)) uint8, scales (rows, groups) float32) of float32 rows.
+    `rounding` (ue3m1_sqrt only: rounding_bits, shaped like x2d) rounds sqrt(v) stochastically
+    (formats.fp4.encode_groups), unbiased; without it, to the nearest level."""
     rows, cols = x2d.shape
     x = _groups(x2d.float(), group_size)
+    if rounding is not None:
+        if not fmt.sqrt:
+            raise ValueError(f"stochastic rounding is defined for ue3m1_sqrt only; got {fmt.value!r}")
+        rounding = _groups(rounding, group_size)
     # correctly rounded on every device, as the kernel's sqrt_rn: torch's CPU float32 sqrt is
     # not always (1 ulp off, seen on torch 2.13); a float64 sqrt rounded once more is exact
     u = x.double().sqrt().float() if fmt.sqrt else x
@@ -80,7 +104,7 @@ def encode_moment(x2d: torch.Tensor, group_size: int, fmt: FP4Format) -> tuple[t
     u = torch.where(finite, u, 0.0)
     mx = u.abs().amax(dim=-1)
     scales = torch.where(mx > 0, mx.clamp(min=MIN_SCALE), 0.0)
-    codes = encode_groups(u, scales, fmt.codebook)
+    codes = encode_groups(u, scales, fmt.codebook, rounding)
     scales = torch.where(finite.all(dim=-1), scales, torch.nan)
     return pack(codes.view(rows, -1), cols), scales
 

@@ -13,7 +13,7 @@ import dataclasses
 import torch
 
 from .defaults import EXPAND, FORMAT, GROUP_SIZE
-from .fp4_moment import FP4Format, decode_moment, encode_moment
+from .fp4_moment import FP4Format, decode_moment, encode_moment, rounding_bits
 from .fp8 import FP8Format
 from .group import dequantize_groups, group_layout, quantize_groups
 
@@ -180,8 +180,16 @@ def read_moment(
     return x.reshape(shape)
 
 
-def write_moment(state: dict, name: str, value: torch.Tensor, moment_format: MomentFormat | None) -> None:
-    """Store float32 `value` into moment `name`, in place (requantized when compressed)."""
+def write_moment(
+    state: dict,
+    name: str,
+    value: torch.Tensor,
+    moment_format: MomentFormat | None,
+    rounding: tuple[int, int, int] | None = None,
+) -> None:
+    """Store float32 `value` into moment `name`, in place (requantized when compressed).
+    `rounding` = (seed, step, first element): a ue3m1_sqrt moment rounds stochastically, keyed
+    by them (fp4_moment.rounding_bits); other formats ignore it."""
     if moment_format is None:
         if state[name] is not value:
             state[name].copy_(value)
@@ -190,7 +198,10 @@ def write_moment(state: dict, name: str, value: torch.Tensor, moment_format: Mom
     rows, cols, _ = group_layout(value.shape, moment_format.group_size)
     if moment_format.bits == 4:
         fmt, group_size = moment_format.fmt, moment_format.group_size
-        new_codes, scales = encode_moment(value.reshape(rows, cols), group_size, fmt)
+        bits = None
+        if rounding is not None and fmt.sqrt:
+            bits = rounding_bits(*rounding, rows, cols, device=value.device)
+        new_codes, scales = encode_moment(value.reshape(rows, cols), group_size, fmt, bits)
         codes.copy_(new_codes)
         state[name + SCALES].copy_(scales)
         return

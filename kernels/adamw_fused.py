@@ -20,6 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..formats.fp4_moment import ROUNDING_STREAM as _ROUNDING_STREAM
 from ..formats.fp4_moment import FP4Format
 from ..formats.fp8 import FP8Format
 from ..formats.optimizer_state import MomentFormat
@@ -29,8 +30,10 @@ from .fp8_triton import encode_store, fast_divide, fp8_constants, group_offsets,
 # columns of the address table
 P, G, M_CODES, M_SCALES, M_EXPS, V_CODES, V_SCALES, V_EXPS, X_CODES, X_SCALES, X_EXPS, STEP, C = range(13)
 NPTR = 13
-META = 4
-"""per tensor: columns, groups per row, groups, the seed of master_bits=16's rounding"""
+META = 5
+"""per tensor: columns, groups per row, groups, the seed of the stochastic roundings (master_bits=16,
+a 4-bit second moment), the local tensor's first element in its global tensor (mod 2**32)"""
+ROUNDING_STREAM = tl.constexpr(_ROUNDING_STREAM)
 GROUPS_PER_PROGRAM = 8
 NUM_WARPS = 4
 DATA_COLUMNS = (P, G, M_CODES, V_CODES, X_CODES, C)
@@ -107,11 +110,13 @@ def _store_moment(
     GROUP: tl.constexpr,
     FP4: tl.constexpr,
     EVEN: tl.constexpr,
+    rbits,
+    SR: tl.constexpr,
 ):
     if COMPRESSED and FP4 > 0:
         scales, _ = _group_pointers(row_ptr, COL, gid, False)
         codes = _packed(base_ptr, row_ptr, COL, poffs, EVEN)
-        top = encode_store4(x, codes, pmask, scales, gmask, GROUP, FP4, EVEN)
+        top = encode_store4(x, codes, pmask, scales, gmask, GROUP, FP4, EVEN, rbits, SR)
     elif COMPRESSED:
         scales, exps = _group_pointers(row_ptr, COL, gid, EXPAND)
         encode_store(
@@ -183,6 +188,16 @@ def _load_master(p_raw, c_ptrs, mask, MASTER: tl.constexpr):
         return w + c * s  # (an fma is the same: c * s is exact)
     else:
         return p_raw.to(tl.float32)
+
+
+@triton.jit
+def _rounding_bits(seed, step, offs):
+    """22 random bits (int32) per element offset, as formats.fp4_moment.rounding_bits: the top
+    bits of master_weights.hash32 on its stream ROUNDING_STREAM."""
+    key = (seed + (step.to(tl.int32).to(tl.uint32) * 0x632BE5AB).to(tl.uint32)).to(tl.uint32)
+    key = _mix32((key + ROUNDING_STREAM).to(tl.uint32))
+    h = _mix32((offs.to(tl.uint32) * 0x85EBCA77).to(tl.uint32) ^ key)
+    return (h >> 10).to(tl.int32)
 
 
 @triton.jit
@@ -260,9 +275,9 @@ def _adamw_kernel(
     t = tl.load(blocks_ptr + 2 * pid).to(tl.int64)
     local_block = tl.load(blocks_ptr + 2 * pid + 1)
     row_ptr = table_ptr + t * 13
-    cols = tl.load(meta_ptr + 4 * t)
-    groups_per_row = tl.load(meta_ptr + 4 * t + 1)
-    n_groups = tl.load(meta_ptr + 4 * t + 2)
+    cols = tl.load(meta_ptr + 5 * t)  # (META columns)
+    groups_per_row = tl.load(meta_ptr + 5 * t + 1)
+    n_groups = tl.load(meta_ptr + 5 * t + 2)
 
     gid = local_block.to(tl.int64) * GPP + tl.arange(0, GPP)
     gmask = gid < n_groups
@@ -319,22 +334,34 @@ def _adamw_kernel(
         denom = tl.sqrt(v) * inv_bc2_sqrt + eps
     p = p - step_size * fast_divide(m, denom)  # approximate division: 2 ulp
 
-    if MASTER > 0:
-        seed = tl.load(meta_ptr + 4 * t + 3).to(tl.uint32)
+    # stochastic roundings hash (seed, step, element offset in the global tensor)
+    SR_V: tl.constexpr = COMPRESSED and V_FP4 == 2  # ue3m1_sqrt
+    if MASTER == 16 or SR_V:
+        seed = tl.load(meta_ptr + 5 * t + 3).to(tl.uint32)
         step = tl.load(tl.load(row_ptr + 11).to(tl.pointer_type(tl.float32)))
-        _store_master(p, p_ptrs, c_ptrs, mask, offs, seed, step, MASTER)
+        goffs = offs + tl.load(meta_ptr + 5 * t + 4)
+    else:
+        seed = 0
+        step = 0.0
+        goffs = offs
+    if SR_V:
+        rbits = _rounding_bits(seed, step, goffs)
+    else:
+        rbits = 0
+    if MASTER > 0:
+        _store_master(p, p_ptrs, c_ptrs, mask, goffs, seed, step, MASTER)
     else:
         tl.store(p_ptrs, p.to(p_base.dtype.element_ty), mask=mask)
     m_top = _store_moment(m, m_base, row_ptr, 2, offs, mask, gid, gmask, COMPRESSED,
                   M_EXPAND, M_MAX, M_MBITS, M_EMIN, M_LOG2_MAX, M_KNUM, M_E4M3, poffs, pmask, GROUP,
-                  M_FP4, EVEN)  # fmt: skip
+                  M_FP4, EVEN, 0, False)  # fmt: skip
     v_top = _store_moment(v, v_base, row_ptr, 5, offs, mask, gid, gmask, COMPRESSED,
                   V_EXPAND, V_MAX, V_MBITS, V_EMIN, V_LOG2_MAX, V_KNUM, V_E4M3, poffs, pmask, GROUP,
-                  V_FP4, EVEN)  # fmt: skip
+                  V_FP4, EVEN, rbits, SR_V)  # fmt: skip
     if AMSGRAD:
         _store_moment(vmax, x_base, row_ptr, 8, offs, mask, gid, gmask, COMPRESSED,
                       V_EXPAND, V_MAX, V_MBITS, V_EMIN, V_LOG2_MAX, V_KNUM, V_E4M3, poffs, pmask, GROUP,
-                      V_FP4, EVEN)  # fmt: skip
+                      V_FP4, EVEN, 0, False)  # fmt: skip
     if COMPRESSED and M_FP4 > 0 and V_FP4 > 0:
         # both 4-bit encoders saw every value: m + v can only be NaN/Inf where |m| or v (sqrt(v)
         # >= 2**63 below) reaches 2**127 or is NaN/Inf (a sum of two below 2**127 stays finite)

@@ -33,7 +33,7 @@ from .adamw_fused import M_CODES, META, NPTR, STEP, V_CODES, X_CODES, C, G, P, _
 class _Plan:
     """Everything about a launch that stays fixed from step to step (rebuilt when params/states change)."""
 
-    def __init__(self, params, states, group_size, device, seeds=None):
+    def __init__(self, params, states, group_size, device, seeds=None, firsts=None):
         self.gpp = kernel.GROUPS_PER_PROGRAM
         n = len(params)
         table = torch.zeros((n, NPTR), dtype=torch.int64)
@@ -60,7 +60,9 @@ class _Plan:
             n_groups = rows * gpr if p.numel() else 0
             # keyed as master_weights.random_bits keys it
             seed = 0 if seeds is None else (seeds[i] * 0x9E3779B1) & 0xFFFFFFFF
-            meta[i] = torch.tensor([cols, gpr, n_groups, seed])
+            # the local tensor's first element in the global one (a shard's), mod 2**32 as hashed
+            first = 0 if firsts is None else firsts[i] & 0xFFFFFFFF
+            meta[i] = torch.tensor([cols, gpr, n_groups, seed, first])
             nb = triton.cdiv(n_groups, self.gpp)
             blocks.append(
                 torch.stack([torch.full((nb,), i, dtype=torch.int32), torch.arange(nb, dtype=torch.int32)], 1)
@@ -124,7 +126,7 @@ class Launch:
     parameter set changes, then reused every step while parameters and states stay in place."""
 
     def __init__(
-        self, index, params, grads, states, fm, fv, group_size, master_bits=None, seeds=None
+        self, index, params, grads, states, fm, fv, group_size, master_bits=None, seeds=None, firsts=None
     ) -> None:
         self.index = index
         """positions of these parameters in the caller's list"""
@@ -132,6 +134,7 @@ class Launch:
         self.master_bits = master_bits
         """the bfloat16 parameters' master-weight mode (formats.master_weights), or None"""
         self.seeds = list(seeds) if seeds is not None else [0] * len(params)
+        self.firsts = list(firsts) if firsts is not None else [0] * len(params)
         self.group_size = fm.group_size if fm is not None else group_size
         if self.group_size & (self.group_size - 1):
             raise ValueError(
@@ -142,7 +145,7 @@ class Launch:
         self.nonfinite = torch.zeros((len(params), 3), dtype=torch.int32, device=params[0].device)
         """per parameter: moment values that came out NaN/Inf, steps with any, the last such
         step (read and reset by nonfinite_parameters)"""
-        self.plan = _Plan(params, states, self.group_size, params[0].device, self.seeds)
+        self.plan = _Plan(params, states, self.group_size, params[0].device, self.seeds, self.firsts)
         self.plan.nonfinite = self.nonfinite
         self.plan.master_bits = master_bits
         self.steps = [s["step"] for s in states]
@@ -163,13 +166,22 @@ def _state_keys(name: str, fm: MomentFormat | None, fv: MomentFormat | None) -> 
 
 
 def prepare(
-    group: dict, params: list, grads: list, states: list, formats: list, masters=None, seeds=None
+    group: dict,
+    params: list,
+    grads: list,
+    states: list,
+    formats: list,
+    masters=None,
+    seeds=None,
+    firsts=None,
 ) -> list[Launch]:
     """The launches for local CUDA tensors `params` of one param group (their grads give the
     gradient dtypes), with their `states`, moment formats (decided by the caller from the global
-    shapes), master-weight modes and rounding seeds: one launch per (dtypes, formats, mode)."""
+    shapes), master-weight modes, rounding seeds and first elements (each local tensor's offset
+    in its global tensor): one launch per (dtypes, formats, mode)."""
     masters = masters if masters is not None else [None] * len(params)
     seeds = seeds if seeds is not None else [0] * len(params)
+    firsts = firsts if firsts is not None else [0] * len(params)
     by_key: dict[tuple, list[int]] = {}
     for i, (p, g, f, m) in enumerate(zip(params, grads, formats, masters, strict=True)):
         by_key.setdefault((p.dtype, g.dtype, p.device, f["exp_avg"], f["exp_avg_sq"], m), []).append(i)
@@ -184,6 +196,7 @@ def prepare(
             group.get("group_size", DEFAULT_GROUP_SIZE),
             master,
             [seeds[i] for i in idx],
+            [firsts[i] for i in idx],
         )
         for (_, _, _, fm, fv, master), idx in by_key.items()
     ]
@@ -226,6 +239,7 @@ def run(launches: list[Launch], group: dict, grads: list, grad_scale, found_inf)
                 found_inf,
                 launch.master_bits or 0,
                 launch.seeds,
+                launch.firsts,
             )
         else:  # eager: straight to the kernel (the dispatcher would bump the version counter of
             # every mutated state tensor, about 1 ms per step for a 300-tensor model)
@@ -266,6 +280,7 @@ def _fused_adamw_impl(
     found_inf: torch.Tensor | None,
     master_bits: int = 0,
     seeds: list[int] | None = None,
+    firsts: list[int] | None = None,
 ) -> None:
     """The fused CompressedAdamW step as a torch custom op (so torch.compile and fake tensors trace
     through it): params, the flattened moment tensors (per parameter: codes, scales[, exponents]
@@ -300,7 +315,7 @@ def _fused_adamw_impl(
     if plan is None:
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.pop(next(iter(_PLANS)))
-        plan = _PLANS[key] = _Plan(params, state_dicts, group_size, params[0].device, seeds)
+        plan = _PLANS[key] = _Plan(params, state_dicts, group_size, params[0].device, seeds, firsts)
         plan.nonfinite = nonfinite
         plan.master_bits = master_bits or None
     _execute(plan, group, grads, fm, fv, group_size, grad_scale, found_inf)
@@ -333,6 +348,7 @@ def _(
     found_inf,
     master_bits=0,
     seeds=None,
+    firsts=None,
 ) -> None:
     return None
 

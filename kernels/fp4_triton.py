@@ -125,14 +125,16 @@ def load_decode4(code_ptrs, pmask, scale_ptrs, gmask, mask, GROUP: tl.constexpr,
 
 @triton.jit
 def encode_store4(x, code_ptrs, pmask, scale_ptrs, gmask, GROUP: tl.constexpr, FMT: tl.constexpr,
-                  EVEN: tl.constexpr):  # fmt: skip
+                  EVEN: tl.constexpr, rbits, SR: tl.constexpr):  # fmt: skip
     """Quantize a [groups, GROUP] float32 tile (exact zeros where the tile's mask is off: they
     give code 0) into a 4-bit moment and store its packed codes (EVEN: int32 words, else bytes:
     packed_offsets) and scales. A group with a NaN/Inf stores a NaN scale and takes its codes
     from the finite values, NaN/Inf counting as 0 (the twin's rule). The per-element checks for
     that run only in a program that holds a NaN/Inf: elsewhere the groups' largest magnitude is
     the maximum of the patterns |u| (as integers, ordered as the floats, NaN above Inf), and it
-    is finite. Returns the program's largest pattern |u| (int32; u = sqrt(x) for ue3m1_sqrt)."""
+    is finite. SR (ue3m1_sqrt): round stochastically with the 22 random bits `rbits` per element
+    (int32, like x), as formats.fp4.encode_groups: added below ue3m1's mantissa bit and truncated.
+    Returns the program's largest pattern |u| (int32; u = sqrt(x) for ue3m1_sqrt)."""
     GPP: tl.constexpr = x.shape[0]
     TOP: tl.constexpr = 6.0 if FMT == 1 else 192.0
     if FMT == 2:
@@ -160,6 +162,8 @@ def encode_store4(x, code_ptrs, pmask, scale_ptrs, gmask, GROUP: tl.constexpr, F
     y = mag * to_units[:, None]
     if FMT == 1:
         c = _nearest(tl.minimum(y, TOP), FMT) | sign
+    elif SR:  # (y just above top, by the product's rounding, lands on the top code as clamped)
+        c = tl.minimum(tl.maximum(((y.to(tl.int32, bitcast=True) + rbits) >> 22) - 254, 0), 15)
     else:
         c = _nearest(y, FMT)
     lo, hi = tl.split(tl.reshape(c, [GPP, GROUP // 2, 2]))

@@ -123,6 +123,27 @@ def test_fused_4bit_step_on_whole_groups_equals_the_twin_bit_for_bit(fm, fv, dty
     assert launches and all(x.plan.even for x in launches)
 
 
+@pytest.mark.parametrize("shapes", [SHAPES, EVEN_SHAPES], ids=["bytes", "words"])
+def test_fused_4bit_v_rounds_by_global_element_as_the_twin(shapes, monkeypatch):
+    """The second moment's stochastic rounding is keyed by each element's offset in the global
+    tensor: with every local tensor placed at element 4099 of its global one (a dim-0 shard's
+    place), the kernel (that offset in its meta) still equals the twin bit for bit, and the codes
+    differ from those of a tensor placed at 0."""
+    from coatstate.optim import adamw as adamw_module
+
+    a, b, opt_a, opt_b = _pair(torch.float32, "e4m3", "ue3m1_sqrt", shapes)
+    monkeypatch.setattr(adamw_module, "first_element", lambda p: 4099)
+    _run(a, b, opt_a, opt_b)
+    monkeypatch.setattr(adamw_module, "first_element", lambda p: 0)
+    c, d, opt_c, opt_d = _pair(torch.float32, "e4m3", "ue3m1_sqrt", shapes)
+    _run(c, d, opt_c, opt_d)
+    big = [i for i, p in enumerate(a) if p.numel() >= 256]
+    assert any(
+        not torch.equal(opt_a.state[a[i]]["exp_avg_sq_codes"], opt_c.state[c[i]]["exp_avg_sq_codes"])
+        for i in big
+    )
+
+
 def test_fused_4bit_whole_groups_nan_and_inf_equal_the_twin():
     """The EVEN specialization's rare path: a program holding a NaN or an Inf (NaN scales, codes
     from the finite values), and v's decoded NaN scales read as +Inf. (Not with amsgrad: there the

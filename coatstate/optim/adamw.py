@@ -17,6 +17,7 @@ import torch
 
 from coatstate.distributed import (
     check_compressible,
+    first_element,
     is_dtensor,
     local_state,
     local_tensor,
@@ -119,8 +120,8 @@ class CompressedAdamW(torch.optim.Optimizer):
             written outside the optimizer (`model.load_state_dict`, `p.copy_` under no_grad, a new
             `p.data`) drops its correction at the next step; a write through `p.data.copy_` is not
             seen.
-        master_seed (`int`): keys master_bits=16's rounding (saved with the group, so a resume
-            rounds as the original run).
+        master_seed (`int`): keys the stochastic roundings, master_bits=16's and a "ue3m1_sqrt"
+            second moment's (saved with the group, so a resume rounds as the original run).
         gradient_release (`bool`): step each parameter in its post-accumulate-grad hook during
             backward and free its gradient; opt.step() and zero_grad() end the iteration.
             `torch.nn.utils.clip_grad_norm_` then sees no gradients: clip with `max_grad_norm`.
@@ -317,7 +318,8 @@ class CompressedAdamW(torch.optim.Optimizer):
         }
 
     def _rounding_seed(self, group: dict, p: torch.Tensor) -> int:
-        """master_bits=16's seed for p: the group's master_seed and p's place in the optimizer, so
+        """The seed of p's stochastic roundings (master_bits=16's, a ue3m1_sqrt second moment's):
+        the group's master_seed and p's place in the optimizer, so
         that every parameter rounds independently and a resumed run rounds as the original."""
         return (int(group.get("master_seed", 0)) * 1_000_003 + self._param_index.get(id(p), 0)) & 0xFFFFFFFF
 
@@ -444,6 +446,7 @@ class CompressedAdamW(torch.optim.Optimizer):
                 [moment_formats(group, global_shape(p)) for p in fused],
                 [master_mode(group, p) for p in fused],
                 [self._rounding_seed(group, p) for p in fused],
+                [first_element(p) for p in fused],
             )
             for key in [k for k in self._fused_cache if k[0] == id(group)]:
                 del self._fused_cache[key]  # counters of the launches being replaced
@@ -479,6 +482,7 @@ class CompressedAdamW(torch.optim.Optimizer):
                 [moment_formats(group, global_shape(p))],
                 [master_mode(group, p)],
                 [self._rounding_seed(group, p)],
+                [first_element(p)],
             )
             for launch in launches:
                 self._fused_cache[("released", id(p))] = _LaunchRecord([p], launch)
@@ -516,6 +520,7 @@ class CompressedAdamW(torch.optim.Optimizer):
                 inv_grad_scale=None if inv_scale is None else inv_scale.to(g.device),
                 master_bits=master_mode(group, p),
                 seed=self._rounding_seed(group, p),
+                first_element=first_element(p),
             )
             if bad:
                 count, steps, _ = self._twin_nonfinite.get(p, (0, 0, 0))

@@ -86,7 +86,8 @@ def _adamw_step_block(
     total = exp_avg + exp_avg_sq
     nonfinite = int((total - total).ne(0).sum())
     write_moment(state, "exp_avg", exp_avg, formats["exp_avg"])
-    write_moment(state, "exp_avg_sq", exp_avg_sq, formats["exp_avg_sq"])
+    # a 4-bit second moment rounds stochastically (unbiased), or its EMA stalls between levels
+    write_moment(state, "exp_avg_sq", exp_avg_sq, formats["exp_avg_sq"], (seed, int(step), first_element))
     if master_bits in (32, 24):
         w, correction = (master_weights.split32 if master_bits == 32 else master_weights.split24)(p)
         param.copy_(w)
@@ -111,13 +112,16 @@ def adamw_step_reference(
     grad: torch.Tensor,
     state: dict,
     formats: dict[str, MomentFormat | None],
+    first_element: int = 0,
     **hyper: Any,
 ) -> int:
     """One AdamW step for one parameter (its local tensor), the hyperparameters as keywords of
     `_adamw_step_block` (lr, beta1, beta2, eps, weight_decay, maximize, amsgrad, step: already
     incremented; inv_grad_scale, master_bits, seed). With `master_bits` (a bfloat16 parameter)
     the update runs on the float32 master that the parameter and its state's correction stand for
-    (coatstate.formats.master_weights); `seed` keys master_bits=16's stochastic rounding.
+    (coatstate.formats.master_weights); `seed` keys master_bits=16's stochastic rounding and a
+    4-bit second moment's, with each element's offset in the global tensor (the local tensor
+    starting at `first_element`: a dim-0 shard's place), so a sharded run rounds as one process.
     Returns how many moment values came out NaN/Inf (the fused kernel counts the same)."""
     rows = param.shape[0] if param.dim() >= 2 else 1
     # whole rows, a multiple of 64 of them: a block's tensors start where the whole tensor's
@@ -125,12 +129,12 @@ def adamw_step_reference(
     # costs nothing and keeps the blocks' loops as fast as the whole tensor's)
     block_rows = max(64, ROW_BLOCK_ELEMENTS // max(1, param.numel() // max(rows, 1)) // 64 * 64)
     if param.dim() < 2 or rows < 2 * block_rows:
-        return _adamw_step_block(param, grad, state, formats, **hyper)
+        return _adamw_step_block(param, grad, state, formats, first_element=first_element, **hyper)
     moments = {k: v for k, v in state.items() if k != "step"}  # codes, scales, exponents: (rows, ...)
     bad = 0
     for r in range(0, rows, block_rows):
         block = {k: v[r : r + block_rows] for k, v in moments.items()}
         part = param[r : r + block_rows]
-        first = r * (param.numel() // rows)
+        first = first_element + r * (param.numel() // rows)
         bad += _adamw_step_block(part, grad[r : r + block_rows], block, formats, first_element=first, **hyper)
     return bad
