@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from ..formats.fp4_moment import MIN_SCALE as _MIN_SCALE
+from .fp8_triton import store_per_group
 
 E2M1, UE3M1_SQRT = 1, 2
 """the FMT constexpr of a 4-bit moment (0: FP8)"""
@@ -124,17 +125,11 @@ def load_decode4(code_ptrs, pmask, scale_ptrs, gmask, mask, GROUP: tl.constexpr,
 
 
 @triton.jit
-def encode_store4(x, code_ptrs, pmask, scale_ptrs, gmask, GROUP: tl.constexpr, FMT: tl.constexpr,
-                  EVEN: tl.constexpr):  # fmt: skip
-    """Quantize a [groups, GROUP] float32 tile (exact zeros where the tile's mask is off: they
-    give code 0) into a 4-bit moment and store its packed codes (EVEN: int32 words, else bytes:
-    packed_offsets) and scales. A group with a NaN/Inf stores a NaN scale and takes its codes
-    from the finite values, NaN/Inf counting as 0 (the twin's rule). The per-element checks for
-    that run only in a program that holds a NaN/Inf: elsewhere the groups' largest magnitude is
-    the maximum of the patterns |u| (as integers, ordered as the floats, NaN above Inf), and it
-    is finite. Returns the program's largest pattern |u| (int32; u = sqrt(x) for ue3m1_sqrt)."""
-    GPP: tl.constexpr = x.shape[0]
-    TOP: tl.constexpr = 6.0 if FMT == 1 else 192.0
+def magnitudes4(x, FMT: tl.constexpr):
+    """The first half of encode_store4: (|u|, the e2m1 sign bits (0 for ue3m1), each group's
+    largest pattern |u| as int32) of a [groups, G] float32 tile (u = sqrt(x) for ue3m1_sqrt).
+    Split from quantize_store4 so that a step with two 4-bit moments can test both moments'
+    maxima in one program-wide reduction (a shared-memory round trip and barriers each)."""
     if FMT == 2:
         u = tl.sqrt_rn(x)
     else:
@@ -142,11 +137,22 @@ def encode_store4(x, code_ptrs, pmask, scale_ptrs, gmask, GROUP: tl.constexpr, F
     mag = tl.abs(u)
     if FMT == 1:
         sign = (u < 0).to(tl.int32) << 3
-    mx_bits = tl.max(mag.to(tl.int32, bitcast=True), axis=1)
+    else:
+        sign = 0
+    return mag, sign, tl.max(mag.to(tl.int32, bitcast=True), axis=1)
+
+
+@triton.jit
+def quantize_store4(mag, sign, mx_bits, rare, code_ptrs, pmask, scale_ptrs, gmask, GROUP: tl.constexpr,
+                    FMT: tl.constexpr, EVEN: tl.constexpr):  # fmt: skip
+    """The second half of encode_store4, from magnitudes4's results: `rare` (a scalar) must hold
+    wherever a group's maximum pattern is NaN/Inf (above 0x7F7FFFFF); it may hold elsewhere too
+    (the rare path's float maximum of finite magnitudes is their pattern maximum)."""
+    GPP: tl.constexpr = mag.shape[0]
+    TOP: tl.constexpr = 6.0 if FMT == 1 else 192.0
     mx = mx_bits.to(tl.float32, bitcast=True)
     bad = mx_bits > 0x7F7FFFFF  # a group holding a NaN/Inf
-    top = tl.max(mx_bits, axis=0)
-    if top > 0x7F7FFFFF:  # rare: NaN/Inf count as 0
+    if rare:  # NaN/Inf count as 0
         finite = mag < float("inf")
         mag = tl.where(finite, mag, 0.0)
         if FMT == 1:
@@ -170,5 +176,21 @@ def encode_store4(x, code_ptrs, pmask, scale_ptrs, gmask, GROUP: tl.constexpr, F
         tl.store(code_ptrs, lo | (hi << 16), mask=pmask)
     else:
         tl.store(code_ptrs, c.to(tl.uint8), mask=pmask)
-    tl.store(scale_ptrs, tl.where(bad, float("nan"), scale), mask=gmask)
+    store_per_group(scale_ptrs, tl.where(bad, float("nan"), scale), gmask)
+
+
+@triton.jit
+def encode_store4(x, code_ptrs, pmask, scale_ptrs, gmask, GROUP: tl.constexpr, FMT: tl.constexpr,
+                  EVEN: tl.constexpr):  # fmt: skip
+    """Quantize a [groups, GROUP] float32 tile (exact zeros where the tile's mask is off: they
+    give code 0) into a 4-bit moment and store its packed codes (EVEN: int32 words, else bytes:
+    packed_offsets) and scales. A group with a NaN/Inf stores a NaN scale and takes its codes
+    from the finite values, NaN/Inf counting as 0 (the twin's rule). The per-element checks for
+    that run only in a program that holds a NaN/Inf: elsewhere the groups' largest magnitude is
+    the maximum of the patterns |u| (as integers, ordered as the floats, NaN above Inf), and it
+    is finite. Returns the program's largest pattern |u| (int32; u = sqrt(x) for ue3m1_sqrt)."""
+    mag, sign, mx_bits = magnitudes4(x, FMT)
+    top = tl.max(mx_bits, axis=0)
+    rare = top > 0x7F7FFFFF
+    quantize_store4(mag, sign, mx_bits, rare, code_ptrs, pmask, scale_ptrs, gmask, GROUP, FMT, EVEN)
     return top
