@@ -23,7 +23,15 @@ import triton.language as tl
 from ..formats.fp4_moment import FP4Format
 from ..formats.fp8 import FP8Format
 from ..formats.optimizer_state import MomentFormat
-from .fp4_triton import E2M1, UE3M1_SQRT, encode_store4, load_decode4, packed_offsets
+from .fp4_triton import (
+    E2M1,
+    UE3M1_SQRT,
+    encode_store4,
+    load_decode4,
+    magnitudes4,
+    packed_offsets,
+    quantize_store4,
+)
 from .fp8_triton import encode_store, fast_divide, fp8_constants, group_offsets, load_decode
 
 # columns of the address table
@@ -111,7 +119,7 @@ def _store_moment(
     if COMPRESSED and FP4 > 0:
         scales, _ = _group_pointers(row_ptr, COL, gid, False)
         codes = _packed(base_ptr, row_ptr, COL, poffs, EVEN)
-        top = encode_store4(x, codes, pmask, scales, gmask, GROUP, FP4, EVEN)
+        encode_store4(x, codes, pmask, scales, gmask, GROUP, FP4, EVEN)
     elif COMPRESSED:
         scales, exps = _group_pointers(row_ptr, COL, gid, EXPAND)
         encode_store(
@@ -129,11 +137,8 @@ def _store_moment(
             K_NUMERATOR,
             IS_E4M3,
         )
-        top = 0x7F800000  # (unknown: as if Inf)
     else:
         tl.store(_data(base_ptr, row_ptr, COL, offs), x, mask=mask)
-        top = 0x7F800000
-    return top  # 4-bit: the largest |value| pattern of the program (encode_store4)
 
 
 @triton.jit
@@ -325,22 +330,38 @@ def _adamw_kernel(
         _store_master(p, p_ptrs, c_ptrs, mask, offs, seed, step, MASTER)
     else:
         tl.store(p_ptrs, p.to(p_base.dtype.element_ty), mask=mask)
-    m_top = _store_moment(m, m_base, row_ptr, 2, offs, mask, gid, gmask, COMPRESSED,
-                  M_EXPAND, M_MAX, M_MBITS, M_EMIN, M_LOG2_MAX, M_KNUM, M_E4M3, poffs, pmask, GROUP,
-                  M_FP4, EVEN)  # fmt: skip
-    v_top = _store_moment(v, v_base, row_ptr, 5, offs, mask, gid, gmask, COMPRESSED,
-                  V_EXPAND, V_MAX, V_MBITS, V_EMIN, V_LOG2_MAX, V_KNUM, V_E4M3, poffs, pmask, GROUP,
-                  V_FP4, EVEN)  # fmt: skip
-    if AMSGRAD:
-        _store_moment(vmax, x_base, row_ptr, 8, offs, mask, gid, gmask, COMPRESSED,
-                      V_EXPAND, V_MAX, V_MBITS, V_EMIN, V_LOG2_MAX, V_KNUM, V_E4M3, poffs, pmask, GROUP,
-                      V_FP4, EVEN)  # fmt: skip
     if COMPRESSED and M_FP4 > 0 and V_FP4 > 0:
-        # both 4-bit encoders saw every value: m + v can only be NaN/Inf where |m| or v (sqrt(v)
-        # >= 2**63 below) reaches 2**127 or is NaN/Inf (a sum of two below 2**127 stays finite)
-        if (m_top > 0x7EFFFFFF) | (v_top > 0x5EFFFFFF):  # rare
+        # both 4-bit: one program-wide reduction decides both encoders' NaN/Inf path and the
+        # count (a reduction across warps is a shared-memory round trip with two barriers).
+        # m + v can only be NaN/Inf where |m| >= 2**127 (pattern above 0x7EFFFFFF) or v >= 2**126
+        # (sqrt(v) above 0x5EFFFFFF) or either is NaN/Inf (a sum of two below those stays finite);
+        # that test also holds wherever an encoder sees a NaN/Inf (a pattern above 0x7F7FFFFF).
+        # As uint32, sqrt(v)'s pattern + 0x20000000 cannot wrap and orders as the pattern does.
+        m_mag, m_sign, m_mx = magnitudes4(m, M_FP4)
+        v_mag, v_sign, v_mx = magnitudes4(v, V_FP4)
+        flag = tl.maximum(m_mx.to(tl.uint32, bitcast=True), v_mx.to(tl.uint32, bitcast=True) + 0x20000000)
+        rare = tl.max(flag, axis=0) > 0x7EFFFFFF
+        quantize_store4(m_mag, m_sign, m_mx, rare, _packed(m_base, row_ptr, 2, poffs, EVEN), pmask,
+                        _group_pointers(row_ptr, 2, gid, False)[0], gmask, GROUP, M_FP4, EVEN)  # fmt: skip
+        quantize_store4(v_mag, v_sign, v_mx, rare, _packed(v_base, row_ptr, 5, poffs, EVEN), pmask,
+                        _group_pointers(row_ptr, 5, gid, False)[0], gmask, GROUP, V_FP4, EVEN)  # fmt: skip
+        if AMSGRAD:
+            _store_moment(vmax, x_base, row_ptr, 8, offs, mask, gid, gmask, COMPRESSED,
+                          V_EXPAND, V_MAX, V_MBITS, V_EMIN, V_LOG2_MAX, V_KNUM, V_E4M3, poffs, pmask, GROUP,
+                          V_FP4, EVEN)  # fmt: skip
+        if rare:  # rare
             _count_nonfinite(m, v, row_ptr, nonfinite_ptr, t)
     else:
+        _store_moment(m, m_base, row_ptr, 2, offs, mask, gid, gmask, COMPRESSED,
+                      M_EXPAND, M_MAX, M_MBITS, M_EMIN, M_LOG2_MAX, M_KNUM, M_E4M3, poffs, pmask, GROUP,
+                      M_FP4, EVEN)  # fmt: skip
+        _store_moment(v, v_base, row_ptr, 5, offs, mask, gid, gmask, COMPRESSED,
+                      V_EXPAND, V_MAX, V_MBITS, V_EMIN, V_LOG2_MAX, V_KNUM, V_E4M3, poffs, pmask, GROUP,
+                      V_FP4, EVEN)  # fmt: skip
+        if AMSGRAD:
+            _store_moment(vmax, x_base, row_ptr, 8, offs, mask, gid, gmask, COMPRESSED,
+                          V_EXPAND, V_MAX, V_MBITS, V_EMIN, V_LOG2_MAX, V_KNUM, V_E4M3, poffs, pmask, GROUP,
+                          V_FP4, EVEN)  # fmt: skip
         _count_nonfinite(m, v, row_ptr, nonfinite_ptr, t)
 
 
