@@ -32,7 +32,7 @@ from .fp4_triton import (
     packed_offsets,
     quantize_store4,
 )
-from .fp8_triton import encode_store, fast_divide, fp8_constants, group_offsets, load_decode
+from .fp8_triton import FAST_MATH, encode_store, fast_divide, fp8_constants, group_offsets, load_decode
 
 # columns of the address table
 P, G, M_CODES, M_SCALES, M_EXPS, V_CODES, V_SCALES, V_EXPS, X_CODES, X_SCALES, X_EXPS, STEP, C = range(13)
@@ -164,6 +164,23 @@ def _correction_bits(wbits):
 
 
 @triton.jit
+def _round_to_int8(c):
+    """int8 of float32 c as the twin's round(c).clamp(-128, 127), NaN -> 0 (formats.master_weights
+    .split24). On the GPU one conversion does it all: cvt.rni.s8.f32 rounds to nearest even,
+    saturates to [-128, 127] (PTX clamps float-to-integer results to the destination's range)
+    and turns NaN into 0 (its rule for NaN inputs), where rounding by adding 1.5 * 2**23, two
+    clamps and the NaN select take 6 instructions an element (and the clamps, hardware
+    min/max, would drop a NaN)."""
+    if FAST_MATH:
+        return tl.inline_asm_elementwise("cvt.rni.s8.f32 $0, $1;", "=r,r", [c], dtype=tl.int32, is_pure=True,
+                                         pack=1).to(tl.int8)  # fmt: skip
+    else:
+        c = (c + 12582912.0) - 12582912.0  # to nearest integer, ties to even (|c| <= 2**22 here)
+        c = tl.minimum(tl.maximum(c, -128.0), 127.0)
+        return tl.where(c == c, c, 0.0).to(tl.int8)
+
+
+@triton.jit
 def _mix32(h):
     """murmur3's finalizer on uint32 (wrapping), as formats.master_weights._mix32."""
     h = h ^ (h >> 16)
@@ -204,9 +221,7 @@ def _store_master(p, p_ptrs, c_ptrs, mask, offs, seed, step, MASTER: tl.constexp
         # 1 / s: exponent fields add to 254 (s is a normal power of two, 2**-126 at least)
         inv_s = ((254 << 23) - _correction_bits(wbits)).to(tl.float32, bitcast=True)
         c = (p - w) * inv_s  # exact: a difference of neighbours times a power of two
-        c = (c + 12582912.0) - 12582912.0  # to nearest integer, ties to even
-        c = tl.minimum(tl.maximum(c, -128.0), 127.0)
-        tl.store(c_ptrs, tl.where(c == c, c, 0.0).to(tl.int8), mask=mask)
+        tl.store(c_ptrs, _round_to_int8(c), mask=mask)
     else:
         key = _mix32((seed + (step.to(tl.int32).to(tl.uint32) * 0x632BE5AB).to(tl.uint32)).to(tl.uint32))
         r = _mix32((offs.to(tl.uint32) * 0x85EBCA77).to(tl.uint32) ^ key) & 0xFFFF
