@@ -31,6 +31,7 @@ from .fp4_triton import (
     magnitudes4,
     packed_offsets,
     quantize_store4,
+    rare_groups4,
 )
 from .fp8_triton import FAST_MATH, encode_store, fast_divide, fp8_constants, group_offsets, load_decode
 
@@ -346,19 +347,15 @@ def _adamw_kernel(
     else:
         tl.store(p_ptrs, p.to(p_base.dtype.element_ty), mask=mask)
     if COMPRESSED and M_FP4 > 0 and V_FP4 > 0:
-        # both 4-bit: one program-wide reduction decides both encoders' NaN/Inf path and the
-        # count (a reduction across warps is a shared-memory round trip with two barriers).
-        # m + v can only be NaN/Inf where |m| >= 2**127 (pattern above 0x7EFFFFFF) or v >= 2**126
-        # (sqrt(v) above 0x5EFFFFFF) or either is NaN/Inf (a sum of two below those stays finite);
-        # that test also holds wherever an encoder sees a NaN/Inf (a pattern above 0x7F7FFFFF).
-        # As uint32, sqrt(v)'s pattern + 0x20000000 cannot wrap and orders as the pattern does.
+        # both 4-bit: one program-wide reduction decides both encoders' exact path and the
+        # count (a reduction across warps is a shared-memory round trip with two barriers)
         m_mag, m_sign, m_mx = magnitudes4(m, M_FP4)
         v_mag, v_sign, v_mx = magnitudes4(v, V_FP4)
-        flag = tl.maximum(m_mx.to(tl.uint32, bitcast=True), v_mx.to(tl.uint32, bitcast=True) + 0x20000000)
-        rare = tl.max(flag, axis=0) > 0x7EFFFFFF
-        quantize_store4(m_mag, m_sign, m_mx, rare, _packed(m_base, row_ptr, 2, poffs, EVEN), pmask,
+        flag = rare_groups4(m_mx, M_FP4) | rare_groups4(v_mx, V_FP4)
+        rare = tl.max(flag.to(tl.int32), axis=0) > 0
+        quantize_store4(m, m_mag, m_sign, m_mx, rare, _packed(m_base, row_ptr, 2, poffs, EVEN), pmask,
                         _group_pointers(row_ptr, 2, gid, False)[0], gmask, GROUP, M_FP4, EVEN)  # fmt: skip
-        quantize_store4(v_mag, v_sign, v_mx, rare, _packed(v_base, row_ptr, 5, poffs, EVEN), pmask,
+        quantize_store4(v, v_mag, v_sign, v_mx, rare, _packed(v_base, row_ptr, 5, poffs, EVEN), pmask,
                         _group_pointers(row_ptr, 5, gid, False)[0], gmask, GROUP, V_FP4, EVEN)  # fmt: skip
         if AMSGRAD:
             _store_moment(vmax, x_base, row_ptr, 8, offs, mask, gid, gmask, COMPRESSED,

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ..formats.fp4_moment import MIN_SCALE as _MIN_SCALE
-from .fp8_triton import store_per_group
+from .fp8_triton import FAST_MATH, store_per_group
 
 E2M1, UE3M1_SQRT = 1, 2
 """the FMT constexpr of a 4-bit moment (0: FP8)"""
@@ -125,11 +125,56 @@ def load_decode4(code_ptrs, pmask, scale_ptrs, gmask, mask, GROUP: tl.constexpr,
 
 
 @triton.jit
+def _sqrt_rn_fast(x):
+    """sqrt_rn(x) bit for bit for x in [2**-101, 2**128) (and garbage elsewhere), in 5 instructions
+    where sqrt_rn takes 10: this is the sequence ptxas itself emits for sqrt.rn.f32 (12.8, Triton
+    3.6's, and 12.9 alike) once its range check passes (x's pattern - 0x0D000000 <= 0x727FFFFF,
+    else a called slow path): MUFU.RSQ r, s = x * r, h = r / 2, e = fma(-s, s, x), fma(e, h, s).
+    Explicit .rn keeps ptxas from contracting the products; all operands are normal, so .ftz
+    changes nothing."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .f32 r, s, h, n, e;
+        rsqrt.approx.ftz.f32 r, $1;
+        mul.rn.ftz.f32 s, $1, r;
+        mul.rn.ftz.f32 h, r, 0f3F000000;
+        neg.f32 n, s;
+        fma.rn.f32 e, n, s, $1;
+        fma.rn.f32 $0, e, h, s;
+        }""",
+        "=r,r",
+        [x],
+        dtype=tl.float32,
+        is_pure=True,
+        pack=1,
+    )
+
+
+SQRT_FLOOR = tl.constexpr(2.0**-100)
+"""ue3m1_sqrt on the GPU takes sqrt of max(v, SQRT_FLOOR): below, the code is 0 either way where
+the group's largest v is at least 2**-84 (VMAX_FLOOR_BITS; see magnitudes4)"""
+VMAX_FLOOR_BITS = tl.constexpr(0x15800000)
+"""2**-84's float32 pattern"""
+
+
+@triton.jit
 def magnitudes4(x, FMT: tl.constexpr):
     """The first half of encode_store4: (|u|, the e2m1 sign bits (0 for ue3m1), each group's
-    largest pattern |u| as int32) of a [groups, G] float32 tile (u = sqrt(x) for ue3m1_sqrt).
-    Split from quantize_store4 so that a step with two 4-bit moments can test both moments'
-    maxima in one program-wide reduction (a shared-memory round trip and barriers each)."""
+    largest pattern, int32) of a [groups, G] float32 tile (u = sqrt(x) for ue3m1_sqrt). Split
+    from quantize_store4 so that a step with two 4-bit moments can test both moments in one
+    program-wide reduction (a shared-memory round trip and barriers each); rare_groups4 says
+    which groups need quantize_store4's exact path.
+
+    ue3m1_sqrt on the GPU: u = sqrt of max(v, 2**-100) by _sqrt_rn_fast, and the largest pattern
+    is v's own (uint32: a set sign bit, a NaN or Inf ranks above every finite v >= 0). Where
+    the group's largest v is 0 or at least 2**-84 and finite (else rare_groups4 holds), this
+    gives the codes and scale of u = sqrt_rn(v) exactly: v >= 2**-100 lies in _sqrt_rn_fast's
+    range; v < 2**-100 gets u <= 2**-50 both ways, and with scale = sqrt_rn(max v) >= 2**-42,
+    top / scale <= 192 * 2**42 = 1.5 * 2**49 (exact), so y = u * (top / scale) <= 0.75 rounds
+    to code 0 both ways (the first midpoint is 1.25); an all-zero group has scale 0 and y = 0."""
+    if FMT == 2 and FAST_MATH:
+        u = _sqrt_rn_fast(tl.maximum(x, SQRT_FLOOR))
+        return u, 0, tl.max(x.to(tl.uint32, bitcast=True), axis=1).to(tl.int32, bitcast=True)
     if FMT == 2:
         u = tl.sqrt_rn(x)
     else:
@@ -143,16 +188,40 @@ def magnitudes4(x, FMT: tl.constexpr):
 
 
 @triton.jit
-def quantize_store4(mag, sign, mx_bits, rare, code_ptrs, pmask, scale_ptrs, gmask, GROUP: tl.constexpr,
+def rare_groups4(mx_bits, FMT: tl.constexpr):
+    """Per group, from magnitudes4's largest pattern: whether quantize_store4 must take its exact
+    path, or the non-finite count must look (|m| >= 2**127 or v >= 2**126: below both, m + v
+    stays finite). Any group holding a NaN/Inf is one (its pattern is above 0x7F7FFFFF)."""
+    if FMT == 2 and FAST_MATH:  # v's pattern: v >= 2**126, NaN/Inf/sign bit, or 0 < v max < 2**-84
+        vm = mx_bits.to(tl.uint32, bitcast=True)
+        return (vm > 0x7E7FFFFF) | (vm - 1 < VMAX_FLOOR_BITS - 1)
+    elif FMT == 2:  # sqrt(v)'s pattern: sqrt(v) >= 2**63 holds wherever v >= 2**126
+        return mx_bits > 0x5EFFFFFF
+    else:
+        return mx_bits > 0x7EFFFFFF
+
+
+@triton.jit
+def quantize_store4(x, mag, sign, mx_bits, rare, code_ptrs, pmask, scale_ptrs, gmask, GROUP: tl.constexpr,
                     FMT: tl.constexpr, EVEN: tl.constexpr):  # fmt: skip
-    """The second half of encode_store4, from magnitudes4's results: `rare` (a scalar) must hold
-    wherever a group's maximum pattern is NaN/Inf (above 0x7F7FFFFF); it may hold elsewhere too
-    (the rare path's float maximum of finite magnitudes is their pattern maximum)."""
+    """The second half of encode_store4, from the tile x and magnitudes4's results: `rare` (a
+    scalar) must hold wherever rare_groups4 does for some group; it may hold elsewhere too (the
+    exact path computes the same codes there)."""
     GPP: tl.constexpr = mag.shape[0]
     TOP: tl.constexpr = 6.0 if FMT == 1 else 192.0
-    mx = mx_bits.to(tl.float32, bitcast=True)
-    bad = mx_bits > 0x7F7FFFFF  # a group holding a NaN/Inf
-    if rare:  # NaN/Inf count as 0
+    if FMT == 2 and FAST_MATH:  # scale = sqrt_rn(largest v), 2**-42 at least where it is used
+        mx = tl.where(
+            mx_bits != 0, _sqrt_rn_fast(tl.maximum(mx_bits.to(tl.float32, bitcast=True), SQRT_FLOOR)), 0.0
+        )
+    else:
+        mx = mx_bits.to(tl.float32, bitcast=True)
+    bad = mx_bits != mx_bits  # (no group holds a NaN/Inf unless rare)
+    if rare:  # the exact path: NaN/Inf count as 0, a group holding one stores a NaN scale
+        if FMT == 2 and FAST_MATH:  # (from v's patterns -0.0 would look like a NaN: the sign bit)
+            mag = tl.abs(tl.sqrt_rn(x))
+            bad = tl.max(mag.to(tl.int32, bitcast=True), axis=1) > 0x7F7FFFFF
+        else:
+            bad = mx_bits > 0x7F7FFFFF
         finite = mag < float("inf")
         mag = tl.where(finite, mag, 0.0)
         if FMT == 1:
@@ -186,11 +255,9 @@ def encode_store4(x, code_ptrs, pmask, scale_ptrs, gmask, GROUP: tl.constexpr, F
     give code 0) into a 4-bit moment and store its packed codes (EVEN: int32 words, else bytes:
     packed_offsets) and scales. A group with a NaN/Inf stores a NaN scale and takes its codes
     from the finite values, NaN/Inf counting as 0 (the twin's rule). The per-element checks for
-    that run only in a program that holds a NaN/Inf: elsewhere the groups' largest magnitude is
-    the maximum of the patterns |u| (as integers, ordered as the floats, NaN above Inf), and it
-    is finite. Returns the program's largest pattern |u| (int32; u = sqrt(x) for ue3m1_sqrt)."""
+    that run only in a program where rare_groups4 holds for a group (one that holds a NaN/Inf,
+    among others): elsewhere the groups' largest magnitude is the maximum of the patterns |u|
+    (as integers, ordered as the floats, NaN above Inf), and it is finite."""
     mag, sign, mx_bits = magnitudes4(x, FMT)
-    top = tl.max(mx_bits, axis=0)
-    rare = top > 0x7F7FFFFF
-    quantize_store4(mag, sign, mx_bits, rare, code_ptrs, pmask, scale_ptrs, gmask, GROUP, FMT, EVEN)
-    return top
+    rare = tl.max(rare_groups4(mx_bits, FMT).to(tl.int32), axis=0) > 0
+    quantize_store4(x, mag, sign, mx_bits, rare, code_ptrs, pmask, scale_ptrs, gmask, GROUP, FMT, EVEN)
