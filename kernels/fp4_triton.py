@@ -68,20 +68,37 @@ def _level(w, N: tl.constexpr, FMT: tl.constexpr):
 
 
 @triton.jit
-def _nearest(y, FMT: tl.constexpr):
-    """Code index (int32) of the level nearest to y (in [0, top]), ties to the even index, as
-    formats.fp4._nearest's midpoint search, by rounding in float32 bits. Both codebooks are
-    1-bit-mantissa floats above 1: rounding the pattern to nearest even at mantissa bit 22 gives
-    2 * biased exponent + mantissa bit, the code up to an offset (ue3m1: below 1 only level 1 is
-    nearer: clamp). e2m1 below 1 has the even spacing 0, 0.5, 1: there the code is 2y rounded to
-    nearest even, the mantissa field of y + 2**22 (whose ulp is 0.5). Checked exhaustively
-    against the twin over every float32 in [0, top] (tests/exhaustive_fp4_nearest.py)."""
-    bits = y.to(tl.int32, bitcast=True)
-    r = (bits + 0x1FFFFF + ((bits >> 22) & 1)) >> 22
-    if FMT == 1:
-        small = (y + 4194304.0).to(tl.int32, bitcast=True) - 0x4A800000
-        return tl.where(y < 1.0, small, r - 252)
+def _add_rn(a, b):
+    """a + b rounded once: on the GPU add.rn.f32, which ptxas never contracts with the product
+    that made a (an fma would round once where the twin rounds the product first)."""
+    if FAST_MATH:
+        return tl.inline_asm_elementwise("add.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32,
+                                         is_pure=True, pack=1)  # fmt: skip
     else:
+        return a + b
+
+
+@triton.jit
+def _nearest(y, FMT: tl.constexpr):
+    """Code index (int32) of the level nearest to y (in [0, top * (1 + 2**-22)], clamped to the
+    top level as the twin's encoder clamps it), ties to the even index, as formats.fp4._nearest's
+    midpoint search. Checked exhaustively against the twin over every float32 in that range
+    (tests/exhaustive_fp4_nearest.py).
+
+    ue3m1: the codebook is the 1-bit-mantissa floats from 1: rounding the pattern to nearest even
+    at mantissa bit 22 gives 2 * biased exponent + mantissa bit, the code up to an offset (below
+    1 only level 1 is nearer: clamp). e2m1: the levels are spaced 0.5 up to 2, then 1 up to 4,
+    then 2, which is the ulp of C = 2**(e + 22) for y's exponent e clamped below at 0; so C + y,
+    rounded once, is C plus y rounded to its nearest level, ties to an even count of spacings,
+    and that count (its pattern less C's) is the code less 2e (y = 6 * (1 + 2**-22) still rounds
+    to 6). Six integer/float ops an element, with no compare, select or clamp."""
+    bits = y.to(tl.int32, bitcast=True)
+    if FMT == 1:
+        e = tl.maximum(bits & 0x7F800000, 0x3F800000)  # 2**e's pattern
+        c = e + (22 << 23)
+        return _add_rn(y, c.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True) - c + ((e >> 22) - 254)
+    else:
+        r = (bits + 0x1FFFFF + ((bits >> 22) & 1)) >> 22
         return tl.maximum(r - 254, 0)
 
 
@@ -230,13 +247,9 @@ def quantize_store4(x, mag, sign, mx_bits, rare, code_ptrs, pmask, scale_ptrs, g
     scale = tl.where(mx > 0, tl.maximum(mx, MIN_SCALE), 0.0)
     to_units = tl.where(scale > 0, tl.math.div_rn(tl.full(scale.shape, TOP, tl.float32), scale), 0.0)
     # mag <= scale, so y <= top * (1 + 2**-23), which rounds to the top code as the twin's clamp
-    # does; e2m1 keeps the clamp, which also stops the compiler from fusing the product into
-    # _nearest's add (an fma would round once where the twin rounds y first)
+    # does
     y = mag * to_units[:, None]
-    if FMT == 1:
-        c = _nearest(tl.minimum(y, TOP), FMT) | sign
-    else:
-        c = _nearest(y, FMT)
+    c = _nearest(y, FMT) + sign  # (e2m1: the sign is bit 3, above the code)
     lo, hi = tl.split(tl.reshape(c, [GPP, GROUP // 2, 2]))
     c = lo | (hi << 4)  # bytes
     if EVEN:  # int32 words, byte 0 lowest
