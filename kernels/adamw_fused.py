@@ -182,6 +182,16 @@ def _round_to_int8(c):
 
 
 @triton.jit
+def _to_bf16(p):
+    """float32 -> bfloat16 to nearest even by the GPU's paired conversion (cvt.rn.bf16x2.f32:
+    element 2j from the second operand into the low half; p.to(bfloat16) converts one element
+    an instruction). At every non-NaN p that is the twin's integer rounding and a NaN stays a
+    NaN (tests/test_master_weights.py checks all 2**32 float32 on the GPU)."""
+    return tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [p], dtype=tl.bfloat16,
+                                     is_pure=True, pack=2)  # fmt: skip
+
+
+@triton.jit
 def _mix32(h):
     """murmur3's finalizer on uint32 (wrapping), as formats.master_weights._mix32."""
     h = h ^ (h >> 16)
@@ -216,9 +226,20 @@ def _store_master(p, p_ptrs, c_ptrs, mask, offs, seed, step, MASTER: tl.constexp
         high = (bits + 0x8000) >> 16  # to nearest, ties away from zero
         tl.store(c_ptrs, (bits - (high << 16)).to(tl.int16), mask=mask)
     elif MASTER == 24:
-        high = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # to nearest, ties to even
-        wbits = high << 16
-        w = wbits.to(tl.float32, bitcast=True)
+        if FAST_MATH:
+            # the GPU's conversion (cvt.rn.bf16x2.f32: two elements an instruction, where the
+            # integer rounding below takes 4 an element and the store's NaN select 2 more) rounds
+            # to nearest even as that integer rounding does at every non-NaN p: bfloat16 keeps
+            # float32's exponent field, so rounding the pattern's low 16 bits is IEEE rounding,
+            # subnormals, carries into the exponent and overflow to Inf included; a NaN stays a
+            # NaN, as the store below keeps it (its c is NaN, stored as 0, either way)
+            wb = _to_bf16(p)
+            w = wb.to(tl.float32)
+            wbits = w.to(tl.int32, bitcast=True)
+        else:
+            high = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # to nearest, ties to even
+            wbits = high << 16
+            w = wbits.to(tl.float32, bitcast=True)
         # 1 / s: exponent fields add to 254 (s is a normal power of two, 2**-126 at least)
         inv_s = ((254 << 23) - _correction_bits(wbits)).to(tl.float32, bitcast=True)
         c = (p - w) * inv_s  # exact: a difference of neighbours times a power of two
@@ -228,8 +249,11 @@ def _store_master(p, p_ptrs, c_ptrs, mask, offs, seed, step, MASTER: tl.constexp
         r = _mix32((offs.to(tl.uint32) * 0x85EBCA77).to(tl.uint32) ^ key) & 0xFFFF
         high = (bits.to(tl.uint32, bitcast=True) + r) >> 16
         high = high.to(tl.int32, bitcast=True)
-    w = (high << 16).to(tl.float32, bitcast=True).to(tl.bfloat16)  # exact: the low bits are zero
-    tl.store(p_ptrs, tl.where(p != p, p.to(tl.bfloat16), w), mask=mask)
+    if MASTER == 24 and FAST_MATH:
+        tl.store(p_ptrs, wb, mask=mask)
+    else:
+        w = (high << 16).to(tl.float32, bitcast=True).to(tl.bfloat16)  # exact: the low bits are zero
+        tl.store(p_ptrs, tl.where(p != p, p.to(tl.bfloat16), w), mask=mask)
 
 
 @triton.jit
