@@ -338,10 +338,22 @@ def _adamw_kernel(
         g = g * tl.load(grad_scale_ptr)
     if MAXIMIZE:
         g = -g
-    m = _load_moment(m_base, row_ptr, 2, offs, mask, gid, gmask, poffs, pmask, COMPRESSED, M_EXPAND,
-                     M_E4M3, GROUP, M_FP4, EVEN)  # fmt: skip
-    v = _load_moment(v_base, row_ptr, 5, offs, mask, gid, gmask, poffs, pmask, COMPRESSED, V_EXPAND,
-                     V_E4M3, GROUP, V_FP4, EVEN)  # fmt: skip
+    # a 4-bit moment's pointers serve its load and its store (the table reads and 64-bit adds
+    # are not repeated)
+    if COMPRESSED and M_FP4 > 0:
+        m_codes = _packed(m_base, row_ptr, 2, poffs, EVEN)
+        m_scales = _group_pointers(row_ptr, 2, gid, False)[0]
+        m = load_decode4(m_codes, pmask, m_scales, gmask, mask, GROUP, M_FP4, EVEN)
+    else:
+        m = _load_moment(m_base, row_ptr, 2, offs, mask, gid, gmask, poffs, pmask, COMPRESSED, M_EXPAND,
+                         M_E4M3, GROUP, M_FP4, EVEN)  # fmt: skip
+    if COMPRESSED and V_FP4 > 0:
+        v_codes = _packed(v_base, row_ptr, 5, poffs, EVEN)
+        v_scales = _group_pointers(row_ptr, 5, gid, False)[0]
+        v = load_decode4(v_codes, pmask, v_scales, gmask, mask, GROUP, V_FP4, EVEN)
+    else:
+        v = _load_moment(v_base, row_ptr, 5, offs, mask, gid, gmask, poffs, pmask, COMPRESSED, V_EXPAND,
+                         V_E4M3, GROUP, V_FP4, EVEN)  # fmt: skip
     # a second moment's NaN code reads as +Inf (formats.optimizer_state.SECOND_MOMENTS; a 4-bit
     # one's decoder does it per group)
     if COMPRESSED and V_FP4 == 0:
@@ -377,10 +389,8 @@ def _adamw_kernel(
         v_mag, v_sign, v_mx = magnitudes4(v, V_FP4)
         flag = rare_groups4(m_mx, M_FP4) | rare_groups4(v_mx, V_FP4)
         rare = tl.max(flag.to(tl.int32), axis=0) > 0
-        quantize_store4(m, m_mag, m_sign, m_mx, rare, _packed(m_base, row_ptr, 2, poffs, EVEN), pmask,
-                        _group_pointers(row_ptr, 2, gid, False)[0], gmask, GROUP, M_FP4, EVEN)  # fmt: skip
-        quantize_store4(v, v_mag, v_sign, v_mx, rare, _packed(v_base, row_ptr, 5, poffs, EVEN), pmask,
-                        _group_pointers(row_ptr, 5, gid, False)[0], gmask, GROUP, V_FP4, EVEN)  # fmt: skip
+        quantize_store4(m, m_mag, m_sign, m_mx, rare, m_codes, pmask, m_scales, gmask, GROUP, M_FP4, EVEN)
+        quantize_store4(v, v_mag, v_sign, v_mx, rare, v_codes, pmask, v_scales, gmask, GROUP, V_FP4, EVEN)
         if AMSGRAD:
             _store_moment(vmax, x_base, row_ptr, 8, offs, mask, gid, gmask, COMPRESSED,
                           V_EXPAND, V_MAX, V_MBITS, V_EMIN, V_LOG2_MAX, V_KNUM, V_E4M3, poffs, pmask, GROUP,
@@ -388,12 +398,18 @@ def _adamw_kernel(
         if rare:  # rare
             _count_nonfinite(m, v, row_ptr, nonfinite_ptr, t)
     else:
-        _store_moment(m, m_base, row_ptr, 2, offs, mask, gid, gmask, COMPRESSED,
-                      M_EXPAND, M_MAX, M_MBITS, M_EMIN, M_LOG2_MAX, M_KNUM, M_E4M3, poffs, pmask, GROUP,
-                      M_FP4, EVEN)  # fmt: skip
-        _store_moment(v, v_base, row_ptr, 5, offs, mask, gid, gmask, COMPRESSED,
-                      V_EXPAND, V_MAX, V_MBITS, V_EMIN, V_LOG2_MAX, V_KNUM, V_E4M3, poffs, pmask, GROUP,
-                      V_FP4, EVEN)  # fmt: skip
+        if COMPRESSED and M_FP4 > 0:
+            encode_store4(m, m_codes, pmask, m_scales, gmask, GROUP, M_FP4, EVEN)
+        else:
+            _store_moment(m, m_base, row_ptr, 2, offs, mask, gid, gmask, COMPRESSED,
+                          M_EXPAND, M_MAX, M_MBITS, M_EMIN, M_LOG2_MAX, M_KNUM, M_E4M3, poffs, pmask, GROUP,
+                          M_FP4, EVEN)  # fmt: skip
+        if COMPRESSED and V_FP4 > 0:
+            encode_store4(v, v_codes, pmask, v_scales, gmask, GROUP, V_FP4, EVEN)
+        else:
+            _store_moment(v, v_base, row_ptr, 5, offs, mask, gid, gmask, COMPRESSED,
+                          V_EXPAND, V_MAX, V_MBITS, V_EMIN, V_LOG2_MAX, V_KNUM, V_E4M3, poffs, pmask, GROUP,
+                          V_FP4, EVEN)  # fmt: skip
         if AMSGRAD:
             _store_moment(vmax, x_base, row_ptr, 8, offs, mask, gid, gmask, COMPRESSED,
                           V_EXPAND, V_MAX, V_MBITS, V_EMIN, V_LOG2_MAX, V_KNUM, V_E4M3, poffs, pmask, GROUP,
