@@ -18,9 +18,10 @@ AdamW's u over the compressible matrices (those CompressedAdamW compresses):
   cos     the cosine of u' and u
   v bias  exp(mean log(v' / v)) over elements with v > 0 (above 1: v held too large)
 
-Candidates: the FP8 default, the shipped 4-bit formats (nearest rounding), and stochastic rounding
-of the same codes (unbiased in v for ue3m1_sqrt, in m for e2m1: a candidate fix, random here, not
-the kernel's hash), plus smaller groups. Writes --out (JSON).
+Candidates: the FP8 default, 4-bit v rounded to the nearest level (the step until 2026-12-02),
+stochastic rounding of the same codes from torch.rand (unbiased in v, or in sqrt(v), or in m for
+e2m1), smaller groups, and "the step's SR": formats.fp4_moment's own stochastic rounding with its
+hashed bits, what CompressedAdamW does since. Writes --out (JSON).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 import torch  # noqa: E402
 import train_gpt  # noqa: E402
 from coatstate.formats.fp4 import CODEBOOKS  # noqa: E402
-from coatstate.formats.fp4_moment import FP4Format, decode_moment, encode_moment  # noqa: E402
+from coatstate.formats.fp4_moment import FP4Format, decode_moment, encode_moment, rounding_bits  # noqa: E402
 from common import result_meta  # noqa: E402
 from state_reconstruction import MIN_NUMEL, fp8_codec  # noqa: E402
 
@@ -47,7 +48,7 @@ E2M1 = torch.tensor(CODEBOOKS["e2m1"][0])
 
 
 def fp4_nearest(fmt: FP4Format, group: int = 128):
-    def codec(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    def codec(x: torch.Tensor, gen: torch.Generator, key: tuple[int, int]) -> torch.Tensor:
         x2d = x.reshape(x.shape[0], -1)
         packed, scales = encode_moment(x2d, group, fmt)
         return decode_moment(packed, scales, x2d.shape[1], group, fmt).reshape(x.shape)
@@ -67,7 +68,7 @@ def _stochastic(t: torch.Tensor, levels: torch.Tensor, gen: torch.Generator, squ
 def ue3m1_sqrt_sr(group: int = 128, unbiased_in_v: bool = True):
     """sqrt(v) on ue3m1's levels, rounded so that the decoded v (or sqrt(v)) is unbiased."""
 
-    def codec(v: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    def codec(v: torch.Tensor, gen: torch.Generator, key: tuple[int, int]) -> torch.Tensor:
         u = v.reshape(-1, group).sqrt()
         scale = u.amax(dim=1, keepdim=True)
         top = UE3M1[-1]
@@ -78,8 +79,21 @@ def ue3m1_sqrt_sr(group: int = 128, unbiased_in_v: bool = True):
     return codec
 
 
+def ue3m1_sqrt_step(group: int = 128):
+    """What CompressedAdamW's step does (formats.fp4_moment): stochastic in sqrt(v), its bits
+    hashed from (seed, step, element offset)."""
+
+    def codec(v: torch.Tensor, gen: torch.Generator, key: tuple[int, int]) -> torch.Tensor:
+        x2d = v.reshape(v.shape[0], -1)
+        bits = rounding_bits(key[0], key[1], 0, *x2d.shape)
+        packed, scales = encode_moment(x2d, group, FP4Format.UE3M1_SQRT, bits)
+        return decode_moment(packed, scales, x2d.shape[1], group, FP4Format.UE3M1_SQRT).reshape(v.shape)
+
+    return codec
+
+
 def e2m1_sr(group: int = 128):
-    def codec(m: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    def codec(m: torch.Tensor, gen: torch.Generator, key: tuple[int, int]) -> torch.Tensor:
         x = m.reshape(-1, group)
         scale = x.abs().amax(dim=1, keepdim=True)
         top = E2M1[-1]
@@ -91,7 +105,7 @@ def e2m1_sr(group: int = 128):
 
 def fp8(expand: bool, group: int = 128):
     f = fp8_codec(expand, group)
-    return lambda x, gen: f(x)
+    return lambda x, gen, key: f(x)
 
 
 CANDIDATES = {  # name: (m codec, v codec)
@@ -101,7 +115,9 @@ CANDIDATES = {  # name: (m codec, v codec)
     "fp8 / ue3m1_sqrt g32": (fp8(True), fp4_nearest(FP4Format.UE3M1_SQRT, 32)),
     "fp8 / ue3m1_sqrt SR": (fp8(True), ue3m1_sqrt_sr()),
     "fp8 / ue3m1_sqrt SR in sqrt": (fp8(True), ue3m1_sqrt_sr(unbiased_in_v=False)),
+    "fp8 / ue3m1_sqrt (the step's SR)": (fp8(True), ue3m1_sqrt_step()),
     "e2m1 / ue3m1_sqrt (fp4)": (fp4_nearest(FP4Format.E2M1), fp4_nearest(FP4Format.UE3M1_SQRT)),
+    "e2m1 / ue3m1_sqrt (the step's SR)": (fp4_nearest(FP4Format.E2M1), ue3m1_sqrt_step()),
     "e2m1 SR / ue3m1_sqrt SR": (e2m1_sr(), ue3m1_sqrt_sr()),
 }
 
@@ -157,6 +173,7 @@ def run(seed: int, args) -> dict:
     ]
     shadow = {name: {p: (torch.zeros_like(p), torch.zeros_like(p)) for p in params} for name in CANDIDATES}
     gen = torch.Generator().manual_seed(seed)
+    index = {p: i for i, p in enumerate(params)}
     stream = train_gpt.batches(train_gpt.stdlib_corpus(), 16, 128, seed)
     rows = []
     for step in range(1, args.steps + 1):
@@ -169,8 +186,9 @@ def run(seed: int, args) -> dict:
                 for p in params:
                     m, v = shadow[name][p]
                     g = p.grad.float()
-                    m = m_codec(m.mul(b1).add_(g, alpha=1 - b1), gen)
-                    v = v_codec(v.mul(b2).addcmul_(g, g, value=1 - b2), gen)
+                    key = (index[p], step)
+                    m = m_codec(m.mul(b1).add_(g, alpha=1 - b1), gen, key)
+                    v = v_codec(v.mul(b2).addcmul_(g, g, value=1 - b2), gen, key)
                     shadow[name][p] = (m, v)
         opt.step()
         if step % args.report_every == 0 or step == args.steps:
