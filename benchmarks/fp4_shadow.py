@@ -47,10 +47,14 @@ UE3M1 = torch.tensor(CODEBOOKS["ue3m1"][0])
 E2M1 = torch.tensor(CODEBOOKS["e2m1"][0])
 
 
-def fp4_nearest(fmt: FP4Format, group: int = 128):
+def fp4_codec(fmt: FP4Format, group: int = 128, stochastic: bool = False):
+    """The library's 4-bit codec: nearest rounding, or (ue3m1_sqrt, `stochastic`) what
+    CompressedAdamW's step does, its bits hashed from (seed, step, element offset)."""
+
     def codec(x: torch.Tensor, gen: torch.Generator, key: tuple[int, int]) -> torch.Tensor:
         x2d = x.reshape(x.shape[0], -1)
-        packed, scales = encode_moment(x2d, group, fmt)
+        bits = rounding_bits(key[0], key[1], 0, *x2d.shape) if stochastic else None
+        packed, scales = encode_moment(x2d, group, fmt, bits)
         return decode_moment(packed, scales, x2d.shape[1], group, fmt).reshape(x.shape)
 
     return codec
@@ -79,19 +83,6 @@ def ue3m1_sqrt_sr(group: int = 128, unbiased_in_v: bool = True):
     return codec
 
 
-def ue3m1_sqrt_step(group: int = 128):
-    """What CompressedAdamW's step does (formats.fp4_moment): stochastic in sqrt(v), its bits
-    hashed from (seed, step, element offset)."""
-
-    def codec(v: torch.Tensor, gen: torch.Generator, key: tuple[int, int]) -> torch.Tensor:
-        x2d = v.reshape(v.shape[0], -1)
-        bits = rounding_bits(key[0], key[1], 0, *x2d.shape)
-        packed, scales = encode_moment(x2d, group, FP4Format.UE3M1_SQRT, bits)
-        return decode_moment(packed, scales, x2d.shape[1], group, FP4Format.UE3M1_SQRT).reshape(v.shape)
-
-    return codec
-
-
 def e2m1_sr(group: int = 128):
     def codec(m: torch.Tensor, gen: torch.Generator, key: tuple[int, int]) -> torch.Tensor:
         x = m.reshape(-1, group)
@@ -111,13 +102,16 @@ def fp8(expand: bool, group: int = 128):
 CANDIDATES = {  # name: (m codec, v codec)
     "fp8 / fp8 (default)": (fp8(True), fp8(True)),
     "fp8 plain / fp8 plain": (fp8(False), fp8(False)),
-    "fp8 / ue3m1_sqrt (fp4_v)": (fp8(True), fp4_nearest(FP4Format.UE3M1_SQRT)),
-    "fp8 / ue3m1_sqrt g32": (fp8(True), fp4_nearest(FP4Format.UE3M1_SQRT, 32)),
+    "fp8 / ue3m1_sqrt (fp4_v)": (fp8(True), fp4_codec(FP4Format.UE3M1_SQRT)),
+    "fp8 / ue3m1_sqrt g32": (fp8(True), fp4_codec(FP4Format.UE3M1_SQRT, 32)),
     "fp8 / ue3m1_sqrt SR": (fp8(True), ue3m1_sqrt_sr()),
     "fp8 / ue3m1_sqrt SR in sqrt": (fp8(True), ue3m1_sqrt_sr(unbiased_in_v=False)),
-    "fp8 / ue3m1_sqrt (the step's SR)": (fp8(True), ue3m1_sqrt_step()),
-    "e2m1 / ue3m1_sqrt (fp4)": (fp4_nearest(FP4Format.E2M1), fp4_nearest(FP4Format.UE3M1_SQRT)),
-    "e2m1 / ue3m1_sqrt (the step's SR)": (fp4_nearest(FP4Format.E2M1), ue3m1_sqrt_step()),
+    "fp8 / ue3m1_sqrt (the step's SR)": (fp8(True), fp4_codec(FP4Format.UE3M1_SQRT, stochastic=True)),
+    "e2m1 / ue3m1_sqrt (fp4)": (fp4_codec(FP4Format.E2M1), fp4_codec(FP4Format.UE3M1_SQRT)),
+    "e2m1 / ue3m1_sqrt (the step's SR)": (
+        fp4_codec(FP4Format.E2M1),
+        fp4_codec(FP4Format.UE3M1_SQRT, stochastic=True),
+    ),
     "e2m1 SR / ue3m1_sqrt SR": (e2m1_sr(), ue3m1_sqrt_sr()),
 }
 
@@ -182,10 +176,11 @@ def run(seed: int, args) -> dict:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         with torch.no_grad():
+            grads = {p: p.grad.float() for p in params}
             for name, (m_codec, v_codec) in CANDIDATES.items():
                 for p in params:
                     m, v = shadow[name][p]
-                    g = p.grad.float()
+                    g = grads[p]
                     key = (index[p], step)
                     m = m_codec(m.mul(b1).add_(g, alpha=1 - b1), gen, key)
                     v = v_codec(v.mul(b2).addcmul_(g, g, value=1 - b2), gen, key)

@@ -191,13 +191,12 @@ def _load_master(p_raw, c_ptrs, mask, MASTER: tl.constexpr):
 
 
 @triton.jit
-def _rounding_bits(seed, step, offs):
-    """22 random bits (int32) per element offset, as formats.fp4_moment.rounding_bits: the top
-    bits of master_weights.hash32 on its stream ROUNDING_STREAM."""
+def _hash32(seed, step, offs, STREAM: tl.constexpr):
+    """32 random bits (uint32) per element offset, as formats.master_weights.hash32 (`seed` here
+    is already times 0x9E3779B1: the launch's meta holds it so)."""
     key = (seed + (step.to(tl.int32).to(tl.uint32) * 0x632BE5AB).to(tl.uint32)).to(tl.uint32)
-    key = _mix32((key + ROUNDING_STREAM).to(tl.uint32))
-    h = _mix32((offs.to(tl.uint32) * 0x85EBCA77).to(tl.uint32) ^ key)
-    return (h >> 10).to(tl.int32)
+    key = _mix32((key + STREAM).to(tl.uint32))
+    return _mix32((offs.to(tl.uint32) * 0x85EBCA77).to(tl.uint32) ^ key)
 
 
 @triton.jit
@@ -218,8 +217,7 @@ def _store_master(p, p_ptrs, c_ptrs, mask, offs, seed, step, MASTER: tl.constexp
         c = tl.minimum(tl.maximum(c, -128.0), 127.0)
         tl.store(c_ptrs, tl.where(c == c, c, 0.0).to(tl.int8), mask=mask)
     else:
-        key = _mix32((seed + (step.to(tl.int32).to(tl.uint32) * 0x632BE5AB).to(tl.uint32)).to(tl.uint32))
-        r = _mix32((offs.to(tl.uint32) * 0x85EBCA77).to(tl.uint32) ^ key) & 0xFFFF
+        r = _hash32(seed, step, offs, 0) & 0xFFFF  # master_weights.random_bits
         high = (bits.to(tl.uint32, bitcast=True) + r) >> 16
         high = high.to(tl.int32, bitcast=True)
     w = (high << 16).to(tl.float32, bitcast=True).to(tl.bfloat16)  # exact: the low bits are zero
@@ -345,7 +343,7 @@ def _adamw_kernel(
         step = 0.0
         goffs = offs
     if SR_V:
-        rbits = _rounding_bits(seed, step, goffs)
+        rbits = (_hash32(seed, step, goffs, ROUNDING_STREAM) >> 10).to(tl.int32)  # fp4_moment.rounding_bits
     else:
         rbits = 0
     if MASTER > 0:
