@@ -24,8 +24,17 @@ from ..formats.fp4_moment import ROUNDING_STREAM as _ROUNDING_STREAM
 from ..formats.fp4_moment import FP4Format
 from ..formats.fp8 import FP8Format
 from ..formats.optimizer_state import MomentFormat
-from .fp4_triton import E2M1, UE3M1_SQRT, encode_store4, load_decode4, packed_offsets
-from .fp8_triton import encode_store, fast_divide, fp8_constants, group_offsets, load_decode
+from .fp4_triton import (
+    E2M1,
+    UE3M1_SQRT,
+    encode_store4,
+    load_decode4,
+    magnitudes4,
+    packed_offsets,
+    quantize_store4,
+    rare_groups4,
+)
+from .fp8_triton import FAST_MATH, encode_store, fast_divide, fp8_constants, group_offsets, load_decode
 
 # columns of the address table
 P, G, M_CODES, M_SCALES, M_EXPS, V_CODES, V_SCALES, V_EXPS, X_CODES, X_SCALES, X_EXPS, STEP, C = range(13)
@@ -116,7 +125,7 @@ def _store_moment(
     if COMPRESSED and FP4 > 0:
         scales, _ = _group_pointers(row_ptr, COL, gid, False)
         codes = _packed(base_ptr, row_ptr, COL, poffs, EVEN)
-        top = encode_store4(x, codes, pmask, scales, gmask, GROUP, FP4, EVEN, rbits, SR)
+        encode_store4(x, codes, pmask, scales, gmask, GROUP, FP4, EVEN, rbits, SR)
     elif COMPRESSED:
         scales, exps = _group_pointers(row_ptr, COL, gid, EXPAND)
         encode_store(
@@ -134,11 +143,8 @@ def _store_moment(
             K_NUMERATOR,
             IS_E4M3,
         )
-        top = 0x7F800000  # (unknown: as if Inf)
     else:
         tl.store(_data(base_ptr, row_ptr, COL, offs), x, mask=mask)
-        top = 0x7F800000
-    return top  # 4-bit: the largest |value| pattern of the program (encode_store4)
 
 
 @triton.jit
@@ -161,6 +167,33 @@ def _correction_bits(wbits):
     the float32 pattern `wbits` (int32) of bfloat16 weights: its exponent field, clamped below
     at 16 and less 15, kept in place (field << 23) so that no shift or 16-bit unpacking runs."""
     return tl.maximum(wbits & 0x7F800000, 16 << 23) - (15 << 23)
+
+
+@triton.jit
+def _round_to_int8(c):
+    """int8 of float32 c as the twin's round(c).clamp(-128, 127), NaN -> 0 (formats.master_weights
+    .split24). On the GPU one conversion does it all: cvt.rni.s8.f32 rounds to nearest even,
+    saturates to [-128, 127] (PTX clamps float-to-integer results to the destination's range)
+    and turns NaN into 0 (its rule for NaN inputs), where rounding by adding 1.5 * 2**23, two
+    clamps and the NaN select take 6 instructions an element (and the clamps, hardware
+    min/max, would drop a NaN)."""
+    if FAST_MATH:
+        return tl.inline_asm_elementwise("cvt.rni.s8.f32 $0, $1;", "=r,r", [c], dtype=tl.int32, is_pure=True,
+                                         pack=1).to(tl.int8)  # fmt: skip
+    else:
+        c = (c + 12582912.0) - 12582912.0  # to nearest integer, ties to even (|c| <= 2**22 here)
+        c = tl.minimum(tl.maximum(c, -128.0), 127.0)
+        return tl.where(c == c, c, 0.0).to(tl.int8)
+
+
+@triton.jit
+def _to_bf16(p):
+    """float32 -> bfloat16 to nearest even by the GPU's paired conversion (cvt.rn.bf16x2.f32:
+    element 2j from the second operand into the low half; p.to(bfloat16) converts one element
+    an instruction). At every non-NaN p that is the twin's integer rounding and a NaN stays a
+    NaN (tests/test_master_weights.py checks all 2**32 float32 on the GPU)."""
+    return tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [p], dtype=tl.bfloat16,
+                                     is_pure=True, pack=2)  # fmt: skip
 
 
 @triton.jit
@@ -207,21 +240,33 @@ def _store_master(p, p_ptrs, c_ptrs, mask, offs, seed, step, MASTER: tl.constexp
         high = (bits + 0x8000) >> 16  # to nearest, ties away from zero
         tl.store(c_ptrs, (bits - (high << 16)).to(tl.int16), mask=mask)
     elif MASTER == 24:
-        high = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # to nearest, ties to even
-        wbits = high << 16
-        w = wbits.to(tl.float32, bitcast=True)
+        if FAST_MATH:
+            # the GPU's conversion (cvt.rn.bf16x2.f32: two elements an instruction, where the
+            # integer rounding below takes 4 an element and the store's NaN select 2 more) rounds
+            # to nearest even as that integer rounding does at every non-NaN p: bfloat16 keeps
+            # float32's exponent field, so rounding the pattern's low 16 bits is IEEE rounding,
+            # subnormals, carries into the exponent and overflow to Inf included; a NaN stays a
+            # NaN, as the store below keeps it (its c is NaN, stored as 0, either way)
+            wb = _to_bf16(p)
+            w = wb.to(tl.float32)
+            wbits = w.to(tl.int32, bitcast=True)
+        else:
+            high = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # to nearest, ties to even
+            wbits = high << 16
+            w = wbits.to(tl.float32, bitcast=True)
         # 1 / s: exponent fields add to 254 (s is a normal power of two, 2**-126 at least)
         inv_s = ((254 << 23) - _correction_bits(wbits)).to(tl.float32, bitcast=True)
         c = (p - w) * inv_s  # exact: a difference of neighbours times a power of two
-        c = (c + 12582912.0) - 12582912.0  # to nearest integer, ties to even
-        c = tl.minimum(tl.maximum(c, -128.0), 127.0)
-        tl.store(c_ptrs, tl.where(c == c, c, 0.0).to(tl.int8), mask=mask)
+        tl.store(c_ptrs, _round_to_int8(c), mask=mask)
     else:
         r = _hash32(seed, step, offs, 0) & 0xFFFF  # master_weights.random_bits
         high = (bits.to(tl.uint32, bitcast=True) + r) >> 16
         high = high.to(tl.int32, bitcast=True)
-    w = (high << 16).to(tl.float32, bitcast=True).to(tl.bfloat16)  # exact: the low bits are zero
-    tl.store(p_ptrs, tl.where(p != p, p.to(tl.bfloat16), w), mask=mask)
+    if MASTER == 24 and FAST_MATH:
+        tl.store(p_ptrs, wb, mask=mask)
+    else:
+        w = (high << 16).to(tl.float32, bitcast=True).to(tl.bfloat16)  # exact: the low bits are zero
+        tl.store(p_ptrs, tl.where(p != p, p.to(tl.bfloat16), w), mask=mask)
 
 
 @triton.jit
@@ -306,10 +351,22 @@ def _adamw_kernel(
         g = g * tl.load(grad_scale_ptr)
     if MAXIMIZE:
         g = -g
-    m = _load_moment(m_base, row_ptr, 2, offs, mask, gid, gmask, poffs, pmask, COMPRESSED, M_EXPAND,
-                     M_E4M3, GROUP, M_FP4, EVEN)  # fmt: skip
-    v = _load_moment(v_base, row_ptr, 5, offs, mask, gid, gmask, poffs, pmask, COMPRESSED, V_EXPAND,
-                     V_E4M3, GROUP, V_FP4, EVEN)  # fmt: skip
+    # a 4-bit moment's pointers serve its load and its store (the table reads and 64-bit adds
+    # are not repeated)
+    if COMPRESSED and M_FP4 > 0:
+        m_codes = _packed(m_base, row_ptr, 2, poffs, EVEN)
+        m_scales = _group_pointers(row_ptr, 2, gid, False)[0]
+        m = load_decode4(m_codes, pmask, m_scales, gmask, mask, GROUP, M_FP4, EVEN)
+    else:
+        m = _load_moment(m_base, row_ptr, 2, offs, mask, gid, gmask, poffs, pmask, COMPRESSED, M_EXPAND,
+                         M_E4M3, GROUP, M_FP4, EVEN)  # fmt: skip
+    if COMPRESSED and V_FP4 > 0:
+        v_codes = _packed(v_base, row_ptr, 5, poffs, EVEN)
+        v_scales = _group_pointers(row_ptr, 5, gid, False)[0]
+        v = load_decode4(v_codes, pmask, v_scales, gmask, mask, GROUP, V_FP4, EVEN)
+    else:
+        v = _load_moment(v_base, row_ptr, 5, offs, mask, gid, gmask, poffs, pmask, COMPRESSED, V_EXPAND,
+                         V_E4M3, GROUP, V_FP4, EVEN)  # fmt: skip
     # a second moment's NaN code reads as +Inf (formats.optimizer_state.SECOND_MOMENTS; a 4-bit
     # one's decoder does it per group)
     if COMPRESSED and V_FP4 == 0:
@@ -350,22 +407,40 @@ def _adamw_kernel(
         _store_master(p, p_ptrs, c_ptrs, mask, goffs, seed, step, MASTER)
     else:
         tl.store(p_ptrs, p.to(p_base.dtype.element_ty), mask=mask)
-    m_top = _store_moment(m, m_base, row_ptr, 2, offs, mask, gid, gmask, COMPRESSED,
-                  M_EXPAND, M_MAX, M_MBITS, M_EMIN, M_LOG2_MAX, M_KNUM, M_E4M3, poffs, pmask, GROUP,
-                  M_FP4, EVEN, 0, False)  # fmt: skip
-    v_top = _store_moment(v, v_base, row_ptr, 5, offs, mask, gid, gmask, COMPRESSED,
-                  V_EXPAND, V_MAX, V_MBITS, V_EMIN, V_LOG2_MAX, V_KNUM, V_E4M3, poffs, pmask, GROUP,
-                  V_FP4, EVEN, rbits, SR_V)  # fmt: skip
-    if AMSGRAD:
-        _store_moment(vmax, x_base, row_ptr, 8, offs, mask, gid, gmask, COMPRESSED,
-                      V_EXPAND, V_MAX, V_MBITS, V_EMIN, V_LOG2_MAX, V_KNUM, V_E4M3, poffs, pmask, GROUP,
-                      V_FP4, EVEN, 0, False)  # fmt: skip
     if COMPRESSED and M_FP4 > 0 and V_FP4 > 0:
-        # both 4-bit encoders saw every value: m + v can only be NaN/Inf where |m| or v (sqrt(v)
-        # >= 2**63 below) reaches 2**127 or is NaN/Inf (a sum of two below 2**127 stays finite)
-        if (m_top > 0x7EFFFFFF) | (v_top > 0x5EFFFFFF):  # rare
+        # both 4-bit: one program-wide reduction decides both encoders' exact path and the
+        # count (a reduction across warps is a shared-memory round trip with two barriers)
+        m_mag, m_sign, m_mx = magnitudes4(m, M_FP4)
+        v_mag, v_sign, v_mx = magnitudes4(v, V_FP4)
+        flag = rare_groups4(m_mx, M_FP4) | rare_groups4(v_mx, V_FP4)
+        rare = tl.max(flag.to(tl.int32), axis=0) > 0
+        quantize_store4(m, m_mag, m_sign, m_mx, rare, m_codes, pmask, m_scales, gmask, GROUP, M_FP4, EVEN,
+                        0, False)  # fmt: skip
+        quantize_store4(v, v_mag, v_sign, v_mx, rare, v_codes, pmask, v_scales, gmask, GROUP, V_FP4, EVEN,
+                        rbits, SR_V)  # fmt: skip
+        if AMSGRAD:
+            _store_moment(vmax, x_base, row_ptr, 8, offs, mask, gid, gmask, COMPRESSED,
+                          V_EXPAND, V_MAX, V_MBITS, V_EMIN, V_LOG2_MAX, V_KNUM, V_E4M3, poffs, pmask, GROUP,
+                          V_FP4, EVEN, 0, False)  # fmt: skip
+        if rare:  # rare
             _count_nonfinite(m, v, row_ptr, nonfinite_ptr, t)
     else:
+        if COMPRESSED and M_FP4 > 0:
+            encode_store4(m, m_codes, pmask, m_scales, gmask, GROUP, M_FP4, EVEN, 0, False)
+        else:
+            _store_moment(m, m_base, row_ptr, 2, offs, mask, gid, gmask, COMPRESSED,
+                          M_EXPAND, M_MAX, M_MBITS, M_EMIN, M_LOG2_MAX, M_KNUM, M_E4M3, poffs, pmask, GROUP,
+                          M_FP4, EVEN, 0, False)  # fmt: skip
+        if COMPRESSED and V_FP4 > 0:
+            encode_store4(v, v_codes, pmask, v_scales, gmask, GROUP, V_FP4, EVEN, rbits, SR_V)
+        else:
+            _store_moment(v, v_base, row_ptr, 5, offs, mask, gid, gmask, COMPRESSED,
+                          V_EXPAND, V_MAX, V_MBITS, V_EMIN, V_LOG2_MAX, V_KNUM, V_E4M3, poffs, pmask, GROUP,
+                          V_FP4, EVEN, 0, False)  # fmt: skip
+        if AMSGRAD:
+            _store_moment(vmax, x_base, row_ptr, 8, offs, mask, gid, gmask, COMPRESSED,
+                          V_EXPAND, V_MAX, V_MBITS, V_EMIN, V_LOG2_MAX, V_KNUM, V_E4M3, poffs, pmask, GROUP,
+                          V_FP4, EVEN, 0, False)  # fmt: skip
         _count_nonfinite(m, v, row_ptr, nonfinite_ptr, t)
 
 

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from ..formats.fp4_moment import MIN_SCALE as _MIN_SCALE
+from .fp8_triton import FAST_MATH, store_per_group
 
 E2M1, UE3M1_SQRT = 1, 2
 """the FMT constexpr of a 4-bit moment (0: FP8)"""
@@ -67,20 +68,37 @@ def _level(w, N: tl.constexpr, FMT: tl.constexpr):
 
 
 @triton.jit
-def _nearest(y, FMT: tl.constexpr):
-    """Code index (int32) of the level nearest to y (in [0, top]), ties to the even index, as
-    formats.fp4._nearest's midpoint search, by rounding in float32 bits. Both codebooks are
-    1-bit-mantissa floats above 1: rounding the pattern to nearest even at mantissa bit 22 gives
-    2 * biased exponent + mantissa bit, the code up to an offset (ue3m1: below 1 only level 1 is
-    nearer: clamp). e2m1 below 1 has the even spacing 0, 0.5, 1: there the code is 2y rounded to
-    nearest even, the mantissa field of y + 2**22 (whose ulp is 0.5). Checked exhaustively
-    against the twin over every float32 in [0, top] (tests/exhaustive_fp4_nearest.py)."""
-    bits = y.to(tl.int32, bitcast=True)
-    r = (bits + 0x1FFFFF + ((bits >> 22) & 1)) >> 22
-    if FMT == 1:
-        small = (y + 4194304.0).to(tl.int32, bitcast=True) - 0x4A800000
-        return tl.where(y < 1.0, small, r - 252)
+def _add_rn(a, b):
+    """a + b rounded once: on the GPU add.rn.f32, which ptxas never contracts with the product
+    that made a (an fma would round once where the twin rounds the product first)."""
+    if FAST_MATH:
+        return tl.inline_asm_elementwise("add.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32,
+                                         is_pure=True, pack=1)  # fmt: skip
     else:
+        return a + b
+
+
+@triton.jit
+def _nearest(y, FMT: tl.constexpr):
+    """Code index (int32) of the level nearest to y (in [0, top * (1 + 2**-22)], clamped to the
+    top level as the twin's encoder clamps it), ties to the even index, as formats.fp4._nearest's
+    midpoint search. Checked exhaustively against the twin over every float32 in that range
+    (tests/exhaustive_fp4_nearest.py).
+
+    ue3m1: the codebook is the 1-bit-mantissa floats from 1: rounding the pattern to nearest even
+    at mantissa bit 22 gives 2 * biased exponent + mantissa bit, the code up to an offset (below
+    1 only level 1 is nearer: clamp). e2m1: the levels are spaced 0.5 up to 2, then 1 up to 4,
+    then 2, which is the ulp of C = 2**(e + 22) for y's exponent e clamped below at 0; so C + y,
+    rounded once, is C plus y rounded to its nearest level, ties to an even count of spacings,
+    and that count (its pattern less C's) is the code less 2e (y = 6 * (1 + 2**-22) still rounds
+    to 6). Six integer/float ops an element, with no compare, select or clamp."""
+    bits = y.to(tl.int32, bitcast=True)
+    if FMT == 1:
+        e = tl.maximum(bits & 0x7F800000, 0x3F800000)  # 2**e's pattern
+        c = e + (22 << 23)
+        return _add_rn(y, c.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True) - c + ((e >> 22) - 254)
+    else:
+        r = (bits + 0x1FFFFF + ((bits >> 22) & 1)) >> 22
         return tl.maximum(r - 254, 0)
 
 
@@ -124,19 +142,56 @@ def load_decode4(code_ptrs, pmask, scale_ptrs, gmask, mask, GROUP: tl.constexpr,
 
 
 @triton.jit
-def encode_store4(x, code_ptrs, pmask, scale_ptrs, gmask, GROUP: tl.constexpr, FMT: tl.constexpr,
-                  EVEN: tl.constexpr, rbits, SR: tl.constexpr):  # fmt: skip
-    """Quantize a [groups, GROUP] float32 tile (exact zeros where the tile's mask is off: they
-    give code 0) into a 4-bit moment and store its packed codes (EVEN: int32 words, else bytes:
-    packed_offsets) and scales. A group with a NaN/Inf stores a NaN scale and takes its codes
-    from the finite values, NaN/Inf counting as 0 (the twin's rule). The per-element checks for
-    that run only in a program that holds a NaN/Inf: elsewhere the groups' largest magnitude is
-    the maximum of the patterns |u| (as integers, ordered as the floats, NaN above Inf), and it
-    is finite. SR (ue3m1_sqrt): round stochastically with the 22 random bits `rbits` per element
-    (int32, like x), as formats.fp4.encode_groups: added below ue3m1's mantissa bit and truncated.
-    Returns the program's largest pattern |u| (int32; u = sqrt(x) for ue3m1_sqrt)."""
-    GPP: tl.constexpr = x.shape[0]
-    TOP: tl.constexpr = 6.0 if FMT == 1 else 192.0
+def _sqrt_rn_fast(x):
+    """sqrt_rn(x) bit for bit for x in [2**-101, 2**128) (and garbage elsewhere), in 5 instructions
+    where sqrt_rn takes 10: this is the sequence ptxas itself emits for sqrt.rn.f32 (12.8, Triton
+    3.6's, and 12.9 alike) once its range check passes (x's pattern - 0x0D000000 <= 0x727FFFFF,
+    else a called slow path): MUFU.RSQ r, s = x * r, h = r / 2, e = fma(-s, s, x), fma(e, h, s).
+    Explicit .rn keeps ptxas from contracting the products; all operands are normal, so .ftz
+    changes nothing."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .f32 r, s, h, n, e;
+        rsqrt.approx.ftz.f32 r, $1;
+        mul.rn.ftz.f32 s, $1, r;
+        mul.rn.ftz.f32 h, r, 0f3F000000;
+        neg.f32 n, s;
+        fma.rn.f32 e, n, s, $1;
+        fma.rn.f32 $0, e, h, s;
+        }""",
+        "=r,r",
+        [x],
+        dtype=tl.float32,
+        is_pure=True,
+        pack=1,
+    )
+
+
+SQRT_FLOOR = tl.constexpr(2.0**-100)
+"""ue3m1_sqrt on the GPU takes sqrt of max(v, SQRT_FLOOR): below, the code is 0 either way where
+the group's largest v is at least 2**-84 (VMAX_FLOOR_BITS; see magnitudes4)"""
+VMAX_FLOOR_BITS = tl.constexpr(0x15800000)
+"""2**-84's float32 pattern"""
+
+
+@triton.jit
+def magnitudes4(x, FMT: tl.constexpr):
+    """The first half of encode_store4: (|u|, the e2m1 sign bits (0 for ue3m1), each group's
+    largest pattern, int32) of a [groups, G] float32 tile (u = sqrt(x) for ue3m1_sqrt). Split
+    from quantize_store4 so that a step with two 4-bit moments can test both moments in one
+    program-wide reduction (a shared-memory round trip and barriers each); rare_groups4 says
+    which groups need quantize_store4's exact path.
+
+    ue3m1_sqrt on the GPU: u = sqrt of max(v, 2**-100) by _sqrt_rn_fast, and the largest pattern
+    is v's own (uint32: a set sign bit, a NaN or Inf ranks above every finite v >= 0). Where
+    the group's largest v is 0 or at least 2**-84 and finite (else rare_groups4 holds), this
+    gives the codes and scale of u = sqrt_rn(v) exactly: v >= 2**-100 lies in _sqrt_rn_fast's
+    range; v < 2**-100 gets u <= 2**-50 both ways, and with scale = sqrt_rn(max v) >= 2**-42,
+    top / scale <= 192 * 2**42 = 1.5 * 2**49 (exact), so y = u * (top / scale) <= 0.75 rounds
+    to code 0 both ways (the first midpoint is 1.25); an all-zero group has scale 0 and y = 0."""
+    if FMT == 2 and FAST_MATH:
+        u = _sqrt_rn_fast(tl.maximum(x, SQRT_FLOOR))
+        return u, 0, tl.max(x.to(tl.uint32, bitcast=True), axis=1).to(tl.int32, bitcast=True)
     if FMT == 2:
         u = tl.sqrt_rn(x)
     else:
@@ -144,11 +199,46 @@ def encode_store4(x, code_ptrs, pmask, scale_ptrs, gmask, GROUP: tl.constexpr, F
     mag = tl.abs(u)
     if FMT == 1:
         sign = (u < 0).to(tl.int32) << 3
-    mx_bits = tl.max(mag.to(tl.int32, bitcast=True), axis=1)
-    mx = mx_bits.to(tl.float32, bitcast=True)
-    bad = mx_bits > 0x7F7FFFFF  # a group holding a NaN/Inf
-    top = tl.max(mx_bits, axis=0)
-    if top > 0x7F7FFFFF:  # rare: NaN/Inf count as 0
+    else:
+        sign = 0
+    return mag, sign, tl.max(mag.to(tl.int32, bitcast=True), axis=1)
+
+
+@triton.jit
+def rare_groups4(mx_bits, FMT: tl.constexpr):
+    """Per group, from magnitudes4's largest pattern: whether quantize_store4 must take its exact
+    path, or the non-finite count must look (|m| >= 2**127 or v >= 2**126: below both, m + v
+    stays finite). Any group holding a NaN/Inf is one (its pattern is above 0x7F7FFFFF)."""
+    if FMT == 2 and FAST_MATH:  # v's pattern: v >= 2**126, NaN/Inf/sign bit, or 0 < v max < 2**-84
+        vm = mx_bits.to(tl.uint32, bitcast=True)
+        return (vm > 0x7E7FFFFF) | (vm - 1 < VMAX_FLOOR_BITS - 1)
+    elif FMT == 2:  # sqrt(v)'s pattern: sqrt(v) >= 2**63 holds wherever v >= 2**126
+        return mx_bits > 0x5EFFFFFF
+    else:
+        return mx_bits > 0x7EFFFFFF
+
+
+@triton.jit
+def quantize_store4(x, mag, sign, mx_bits, rare, code_ptrs, pmask, scale_ptrs, gmask, GROUP: tl.constexpr,
+                    FMT: tl.constexpr, EVEN: tl.constexpr, rbits, SR: tl.constexpr):  # fmt: skip
+    """The second half of encode_store4, from the tile x and magnitudes4's results: `rare` (a
+    scalar) must hold wherever rare_groups4 does for some group; it may hold elsewhere too (the
+    exact path computes the same codes there)."""
+    GPP: tl.constexpr = mag.shape[0]
+    TOP: tl.constexpr = 6.0 if FMT == 1 else 192.0
+    if FMT == 2 and FAST_MATH:  # scale = sqrt_rn(largest v), 2**-42 at least where it is used
+        mx = tl.where(
+            mx_bits != 0, _sqrt_rn_fast(tl.maximum(mx_bits.to(tl.float32, bitcast=True), SQRT_FLOOR)), 0.0
+        )
+    else:
+        mx = mx_bits.to(tl.float32, bitcast=True)
+    bad = mx_bits != mx_bits  # (no group holds a NaN/Inf unless rare)
+    if rare:  # the exact path: NaN/Inf count as 0, a group holding one stores a NaN scale
+        if FMT == 2 and FAST_MATH:  # (from v's patterns -0.0 would look like a NaN: the sign bit)
+            mag = tl.abs(tl.sqrt_rn(x))
+            bad = tl.max(mag.to(tl.int32, bitcast=True), axis=1) > 0x7F7FFFFF
+        else:
+            bad = mx_bits > 0x7F7FFFFF
         finite = mag < float("inf")
         mag = tl.where(finite, mag, 0.0)
         if FMT == 1:
@@ -157,15 +247,12 @@ def encode_store4(x, code_ptrs, pmask, scale_ptrs, gmask, GROUP: tl.constexpr, F
     scale = tl.where(mx > 0, tl.maximum(mx, MIN_SCALE), 0.0)
     to_units = tl.where(scale > 0, tl.math.div_rn(tl.full(scale.shape, TOP, tl.float32), scale), 0.0)
     # mag <= scale, so y <= top * (1 + 2**-23), which rounds to the top code as the twin's clamp
-    # does; e2m1 keeps the clamp, which also stops the compiler from fusing the product into
-    # _nearest's add (an fma would round once where the twin rounds y first)
+    # does
     y = mag * to_units[:, None]
-    if FMT == 1:
-        c = _nearest(tl.minimum(y, TOP), FMT) | sign
-    elif SR:  # (y just above top, by the product's rounding, lands on the top code as clamped)
+    if SR:  # ue3m1_sqrt (y just above top, by the product's rounding, lands on the top code)
         c = tl.minimum(tl.maximum(((y.to(tl.int32, bitcast=True) + rbits) >> 22) - 254, 0), 15)
     else:
-        c = _nearest(y, FMT)
+        c = _nearest(y, FMT) + sign  # (e2m1: the sign is bit 3, above the code)
     lo, hi = tl.split(tl.reshape(c, [GPP, GROUP // 2, 2]))
     c = lo | (hi << 4)  # bytes
     if EVEN:  # int32 words, byte 0 lowest
@@ -174,5 +261,21 @@ def encode_store4(x, code_ptrs, pmask, scale_ptrs, gmask, GROUP: tl.constexpr, F
         tl.store(code_ptrs, lo | (hi << 16), mask=pmask)
     else:
         tl.store(code_ptrs, c.to(tl.uint8), mask=pmask)
-    tl.store(scale_ptrs, tl.where(bad, float("nan"), scale), mask=gmask)
-    return top
+    store_per_group(scale_ptrs, tl.where(bad, float("nan"), scale), gmask)
+
+
+@triton.jit
+def encode_store4(x, code_ptrs, pmask, scale_ptrs, gmask, GROUP: tl.constexpr, FMT: tl.constexpr,
+                  EVEN: tl.constexpr, rbits, SR: tl.constexpr):  # fmt: skip
+    """Quantize a [groups, GROUP] float32 tile (exact zeros where the tile's mask is off: they
+    give code 0) into a 4-bit moment and store its packed codes (EVEN: int32 words, else bytes:
+    packed_offsets) and scales. A group with a NaN/Inf stores a NaN scale and takes its codes
+    from the finite values, NaN/Inf counting as 0 (the twin's rule). The per-element checks for
+    that run only in a program where rare_groups4 holds for a group (one that holds a NaN/Inf,
+    among others): elsewhere the groups' largest magnitude is the maximum of the patterns |u|
+    (as integers, ordered as the floats, NaN above Inf), and it is finite."""
+    mag, sign, mx_bits = magnitudes4(x, FMT)
+    rare = tl.max(rare_groups4(mx_bits, FMT).to(tl.int32), axis=0) > 0
+    quantize_store4(
+        x, mag, sign, mx_bits, rare, code_ptrs, pmask, scale_ptrs, gmask, GROUP, FMT, EVEN, rbits, SR
+    )

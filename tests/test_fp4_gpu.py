@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
+from coatstate.kernels.fp4_triton import _sqrt_rn_fast
 from conftest import requires_cuda
 
 from coatstate import CompressedAdamW
@@ -117,3 +120,50 @@ def test_4bit_step_tracks_the_twin_with_adamw_betas_on_the_gpu(fm, fv):
             bound = 2 * 1e-3 + 2**-8 * pf.float().abs().max().item()
             assert diff.max().item() <= bound, f"step {step}: {diff.max().item():.3e}"
     print(f"\n{fm}/{fv}: at most {worst:.3%} of codes one level apart in a step")
+
+
+@triton.jit
+def _sqrt_mismatches(out_ptr, START: tl.constexpr, END: tl.constexpr, BLOCK: tl.constexpr):
+    bits = START + tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = bits.to(tl.float32, bitcast=True)
+    fast = _sqrt_rn_fast(x).to(tl.int32, bitcast=True)
+    wrong = (fast != tl.sqrt_rn(x).to(tl.int32, bitcast=True)) & (bits < END)
+    tl.store(out_ptr + tl.program_id(0), tl.sum(wrong.to(tl.int32), axis=0))
+
+
+def test_sqrt_rn_fast_is_sqrt_rn_at_every_float32_of_its_range():
+    """Exhaustive: the 4-bit v encoder's sqrt (ptxas's own sqrt.rn sequence without its range
+    check) gives sqrt_rn's bits at every float32 in [2**-101, 2**128) (1.9e9 values)."""
+    start, end, block = 0x0D000000, 0x7F800000, 8192
+    out = torch.empty(-(-(end - start) // block), dtype=torch.int32, device="cuda")
+    _sqrt_mismatches[(out.numel(),)](out, start, end, block)
+    assert out.sum().item() == 0
+
+
+def test_4bit_codes_at_zero_tiny_and_huge_second_moments_are_the_twins():
+    """v = g * g exactly (betas (0.5, 0.0)) at the values where the v encoder's shortcuts turn:
+    zeros, v around 2**-100 (its sqrt's floor), groups whose largest v lies on either side of
+    2**-84 (below: the exact path), subnormal and underflowing squares, v around 2**126 (the
+    non-finite count's test) and an all-zero group; codes and scales must be the twin's."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    rows = []
+    ulps = torch.tensor([1 - 2**-23, 1.0, 1 + 2**-23], device="cuda")
+    for top in (2.0**-42, 2.0**-42 * (1 - 2**-22), 2.0**-42 * (1 + 2**-22), 2.0**-40, 1.0, 2.0**63, 2**63.9):
+        r = torch.randn(128, device="cuda", generator=gen).abs() * top / 4
+        r[:3], r[3:6], r[6:9] = 2.0**-50 * ulps, 2.0**-50.5 * ulps, 0.0
+        r[9:12] = torch.tensor([1e-40, 1e-30, 2.0**-75], device="cuda")
+        r[12] = top
+        rows.append(r * torch.where(torch.rand(128, device="cuda", generator=gen) < 0.5, -1.0, 1.0))
+    rows.append(torch.zeros(128, device="cuda"))
+    grad = torch.stack(rows)
+    for shape in ((len(rows), 128), (len(rows) // 2, 256)):
+        params = [torch.nn.Parameter(torch.randn(shape, device="cuda", generator=gen))]
+        shadow = [torch.nn.Parameter(params[0].detach().clone())]
+        kw = dict(_opts("e2m1", "ue3m1_sqrt"), betas=(0.5, 0.0))
+        fused, twin = CompressedAdamW(params, **kw), CompressedAdamW(shadow, fused=False, **kw)
+        for opt, p in ((fused, params[0]), (twin, shadow[0])):
+            p.grad = grad.reshape(shape).clone()
+            opt.step()
+        sf, st = fused.state[params[0]], twin.state[shadow[0]]
+        for k in ("exp_avg_codes", "exp_avg_scales", "exp_avg_sq_codes", "exp_avg_sq_scales"):
+            assert torch.equal(sf[k].view(torch.uint8), st[k].view(torch.uint8)), f"{shape}: {k} differs"

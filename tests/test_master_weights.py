@@ -14,8 +14,12 @@ import warnings
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from coatstate.formats import master_weights as mw
 from coatstate.formats.optimizer_state import MASTER_CORRECTION
+from coatstate.kernels.adamw_fused import _to_bf16
+from conftest import requires_cuda
 
 import coatstate
 
@@ -424,3 +428,26 @@ def test_fused_24_bit_split_and_join_are_the_twins_at_every_exponent(exp_avg_for
     assert keep.float().mean() > 0.9 and (field(bits[keep.flatten()]) < 16).any()
     assert torch.equal(w0[keep], w1[keep]), "fused weights differ from the twin's"
     assert torch.equal(c0[keep], c1[keep]), "fused corrections differ from the twin's"
+
+
+@triton.jit
+def _bf16_mismatches(out_ptr, BLOCK: tl.constexpr):
+    bits = (tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)).to(tl.uint32)
+    x = bits.to(tl.float32, bitcast=True)
+    pair = _to_bf16(x).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    rounded = (((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF).to(tl.int32)  # the twin's
+    nan_out = ((pair & 0x7F80) == 0x7F80) & ((pair & 0x7F) != 0)
+    wrong = tl.where(x == x, pair != rounded, ~nan_out)
+    tl.store(out_ptr + tl.program_id(0), tl.sum(wrong.to(tl.int32), axis=0))
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_fused_24_bit_weight_rounding_is_the_twins_at_every_float32():
+    """Exhaustive: the fused step's bfloat16 weights come from the paired conversion
+    (cvt.rn.bf16x2.f32), which must give the twin's integer rounding at every non-NaN float32
+    (subnormals, binade carries and overflow to Inf included) and a NaN for a NaN."""
+    block = 1 << 13
+    out = torch.empty(2**32 // block, dtype=torch.int32, device="cuda")
+    _bf16_mismatches[(out.numel(),)](out, block)
+    assert out.sum().item() == 0
