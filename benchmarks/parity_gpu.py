@@ -77,7 +77,7 @@ SAMPLING = "random windows"
 """Recorded in the config: results of another batch design are refused, never mixed."""
 TRAINING_KEYS = (  # the config keys that change what a run computes: runs in one --out must agree
     "layers dim heads seq batch tokens lr warmup min_lr_frac weight_decay clip val_every val_tokens val_pct "
-    "max_corpus_mb roots"
+    "max_corpus_mb roots positions"
 ).split()
 SMOKE = dict(device="cpu", layers=2, dim=64, heads=2, seq=64, batch=4, tokens=30 * 256, warmup=5, lr=2e-3)
 SMOKE |= dict(val_every=10, val_tokens=4096, log_every=5, roots="stdlib", max_corpus_mb=4, compile="needed")
@@ -96,6 +96,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--layers", type=int, default=14)
     ap.add_argument("--dim", type=int, default=768)
     ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument(
+        "--positions", choices=["learned", "rope"], default="learned", help="learned absolute or rotary"
+    )
     ap.add_argument("--lr", type=float, default=6e-4, help="peak learning rate")
     ap.add_argument("--warmup", type=int, default=150, help="linear warmup steps")
     ap.add_argument("--min-lr-frac", type=float, default=0.1, help="cosine ends at lr * this")
@@ -151,10 +154,20 @@ def left_s(args) -> float:
 
 
 # -- model ---------------------------------------------------------------------------------------
+def rotate(x: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding of (batch, heads, seq, head_dim) queries or keys, in fp32."""
+    s, half = x.shape[-2], x.shape[-1] // 2
+    freq = 10000.0 ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
+    angle = torch.arange(s, device=x.device, dtype=torch.float32)[:, None] * freq
+    cos, sin, xf = angle.cos(), angle.sin(), x.float()
+    a, b = xf[..., :half], xf[..., half:]
+    return torch.cat((a * cos - b * sin, a * sin + b * cos), -1).to(x.dtype)
+
+
 class Block(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
+    def __init__(self, dim: int, heads: int, rope: bool = False) -> None:
         super().__init__()
-        self.heads = heads
+        self.heads, self.rope = heads, rope
         self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
         self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
         self.fc, self.fc_proj = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
@@ -162,16 +175,19 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
         q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2) for t in self.qkv(self.ln1(x)).split(d, 2))
+        if self.rope:
+            q, k = rotate(q), rotate(k)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(y.transpose(1, 2).reshape(b, s, d))
         return x + self.fc_proj(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
 
 
 class GPT(nn.Module):
-    def __init__(self, layers: int, dim: int, heads: int, seq: int) -> None:
+    def __init__(self, layers: int, dim: int, heads: int, seq: int, positions: str = "learned") -> None:
         super().__init__()
-        self.wte, self.wpe = nn.Embedding(256, dim), nn.Embedding(seq, dim)
-        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.wte = nn.Embedding(256, dim)
+        self.wpe = nn.Embedding(seq, dim) if positions == "learned" else None
+        self.blocks = nn.ModuleList(Block(dim, heads, rope=positions == "rope") for _ in range(layers))
         self.ln_f = nn.LayerNorm(dim)
         self.lm_head = nn.Linear(dim, 256, bias=False)
         for name, p in self.named_parameters():  # GPT-2's init: residual outputs scaled by depth
@@ -182,7 +198,9 @@ class GPT(nn.Module):
                 nn.init.zeros_(p)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor, eager: bool = False) -> torch.Tensor:
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        x = self.wte(idx)
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(idx.shape[1], device=idx.device))
         for block in self.blocks:  # eager: around compile (validation: no inference graphs to build)
             x = block.forward(x) if eager else block(x)
         logits = self.lm_head(self.ln_f(x))
@@ -193,7 +211,7 @@ def build(variant: str, seed: int, args, device: torch.device):
     """(model, optimizer, CompiledActivations or None, compiled?) for a variant, seeded."""
     opt_kind, with_ca, with_fp8 = VARIANTS[variant]
     torch.manual_seed(seed)
-    model = GPT(args.layers, args.dim, args.heads, args.seq).to(device)
+    model = GPT(args.layers, args.dim, args.heads, args.seq, args.positions).to(device)
     if with_fp8:
         # every width: the recipe is here to measure FP8's accuracy, and 768 is below the default
         coatstate.convert_to_fp8(model, filter_fn=lambda m, name: name != "lm_head", min_features=None)
@@ -427,10 +445,10 @@ def merge(args, header: dict, key: str | None = None, record: dict | None = None
 
 def make_header(args, corpus: dict, val: torch.Tensor) -> dict:
     with torch.device("meta"):
-        model = GPT(args.layers, args.dim, args.heads, args.seq)
+        model = GPT(args.layers, args.dim, args.heads, args.seq, args.positions)
     meta = result_meta(argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "runs"}))
     shape = dict(layers=args.layers, dim=args.dim, heads=args.heads, seq=args.seq, vocab=256, mlp=4)
-    shape |= dict(params=sum(p.numel() for p in model.parameters()), positions="learned", head="untied")
+    shape |= dict(params=sum(p.numel() for p in model.parameters()), positions=args.positions, head="untied")
     shape["block_params"] = sum(p.numel() for p in model.blocks.parameters())
     held_out = {"tokens": len(val) - 1, "batches": (len(val) - 1) // (args.batch * args.seq)}
     held_out["curve_tokens"] = curve_tokens(args)
@@ -527,6 +545,7 @@ def smoke_checks(args, corpus: dict, val: torch.Tensor, header: dict) -> list[st
     tmp = Path(tempfile.mkdtemp(prefix="parity_resume_"))
     cmd = [sys.executable, __file__, "--smoke", "--smoke-part", "--no-report", "--variants", RESUME_CHECKED]
     cmd += ["--out", str(tmp / "resume.json"), "--ckpt-dir", str(tmp / "ckpt"), "--cache-dir", args.cache_dir]
+    cmd += ["--positions", args.positions]
     for extra in (["--stop-at", "15"], []):
         if subprocess.run(cmd + extra).returncode:
             return problems + [f"the resume invocation {extra} failed"]
