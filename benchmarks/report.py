@@ -500,6 +500,7 @@ SECTIONS = {
     "whole_state_step": section_whole_state_step,
     "whole_state_step_expand_off": section_whole_state_step,
     "parity_gpu": section_parity_gpu,
+    "parity_gpu_learned": section_parity_gpu,
     "parity_gpu_val1M": section_parity_gpu,
     "parity_gpu_session1": section_parity_gpu,
     "parity_gpu_contiguous": section_parity_gpu,

@@ -204,9 +204,10 @@ def test_fp4_reconstruction_smoke_measures_every_candidate_pair(tmp_path):
     assert err["fp8 e4m3+exp g128/e2m1 g128"] > 100 * err["fp8 e4m3+exp g128/e2m1_nz g128"], err
 
 
-def test_fp8_width_smoke_pairs_each_width_and_finds_no_crossover_on_cpu(tmp_path):
-    """--smoke: both variants per width timed in rounds, the ratio paired per round; on CPU
-    FP8Linear emulates, so it never pays and the crossover is None."""
+def test_fp8_width_smoke_pairs_each_width_and_reports_a_crossover_field(tmp_path):
+    """--smoke: both variants per width timed in rounds, the ratio paired per round, and the
+    crossover reported as one of the widths or None. Which one is a timing, so not asserted: on a
+    loaded 2-core runner emulated FP8 at width 64 once timed faster than bf16."""
     out = tmp_path / "fp8_width.json"
     _run("benchmarks/fp8_width.py", "--smoke", "--out", str(out))
     data = json.loads(out.read_text())
@@ -215,7 +216,7 @@ def test_fp8_width_smoke_pairs_each_width_and_finds_no_crossover_on_cpu(tmp_path
     }
     for ratio in data["ratios"].values():
         assert ratio["n"] == 2 and ratio["min"] <= ratio["median"] <= ratio["max"]
-    assert data["fp8_pays_from_width"] is None
+    assert data["fp8_pays_from_width"] in (None, 64, 128)
 
 
 def test_kernel_static_compiles_the_fused_step_for_sm90_without_a_gpu(tmp_path):
