@@ -379,11 +379,12 @@ def section_fp8_linear_parity(data: dict, path: Path) -> str:
 
 def section_whole_state_step(data: dict, path: Path) -> str:
     m = data["meta"]
+    variant = "" if path.stem == "whole_state_step" else f" (`{path.name}`)"  # the expand_off run too
     out = [
-        "## The whole training state per parameter (GPU)",
+        f"## The whole training state per parameter (GPU){variant}",
         f"{m['device']}, {m['date']}, copy bandwidth {m['copy_bandwidth_Bps'] / 1e12:.2f} TB/s, "
         f"median of {m['rounds']} interleaved rounds of {m['steps']} back-to-back steps (spread min-max). "
-        "Source: `python benchmarks/whole_state_step.py` -> `benchmarks/results/whole_state_step.json`.",
+        f"Source: `python benchmarks/whole_state_step.py` -> `benchmarks/results/{path.name}`.",
         "",
         "| optimizer | weights | correction | grads | moments | total B | with release | floor ms | step ms "
         "| spread | first s |",
