@@ -100,7 +100,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--dim", type=int, default=768)
     ap.add_argument("--heads", type=int, default=12)
     ap.add_argument(
-        "--positions", choices=["learned", "rope"], default="rope", help="rotary (default) or learned absolute"
+        "--positions", choices=["learned", "rope"], default="rope", help="rotary (default) or learned"
     )
     ap.add_argument("--lr", type=float, default=6e-4, help="peak learning rate")
     ap.add_argument("--warmup", type=int, default=150, help="linear warmup steps")

@@ -16,10 +16,12 @@ def section_parity_gpu(data: dict, path: Path) -> str:
     meta, cfg = data.get("meta", {}), data["config"]
     sampling = cfg.get("sampling", "one contiguous stream of whole files (1-2 files per batch)")
     final = cfg.get("final_val", f"the first {data['validation']['tokens']:,} held-out tokens")
+    positions = {"rope": "rotary"}.get(cfg.get("positions"), "learned")
     out = [
         f"## Training parity on a GPU (`{path.name}`)",
         f"{meta.get('machine', '')}, {meta.get('date', '')}: a {data['model']['params'] / 1e6:.1f}M-param "
-        f"byte-level GPT with {dict(rope='rotary').get(cfg.get('positions'), 'learned')} positions, {cfg['tokens'] / 1e6:.0f}M tokens per run; batches of {sampling}; peak lr "
+        f"byte-level GPT with {positions} positions, {cfg['tokens'] / 1e6:.0f}M tokens per run; "
+        f"batches of {sampling}; peak lr "
         f"{cfg['lr']:g}, cosine to {cfg['min_lr_frac']:g} of it; final validation loss on {final}. "
         "Source: `python benchmarks/parity_gpu.py` (curves: `docs/img/parity_gpu.png`)."
         + (f" {meta['note'][0].upper()}{meta['note'][1:]}." if meta.get("note") else ""),
