@@ -17,8 +17,8 @@ rotary positions, untied head, seq 1024: 99.6M parameters. (--positions learned:
 absolute positions, 100.4M, the design of results/parity_gpu_learned.json: its seeds spread 1.43%,
 each ranked as its loss at step 500, where the model leaves an early plateau that rotary positions
 mostly remove.) bf16 autocast; every block torch.compile'd in every variant, so compiling is not
-what differs. AdamW betas (0.9, 0.95),
-weight decay 0.1 on 2-D weights, grad clip 1.0 (global norm), linear warmup then cosine to 10%.
+what differs. AdamW betas (0.9, 0.95), weight decay 0.1 on 2-D weights, grad clip 1.0 (global
+norm), linear warmup then cosine to 10%.
 Data (corpus_python.py): every .py file of this Python's stdlib and packages, bytes as tokens;
 files with sha1(path) % 100 < 1 are held out and never trained on. Each batch row is a random
 window of the training files, its offset drawn from (seed, step): the seed draws the initial
@@ -31,7 +31,8 @@ cut by --budget-s is checkpointed under --ckpt-dir and continued exactly by the 
 each invocation merges into --out (default benchmarks/results/parity_gpu.json), skips finished
 runs, then prints the seed table (mean, std, paired difference to adamw with its 95% interval)
 and draws --png. Runs on one GPU go one after another: three at once on one H200
-(CUDA_VISIBLE_DEVICES=0,0,0 --gpus 3) took 405 s together against about 103 s each alone, and
+(CUDA_VISIBLE_DEVICES=0,0,0 --gpus 3) took 405 s together against about 103 s each alone (learned
+positions; rotary runs take about 147 s alone: benchmarks/parity_step_profile.py asks why), and
 such runs keep their losses but not their tokens/s (`gpu_shared_by`).
 
     python benchmarks/parity_gpu.py --smoke    # CPU, ~1 min: tiny runs, windows and resume checked
