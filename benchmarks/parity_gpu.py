@@ -158,11 +158,12 @@ def left_s(args) -> float:
 
 
 # -- model ---------------------------------------------------------------------------------------
-def rotate(x: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding of (batch, heads, seq, head_dim) queries or keys, in fp32."""
-    s, half = x.shape[-2], x.shape[-1] // 2
+def rotate(x: torch.Tensor, seq_dim: int = -2) -> torch.Tensor:
+    """Rotary position embedding of queries or keys, in fp32: head_dim last, seq at `seq_dim`
+    ((batch, heads, seq, head_dim) by default; -3 for (batch, seq, heads, head_dim))."""
+    s, half = x.shape[seq_dim], x.shape[-1] // 2
     freq = 10000.0 ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
-    angle = torch.arange(s, device=x.device, dtype=torch.float32)[:, None] * freq
+    angle = torch.arange(s, device=x.device, dtype=torch.float32).view(s, *[1] * (-seq_dim - 1)) * freq
     cos, sin, xf = angle.cos(), angle.sin(), x.float()
     a, b = xf[..., :half], xf[..., half:]
     return torch.cat((a * cos - b * sin, a * sin + b * cos), -1).to(x.dtype)

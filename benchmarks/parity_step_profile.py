@@ -28,19 +28,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import result_meta  # noqa: E402
-from parity_gpu import GPT, Block  # noqa: E402
+from parity_gpu import GPT, Block, rotate  # noqa: E402
 
 VARIANTS = ("learned", "rope", "rope_bshd")
-
-
-def rotate_bshd(x: torch.Tensor) -> torch.Tensor:
-    """parity_gpu.rotate's arithmetic on (batch, seq, heads, head_dim): output in that layout."""
-    s, half = x.shape[1], x.shape[-1] // 2
-    freq = 10000.0 ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
-    angle = torch.arange(s, device=x.device, dtype=torch.float32)[:, None, None] * freq
-    cos, sin, xf = angle.cos(), angle.sin(), x.float()
-    a, b = xf[..., :half], xf[..., half:]
-    return torch.cat((a * cos - b * sin, a * sin + b * cos), -1).to(x.dtype)
 
 
 class BlockBSHD(Block):
@@ -49,7 +39,7 @@ class BlockBSHD(Block):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
         q, k, v = (t.view(b, s, self.heads, -1) for t in self.qkv(self.ln1(x)).split(d, 2))
-        q, k = rotate_bshd(q), rotate_bshd(k)  # contiguous (b, s, h, hd), like v's rows
+        q, k = rotate(q, seq_dim=-3), rotate(k, seq_dim=-3)  # contiguous (b, s, h, hd), like v's rows
         y = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True)
         x = x + self.proj(y.transpose(1, 2).reshape(b, s, d))
         return x + self.fc_proj(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
