@@ -8,6 +8,11 @@ GPT, every block compiled as there, for each position scheme, interleaved over -
   rope        the harness's rotation: q and k rotated after the (b, h, s, d) transpose
   rope_bshd   the same rotation applied before the transpose, so q, k and v reach SDPA as
               views of one layout (a candidate fix: the same function, another memory layout)
+  rope_table  the same rotation with its cos and sin tables computed once per model, on the device,
+              and passed to every block (the other candidate: inductor otherwise computes pow, cos
+              and sin per element in the rotation's forward and backward kernels)
+The table variant is a fix only if it is the same arithmetic: on CUDA the compiled block's outputs
+and gradients are compared with rope's bit for bit (the eager path too, which validation uses).
 Random tokens: timing does not depend on the data. Per variant, once, torch.profiler's top CUDA
 kernels and the attention kernels SDPA chose, to say where the time goes. The compute floor is
 6 x params x tokens + the causal attention's 6 x layers x batch x seq^2 x dim FLOPs at --peak-tflops.
@@ -30,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import result_meta  # noqa: E402
 from parity_gpu import GPT, Block, rotate  # noqa: E402
 
-VARIANTS = ("learned", "rope", "rope_bshd")
+VARIANTS = ("learned", "rope", "rope_bshd", "rope_table")
 
 
 class BlockBSHD(Block):
@@ -45,14 +50,60 @@ class BlockBSHD(Block):
         return x + self.fc_proj(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
 
 
+def rope_tables(seq: int, head_dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of parity_gpu.rotate's angles, (seq, head_dim / 2) float32, by the same expression."""
+    half = head_dim // 2
+    freq = 10000.0 ** (-torch.arange(half, device=device, dtype=torch.float32) / half)
+    angle = torch.arange(seq, device=device, dtype=torch.float32).view(seq, 1) * freq
+    return angle.cos(), angle.sin()
+
+
+def rotate_table(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """parity_gpu.rotate for (batch, heads, seq, head_dim) with the angles' cos and sin given."""
+    half, xf = x.shape[-1] // 2, x.float()
+    a, b = xf[..., :half], xf[..., half:]
+    return torch.cat((a * cos - b * sin, a * sin + b * cos), -1).to(x.dtype)
+
+
+class BlockTable(Block):
+    """parity_gpu.Block with the rotation's tables passed in: forward(x, (cos, sin))."""
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2) for t in self.qkv(self.ln1(x)).split(d, 2))
+        q, k = rotate_table(q, *rope), rotate_table(k, *rope)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, s, d))
+        return x + self.fc_proj(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+
+class GPTTable(GPT):
+    """parity_gpu.GPT whose blocks get the tables, computed once per (seq, device) outside compile."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor, eager: bool = False) -> torch.Tensor:
+        key = (idx.shape[1], idx.device)
+        if getattr(self, "_tables_key", None) != key:
+            head_dim = self.blocks[0].qkv.in_features // self.blocks[0].heads
+            self._tables_key, self._tables = key, rope_tables(idx.shape[1], head_dim, idx.device)
+        x = self.wte(idx)
+        for block in self.blocks:
+            x = block.forward(x, self._tables) if eager else block(x, self._tables)
+        return F.cross_entropy(self.lm_head(self.ln_f(x)).float().view(-1, 256), targets.reshape(-1))
+
+
+def swap_blocks(model: GPT, cls: type, args) -> None:
+    for i, block in enumerate(model.blocks):
+        swapped = cls(args.dim, args.heads, rope=True)
+        swapped.load_state_dict(block.state_dict())
+        model.blocks[i] = swapped
+
+
 def build(variant: str, args, device: torch.device):
     torch.manual_seed(0)
-    model = GPT(args.layers, args.dim, args.heads, args.seq, "learned" if variant == "learned" else "rope")
-    if variant == "rope_bshd":
-        for i, block in enumerate(model.blocks):
-            swapped = BlockBSHD(args.dim, args.heads, rope=True)
-            swapped.load_state_dict(block.state_dict())
-            model.blocks[i] = swapped
+    cls = GPTTable if variant == "rope_table" else GPT
+    model = cls(args.layers, args.dim, args.heads, args.seq, "learned" if variant == "learned" else "rope")
+    if variant in ("rope_bshd", "rope_table"):
+        swap_blocks(model, BlockBSHD if variant == "rope_bshd" else BlockTable, args)
     model.to(device)
     for block in model.blocks:
         block.compile()
@@ -70,6 +121,33 @@ def same_function(args) -> float:
     x = torch.randn(2, 16, 64)
     with torch.no_grad():
         return (a(x) - b(x)).abs().max().item()
+
+
+def table_bitwise(args, device: torch.device) -> dict:
+    """rope_table against rope on one block of the run's width, same weights and input, bf16
+    autocast as in training: max |difference| of the output, the input's gradient and the
+    parameters' gradients, eager and (on CUDA, where inductor writes Triton) compiled. All 0.0: the
+    table changes no bit of a run."""
+    torch.manual_seed(0)
+    ref = Block(args.dim, args.heads, rope=True).to(device)
+    new = BlockTable(args.dim, args.heads, rope=True).to(device)
+    new.load_state_dict(ref.state_dict())
+    x = torch.randn(2, args.seq, args.dim, device=device)
+    up = torch.randn(2, args.seq, args.dim, device=device)
+    tables = rope_tables(args.seq, args.dim // args.heads, device)
+    out = {}
+    for mode in ("eager", "compiled") if device.type == "cuda" else ("eager",):
+        results = []
+        for block, extra in ((ref, ()), (new, (tables,))):
+            fn = torch.compile(block) if mode == "compiled" else block
+            xi = x.clone().requires_grad_()
+            block.zero_grad(set_to_none=True)
+            with torch.autocast(device.type, torch.bfloat16):
+                y = fn(xi, *extra)
+            y.float().backward(up)
+            results.append([y.detach().float(), xi.grad] + [p.grad for p in block.parameters()])
+        out[mode] = max((a.float() - b.float()).abs().max().item() for a, b in zip(*results, strict=True))
+    return out
 
 
 def make_step(model, opt, args, device):
@@ -149,6 +227,8 @@ def main(argv=None) -> int:
     print(f"rope_bshd against rope, one eager fp32 block: max abs difference {same:.1e}")
     if same > 1e-5:
         raise SystemExit("rope_bshd does not compute rope's function: fix it before timing it")
+    bitwise = table_bitwise(args, device)
+    print(f"rope_table against rope, one block, bf16 autocast: max abs difference {bitwise}")
     built = {}
     for v in variants:
         model, opt = build(v, args, device)
@@ -183,7 +263,7 @@ def main(argv=None) -> int:
             per_step = f"{k['ms_per_step']:7.2f} ms/step x{k['calls']}"
             print(f"  {r['variant']:<10} attention kernel {per_step}  {k['name']}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    meta = result_meta(args) | {"rope_bshd_max_abs_diff": same}
+    meta = result_meta(args, str(device)) | {"rope_bshd_max_abs_diff": same, "rope_table_max_abs_diff": bitwise}
     Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0

@@ -53,7 +53,12 @@ from report_gpu import (
     section_table7,
 )
 from report_linear import section_fp8_width
-from report_states import section_fp4_reconstruction, section_fp4_shadow, section_parity_gpu
+from report_states import (
+    section_fp4_reconstruction,
+    section_fp4_shadow,
+    section_parity_gpu,
+    section_parity_step_profile,
+)
 
 
 def section_optimizer_cpu(data: dict, path: Path) -> str:
@@ -507,6 +512,8 @@ SECTIONS = {
     "parity_gpu_contiguous": section_parity_gpu,
     "parity_gpu_minlr0": section_parity_gpu,
     "parity_gpu_lr3e-4": section_parity_gpu,
+    "parity_step_profile": section_parity_step_profile,
+    "parity_step_profile_table": section_parity_step_profile,
     "fp4_reconstruction": section_fp4_reconstruction,
     "fp4_shadow": section_fp4_shadow,
     "compare_trees": section_compare_trees,

@@ -108,3 +108,33 @@ def section_fp4_shadow(data: dict, path: Path) -> str:
             vals = [statistics.fmean(r["rows"][i][name][k] for r in runs) for k in ("along", "cos", "v_bias")]
             out.append(f"| {name} | {row['step']} | " + " | ".join(f"{x:.3f}" for x in vals) + " |")
     return "\n".join(out + [""])
+
+
+def section_parity_step_profile(data: dict, path: Path) -> str:
+    """parity_gpu's training step per position scheme: median ms [min-max] over the rounds, the
+    compute floor, and each scheme's top kernels (the rotation's own, where it is slow)."""
+    date, machine = provenance(data, path)
+    meta, rows = data["meta"], data["rows"]
+    args = meta.get("args", {})
+    out = [
+        "## Parity harness: the training step per position scheme"
+        + ("" if path.stem == "parity_step_profile" else f" ({path.stem})"),
+        f"{machine}, {date}: parity_gpu.py's GPT ({args.get('layers', '?')} x {args.get('dim', '?')}, "
+        f"batch {args.get('batch', '?')} x {args.get('seq', '?')}), every block compiled, bf16 autocast, "
+        f"torch's fused AdamW; {args.get('rounds', '?')} interleaved rounds of {args.get('steps', '?')} "
+        "steps. Floor: 6 x params x tokens + causal attention at the bf16 peak. Same function as rope, "
+        f"max |difference|: rope_bshd {meta.get('rope_bshd_max_abs_diff', '-')}, rope_table "
+        f"{meta.get('rope_table_max_abs_diff', '-')}. Source: `python benchmarks/parity_step_profile.py`."
+        + (f" {meta['note'][0].upper()}{meta['note'][1:]}." if meta.get("note") else ""),
+        "",
+        "| variant | params | step ms [min-max] | tokens/s | floor ms | top kernels (ms/step) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lo, hi = r["spread_ms"]
+        top = "; ".join(f"{k['name'][:48]} {k['ms_per_step']:.1f}" for k in r["kernels"]["top"][:3])
+        out.append(
+            f"| {r['variant']} | {r['params']:,} | {r['step_ms']:.2f} [{lo:.2f}-{hi:.2f}] | "
+            f"{r['tokens_per_s']:,.0f} | {r['compute_floor_ms']:.2f} | {top} |"
+        )
+    return "\n".join(out + [""])

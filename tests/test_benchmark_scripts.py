@@ -257,13 +257,14 @@ def _shadow_candidates():
 
 def test_parity_step_profile_smoke_times_each_position_scheme(tmp_path):
     """benchmarks/parity_step_profile.py --smoke: each position scheme timed in every round, the
-    candidate layout computing rope's function exactly, learned positions holding seq x dim more."""
+    candidates computing rope's function exactly, learned positions holding seq x dim more."""
     out = tmp_path / "psp.json"
     _run("benchmarks/parity_step_profile.py", "--smoke", "--out", str(out))
     data = json.loads(out.read_text())
     rows = {r["variant"]: r for r in data["rows"]}
-    assert set(rows) == {"learned", "rope", "rope_bshd"}
+    assert set(rows) == {"learned", "rope", "rope_bshd", "rope_table"}
     for r in rows.values():
         assert len(r["times_ms"]) == 2 and r["spread_ms"][0] <= r["step_ms"] <= r["spread_ms"][1]
     assert data["meta"]["rope_bshd_max_abs_diff"] == 0.0
-    assert rows["rope"]["params"] == rows["rope_bshd"]["params"] == rows["learned"]["params"] - 64 * 64
+    assert data["meta"]["rope_table_max_abs_diff"] == {"eager": 0.0}
+    assert rows["rope"]["params"] == rows["rope_table"]["params"] == rows["learned"]["params"] - 64 * 64
