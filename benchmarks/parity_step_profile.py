@@ -263,7 +263,8 @@ def main(argv=None) -> int:
             per_step = f"{k['ms_per_step']:7.2f} ms/step x{k['calls']}"
             print(f"  {r['variant']:<10} attention kernel {per_step}  {k['name']}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    meta = result_meta(args, str(device)) | {"rope_bshd_max_abs_diff": same, "rope_table_max_abs_diff": bitwise}
+    meta = result_meta(args, str(device))
+    meta |= {"rope_bshd_max_abs_diff": same, "rope_table_max_abs_diff": bitwise}
     Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     print(f"wrote {args.out}")
     return 0
