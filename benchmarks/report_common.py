@@ -72,10 +72,11 @@ def provenance(data: dict, path: Path) -> tuple[str, str]:
             x for x in (device and f"device {device}", torch_version and f"torch {torch_version}") if x
         )
         machine = f"machine not recorded ({known})" if known else "machine not recorded"
-    if meta.get("load_average_1min") is not None:  # CPU timings: how busy the machine was
-        machine += (
-            f" (load average {meta['load_average_1min']} at start, {meta.get('threads', '?')} torch threads)"
-        )
+    load = meta.get("load_average_1min")
+    if load is not None and str(meta.get("device") or "").startswith("cuda"):  # a shared GPU host
+        machine += f" (host load average {load} at start)"
+    elif load is not None:  # CPU timings: how busy the machine was, how many threads took part
+        machine += f" (load average {load} at start, {meta.get('threads', '?')} torch threads)"
     return date, machine
 
 
