@@ -51,6 +51,12 @@ def _verdict(row: dict, bound: float | None) -> str:
     return f"not resolved (mean {side} +{bound}%)"
 
 
+def _run_dates(data: dict) -> str:
+    """The days the runs were made on (a merged file holds several sessions' invocations)."""
+    days = sorted({inv["date"][:10] for inv in data.get("invocations", [])} or {data["meta"]["date"][:10]})
+    return days[0] if len(days) == 1 else f"{days[0]} to {days[-1]}"
+
+
 def accuracy_table(data: dict) -> str:
     """Per recipe: final validation loss over seeds, vs AdamW, memory, and whether it keeps AdamW's
     accuracy (its mean within the recipe's bound of AdamW's mean, at >= 3 seeds)."""
@@ -60,15 +66,18 @@ def accuracy_table(data: dict) -> str:
         return "No finished AdamW run in `benchmarks/results/parity_gpu.json` yet."
     m, meta = data["model"], data["meta"]
     head = (
-        f"{meta['machine']}, {meta['date'][:10]}: a {m['params'] / 1e6:.0f}M-param byte-level GPT, "
+        f"{meta['machine']}, {_run_dates(data)}: a {m['params'] / 1e6:.0f}M-param byte-level GPT, "
         f"{data['config']['tokens'] / 1e6:.0f}M tokens per run, batches of {data['config']['sampling']}; "
         f"final loss on every held-out file, nats/byte. AdamW's seeds {ref['seeds']}: "
         f"{ref['mean']:.4f} ± {ref['std']:.4f}: one run's std is {100 * ref['std'] / ref['mean']:.2f}% of "
         f"the loss, spread {ref['spread_pct']:.2f}% (the harness aims at <= {NOISE_BAR_PCT}%). Each recipe's "
         "interval is a 95% Welch interval of its mean against AdamW's, from both groups' own seeds."
     )
-    noisy = [f"{RECIPES[v][0].removeprefix('diagnostic: ')} (std {100 * r['std'] / r['mean']:.2f}%)" for v, r in rows.items()
-             if v in RECIPES and r["std"] is not None and r["std"] > NOISIER * ref["std"]]  # fmt: skip
+    noisy = [
+        f"{RECIPES[v][0].removeprefix('diagnostic: ')} (std {100 * r['std'] / r['mean']:.2f}%)"
+        for v, r in rows.items()
+        if v in RECIPES and r["std"] is not None and r["std"] > NOISIER * ref["std"]
+    ]
     if noisy:
         head += f" Noisier than AdamW across seeds (over {NOISIER:g}x its std): {'; '.join(noisy)}."
     cols = "recipe|seeds|val loss|vs AdamW's mean [95% CI]|paired by seed [95% CI]|optimizer MB|peak GiB|"
