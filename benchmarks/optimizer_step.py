@@ -90,16 +90,19 @@ def make_optimizers(which):
 
 
 def with_launch_config(name, factory, config):
-    """A factory that sets the fused kernel's groups per program and warps (config "GPPxWARPS")."""
+    """A factory that sets the fused kernel's groups per program and warps, and optionally a
+    register cap (config "GPPxWARPS" or "GPPxWARPSrREGS", e.g. 8x4r72)."""
     from coatstate.kernels import adamw_fused
 
-    gpp, warps = (int(v) for v in config.split("x"))
+    tiles, _, regs = config.partition("r")
+    gpp, warps = (int(v) for v in tiles.split("x"))
+    cap = int(regs) if regs else None
 
     def build(ps):
-        adamw_fused.GROUPS_PER_PROGRAM, adamw_fused.NUM_WARPS = gpp, warps
+        adamw_fused.GROUPS_PER_PROGRAM, adamw_fused.NUM_WARPS, adamw_fused.MAX_REGISTERS = gpp, warps, cap
         return factory(ps)
 
-    build.launch_config = (gpp, warps)  # (set again before each step: the optimizers coexist)
+    build.launch_config = (gpp, warps, cap)  # (set again before each step: the optimizers coexist)
     return f"{name} [{config}]", build
 
 
@@ -173,7 +176,7 @@ def build_variants(optimizers: dict, shapes, dtype, device, burst: int, log=prin
             if config is not None:  # (the fused kernel reads its launch config from module globals)
                 from coatstate.kernels import adamw_fused
 
-                adamw_fused.GROUPS_PER_PROGRAM, adamw_fused.NUM_WARPS = config
+                adamw_fused.GROUPS_PER_PROGRAM, adamw_fused.NUM_WARPS, adamw_fused.MAX_REGISTERS = config
             for _ in range(burst):
                 opt.step()
 

@@ -52,6 +52,7 @@ from report_gpu import (
     section_plan_check,
     section_table7,
 )
+from report_kernels import section_kernel_static
 from report_linear import section_fp8_width
 from report_states import (
     section_fp4_reconstruction,
@@ -513,6 +514,8 @@ SECTIONS = {
     "parity_gpu_minlr0": section_parity_gpu,
     "parity_gpu_lr3e-4": section_parity_gpu,
     "parity_step_profile": section_parity_step_profile,
+    "kernel_static": section_kernel_static,
+    "kernel_static_triton36": section_kernel_static,
     "parity_step_profile_table": section_parity_step_profile,
     "fp4_reconstruction": section_fp4_reconstruction,
     "fp4_shadow": section_fp4_shadow,

@@ -182,7 +182,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--which", default="torch,flashoptim,optimi,torchao,coat")
     ap.add_argument("--only", default="", help="keep the variants whose name holds one of these, e.g. 4-bit")
-    ap.add_argument("--configs", default="", help="fused kernel launch configs GPPxWARPS, e.g. 8x4,16x4")
+    ap.add_argument(
+        "--configs", default="", help="fused kernel launch configs GPPxWARPS[rREGS], e.g. 8x4,2x1,8x4r72"
+    )
     ap.add_argument("--out", default="benchmarks/results/whole_state_step.json")
     args = ap.parse_args()
     device = torch.device("cuda")

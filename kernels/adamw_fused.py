@@ -45,6 +45,9 @@ a 4-bit second moment), the local tensor's first element in its global tensor (m
 ROUNDING_STREAM = tl.constexpr(_ROUNDING_STREAM)
 GROUPS_PER_PROGRAM = 8
 NUM_WARPS = 4
+MAX_REGISTERS = None
+"""registers a thread may use (Triton's maxnreg; None: ptxas decides); set by benchmarks to try
+more resident warps per SM at the price of spills"""
 DATA_COLUMNS = (P, G, M_CODES, V_CODES, X_CODES, C)
 """columns holding element offsets from the launch's base tensor; the others hold addresses"""
 
@@ -233,6 +236,25 @@ def _hash32(seed, step, offs, STREAM: tl.constexpr):
 
 
 @triton.jit
+def _rounding_bits(seed, step, gid, goffs, first, GROUP: tl.constexpr, EVEN: tl.constexpr):
+    """fp4_moment.rounding_bits (int32) of the tile's elements at global offsets `goffs`: one
+    hash a pair of neighbours, its low 16 bits to the even offset. EVEN: the tile's pairs are
+    whole (the plan's EVEN holds only where every tensor's first global offset is even), so the
+    hash runs on the [groups, GROUP / 2] tile of pairs and its halves are joined in the
+    registers of the thread that holds both elements; else once an element."""
+    if EVEN:
+        # (offset mod 2**32) // 2, in uint32: the mask wraps a run of pairs that crosses 2**32
+        base = (gid.to(tl.uint32) * GROUP + first.to(tl.uint32)).to(tl.uint32) >> 1
+        pairs = (base[:, None] + tl.arange(0, GROUP // 2)[None, :].to(tl.uint32)) & 0x7FFFFFFF
+        h = _hash32(seed, step, pairs, ROUNDING_STREAM)
+        r = tl.reshape(tl.join(h & 0xFFFF, h >> 16), [gid.shape[0], GROUP])
+    else:
+        o = goffs.to(tl.uint32)
+        r = (_hash32(seed, step, o >> 1, ROUNDING_STREAM) >> ((o & 1) * 16)) & 0xFFFF
+    return ((r << 6) | 32).to(tl.int32)
+
+
+@triton.jit
 def _store_master(p, p_ptrs, c_ptrs, mask, offs, seed, step, MASTER: tl.constexpr):
     """Write float32 masters `p` as bfloat16 weights (+ corrections), as formats.master_weights."""
     bits = p.to(tl.int32, bitcast=True)
@@ -400,7 +422,7 @@ def _adamw_kernel(
         step = 0.0
         goffs = offs
     if SR_V:
-        rbits = (_hash32(seed, step, goffs, ROUNDING_STREAM) >> 10).to(tl.int32)  # fp4_moment.rounding_bits
+        rbits = _rounding_bits(seed, step, gid, goffs, tl.load(meta_ptr + 5 * t + 4), GROUP, EVEN)
     else:
         rbits = 0
     if MASTER > 0:

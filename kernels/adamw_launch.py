@@ -71,7 +71,8 @@ class _Plan:
         self.meta = meta.to(device)
         self.blocks = torch.cat(blocks).to(device)
         self.n_blocks = self.blocks.shape[0]
-        self.even = all(int(m[0]) % group_size == 0 for m in meta)
+        # whole groups per row; an even first offset keeps the stochastic rounding's pairs whole
+        self.even = all(int(m[0]) % group_size == 0 and int(m[4]) % 2 == 0 for m in meta)
         self.steps = [s["step"] for s in states]
         self.params = list(params)
         self._constants: dict | None = None
@@ -412,6 +413,7 @@ def _execute(plan: _Plan, group: dict, grads: list, fm, fv, group_size: int, gra
             GPP=plan.gpp,
             MASTER=plan.master_bits or 0,
             num_warps=kernel.NUM_WARPS,
+            **({"maxnreg": kernel.MAX_REGISTERS} if kernel.MAX_REGISTERS else {}),
             **plan.constants(fm, fv),
         )
     if found_inf is not None:

@@ -103,9 +103,23 @@ def _nearest(y, FMT: tl.constexpr):
 
 
 @triton.jit
+def _mul_rn(a, b):
+    """a * b rounded once: on the GPU mul.rn.f32, which ptxas never contracts into a later add
+    (an fma would round once where the twin rounds the product first)."""
+    if FAST_MATH:
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32,
+                                         is_pure=True, pack=1)  # fmt: skip
+    else:
+        return a * b
+
+
+@triton.jit
 def _decoded(w, N: tl.constexpr, step, FMT: tl.constexpr):
-    u = _level(w, N, FMT) * step
-    return u * u if FMT == 2 else u
+    if FMT == 2:
+        u = _level(w, N, FMT) * step
+        return u * u
+    else:  # (m's decode feeds the update's g - m: kept a rounded product)
+        return _mul_rn(_level(w, N, FMT), step)
 
 
 @triton.jit
@@ -116,9 +130,10 @@ def load_decode4(code_ptrs, pmask, scale_ptrs, gmask, mask, GROUP: tl.constexpr,
     tile is loaded once and each nibble's values are joined into the element tile, which stays in
     the thread's registers (a thread's words or bytes hold its elements). A second moment's NaN
     scale reads as +Inf, per group (formats.optimizer_state.SECOND_MOMENTS' rule: no NaN out).
-    EVEN: `mask` is the groups' mask, whose scale loads as 0 and so decodes to exact zeros; the
-    select stays for e2m1 all the same: it keeps the compiler from fusing the decode's multiply
-    into the update's subtraction (an fma would round m once where the twin rounds it first)."""
+    EVEN: `mask` is the groups' mask, whose scale loads as 0 and so decodes to exact zeros, so
+    no select runs; on the GPU e2m1's decode multiply is mul.rn, which the compiler cannot fuse
+    into the update's subtraction (an fma would round m once where the twin rounds it first;
+    under the interpreter nothing fuses, and the select stays there)."""
     GPP: tl.constexpr = code_ptrs.shape[0]
     TOP: tl.constexpr = 6.0 if FMT == 1 else 192.0
     w = tl.load(code_ptrs, mask=pmask, other=0).to(tl.int32)
@@ -135,7 +150,7 @@ def load_decode4(code_ptrs, pmask, scale_ptrs, gmask, mask, GROUP: tl.constexpr,
         x = tl.reshape(tl.join(e0, e1), [GPP, GROUP])
     else:  # element 2j + c is nibble c of byte j
         x = tl.reshape(tl.join(_decoded(w, 0, step, FMT), _decoded(w, 1, step, FMT)), [GPP, GROUP])
-    if EVEN and FMT == 2:  # (v = u * u: a product the update's fma cannot absorb)
+    if EVEN and (FMT == 2 or FAST_MATH):  # (v = u * u: a product the update's fma cannot absorb)
         return x
     else:
         return tl.where(mask, x, 0.0)
@@ -249,8 +264,11 @@ def quantize_store4(x, mag, sign, mx_bits, rare, code_ptrs, pmask, scale_ptrs, g
     # mag <= scale, so y <= top * (1 + 2**-23), which rounds to the top code as the twin's clamp
     # does
     y = mag * to_units[:, None]
-    if SR:  # ue3m1_sqrt (y just above top, by the product's rounding, lands on the top code)
-        c = tl.minimum(tl.maximum(((y.to(tl.int32, bitcast=True) + rbits) >> 22) - 254, 0), 15)
+    if SR:  # ue3m1_sqrt: clamp(((bits(y) + rbits) >> 22) - 254, 0, 15) as the twin's, in 3 ops
+        # y <= top + 2 ulps (mag <= scale, to_units is top / scale rounded once, then the product)
+        # and rbits <= 2**22 - 32 (fp4_moment.rounding_bits), so the sum stays below the pattern
+        # of code 16: no upper clamp. (a >> 22) - 254 == (a - (254 << 22)) >> 22 for int32 a.
+        c = tl.maximum((y.to(tl.int32, bitcast=True) + rbits - (254 << 22)) >> 22, 0)
     else:
         c = _nearest(y, FMT) + sign  # (e2m1: the sign is bit 3, above the code)
     lo, hi = tl.split(tl.reshape(c, [GPP, GROUP // 2, 2]))

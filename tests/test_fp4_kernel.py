@@ -123,17 +123,25 @@ def test_fused_4bit_step_on_whole_groups_equals_the_twin_bit_for_bit(fm, fv, dty
     assert launches and all(x.plan.even for x in launches)
 
 
-@pytest.mark.parametrize("shapes", [SHAPES, EVEN_SHAPES], ids=["bytes", "words"])
-def test_fused_4bit_v_rounds_by_global_element_as_the_twin(shapes, monkeypatch):
+@pytest.mark.parametrize(
+    "shapes, first",
+    [(SHAPES, 4099), (EVEN_SHAPES, 4099), (EVEN_SHAPES, 2**32 - 64)],
+    ids=["bytes", "words-odd-place", "words-across-2**32"],
+)
+def test_fused_4bit_v_rounds_by_global_element_as_the_twin(shapes, first, monkeypatch):
     """The second moment's stochastic rounding is keyed by each element's offset in the global
-    tensor: with every local tensor placed at element 4099 of its global one (a dim-0 shard's
+    tensor: with every local tensor placed at element `first` of its global one (a dim-0 shard's
     place), the kernel (that offset in its meta) still equals the twin bit for bit, and the codes
-    differ from those of a tensor placed at 0."""
+    differ from those of a tensor placed at 0. An odd place splits the hash's pairs of
+    neighbours, so whole-group rows take the per-element path; an even one just below 2**32
+    keeps the pair path and wraps its pair index as the twin's offsets mod 2**32 do."""
     from coatstate.optim import adamw as adamw_module
 
     a, b, opt_a, opt_b = _pair(torch.float32, "e4m3", "ue3m1_sqrt", shapes)
-    monkeypatch.setattr(adamw_module, "first_element", lambda p: 4099)
+    monkeypatch.setattr(adamw_module, "first_element", lambda p: first)
     _run(a, b, opt_a, opt_b)
+    launches = [x for prepared in opt_b._prepared.values() for x in prepared.launches]
+    assert launches and all(x.plan.even == (shapes is EVEN_SHAPES and first % 2 == 0) for x in launches)
     monkeypatch.setattr(adamw_module, "first_element", lambda p: 0)
     c, d, opt_c, opt_d = _pair(torch.float32, "e4m3", "ue3m1_sqrt", shapes)
     _run(c, d, opt_c, opt_d)

@@ -1,0 +1,32 @@
+"""docs/benchmarks.md's section on the fused AdamW kernel's static cost (benchmarks/kernel_static.py:
+compiled for sm_90 without a GPU), one table per Triton version."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from report_common import provenance
+
+
+def section_kernel_static(data: dict, path: Path) -> str:
+    """Per variant of the step: registers, spills, barriers, shuffles and the SASS a thread runs
+    when nothing is rare (the hot path), in all and on the integer pipe."""
+    date, _ = provenance(data, path)
+    out = [
+        f"## Fused step, static cost under Triton {data['triton']} (`{path.name}`)",
+        f"Compiled for {data['target']} on the CPU, {date}; gradients {data['grad']}; bfloat16 weights, "
+        "master_bits=24, groups of 128, 8 groups x 4 warps per program (8 elements a thread). Hot: SASS "
+        "instructions a thread runs when nothing is rare; alu: those on the integer/compare pipe. "
+        "The H200 runs Triton 3.6. Source: `python benchmarks/kernel_static.py` (docstring: how to run "
+        "it under another Triton).",
+        "",
+        "| variant | registers | spill B | SASS | hot | hot alu | BAR | SHFL | shared B |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in data["variants"].items():
+        s = r["sass"]
+        out.append(
+            f"| {name} | {r['registers']} | {r['spill_stores_B'] + r['spill_loads_B']} | {s['instructions']} | "
+            f"{s['hot_path']} | {s['hot_path_alu']} | {s['ops']['BAR']} | {s['ops']['SHFL']} | {r['shared_B']} |"
+        )
+    return "\n".join(out + [""])
