@@ -151,11 +151,26 @@ def _store_moment(
 
 
 @triton.jit
-def _count_nonfinite(m, v, row_ptr, nonfinite_ptr, t):
+def _count_nonfinite(m, v, row_ptr, nonfinite_ptr, t, SUM_FIRST: tl.constexpr):
     """Count non-finite moments (a NaN/Inf gradient): reported by CompressedAdamW, never hidden.
     Per parameter: values, steps with any, the last such step (the first program of a step to
-    raise the last step counts the step)."""
+    raise the last step counts the step). SUM_FIRST: a float sum of m + v decides first whether
+    to count (NaN/Inf wherever an element is, since v >= 0; a finite sum that overflows only
+    sends the program to a count that finds nothing): 26 fewer hot-path instructions a thread
+    for FP8 moments, but 8 more registers where a moment is 4-bit (the launch does not take it
+    there)."""
     s = m + v
+    if SUM_FIRST:
+        total = tl.sum(tl.sum(s, axis=1), axis=0)
+        if total - total != 0:  # rare
+            _count_nonfinite_exact(s, row_ptr, nonfinite_ptr, t)
+    else:
+        _count_nonfinite_exact(s, row_ptr, nonfinite_ptr, t)
+
+
+@triton.jit
+def _count_nonfinite_exact(s, row_ptr, nonfinite_ptr, t):
+    """_count_nonfinite's count of the non-finite elements of s = m + v."""
     bad = tl.sum(tl.sum(((s - s) != 0).to(tl.int32), axis=1), axis=0)
     if bad > 0:
         step_now = tl.load(tl.load(row_ptr + 11).to(tl.pointer_type(tl.float32))).to(tl.int32)
@@ -444,8 +459,8 @@ def _adamw_kernel(
             _store_moment(vmax, x_base, row_ptr, 8, offs, mask, gid, gmask, COMPRESSED,
                           V_EXPAND, V_MAX, V_MBITS, V_EMIN, V_LOG2_MAX, V_KNUM, V_E4M3, poffs, pmask, GROUP,
                           V_FP4, EVEN, 0, False)  # fmt: skip
-        if rare:  # rare
-            _count_nonfinite(m, v, row_ptr, nonfinite_ptr, t)
+        if rare:  # rare (it holds wherever m + v is not finite)
+            _count_nonfinite_exact(m + v, row_ptr, nonfinite_ptr, t)
     else:
         if COMPRESSED and M_FP4 > 0:
             encode_store4(m, m_codes, pmask, m_scales, gmask, GROUP, M_FP4, EVEN, 0, False)
@@ -463,7 +478,7 @@ def _adamw_kernel(
             _store_moment(vmax, x_base, row_ptr, 8, offs, mask, gid, gmask, COMPRESSED,
                           V_EXPAND, V_MAX, V_MBITS, V_EMIN, V_LOG2_MAX, V_KNUM, V_E4M3, poffs, pmask, GROUP,
                           V_FP4, EVEN, 0, False)  # fmt: skip
-        _count_nonfinite(m, v, row_ptr, nonfinite_ptr, t)
+        _count_nonfinite(m, v, row_ptr, nonfinite_ptr, t, M_FP4 + V_FP4 == 0)
 
 
 def _constants(prefix: str, f: MomentFormat | None) -> dict:

@@ -114,6 +114,19 @@ def test_every_step_with_a_nonfinite_moment_is_reported(fused):
     assert opt.nonfinite_parameters() == []
 
 
+@PATHS
+def test_finite_moments_whose_sum_overflows_are_not_reported(fused):
+    """g = 1.8e19: g*g stays finite, and after three steps a program's sum of m + v (the fused
+    step's first test for a non-finite moment) overflows float32. The exact count behind that
+    test finds nothing, so nothing is reported, and the parameter stays finite."""
+    grads = [torch.full(SHAPE, 1.8e19) for _ in range(3)]
+    p, opt = _run(grads, fused, expand=False)
+    v = read_moment(opt.state[opt.param_groups[0]["params"][0]], "exp_avg_sq", 128)
+    assert torch.isfinite(v).all() and float(v[:, :128].sum(dtype=torch.float32)) == float("inf")
+    assert torch.isfinite(p).all()
+    assert opt.nonfinite_parameters() == []
+
+
 @requires_cuda
 @pytest.mark.gpu
 @EXPAND
