@@ -2,10 +2,11 @@
 # The GPU tests and the step-time benchmarks in one device call (device time is scarce), in two
 # lanes that fit the device's 600 s per call: on a 2-GPU machine (nvidia-h200-x2) `all` runs lane
 # a on GPU 0 and lane b on GPU 1 side by side; on one GPU run `a` and `b` as two calls. `fsdp`
-# (both GPUs) is the FSDP2 training run. Each step has a time limit; what finished is kept.
+# (both GPUs) is the FSDP2 training run; `step` checks and times the fused optimizer step after a
+# kernel change (one GPU). Each step has a time limit; what finished is kept.
 # Results: JSON per benchmark and one log, under $OUT (default ./gpu_out).
 #
-#     bash benchmarks/gpu_suite.sh all | a | b | fsdp
+#     bash benchmarks/gpu_suite.sh all | a | b | step | fsdp
 set -u
 LANE=${1:-all}
 OUT=${OUT:-gpu_out}
@@ -43,13 +44,23 @@ lane_b() {
         --out "$OUT/fp8_linear_train_rounds_tuned.json"
 }
 
+lane_step() {  # the fused step after a kernel change: its GPU tests, then its time beside the peers
+    local g=$1
+    step "$g" 150 gpu_tests_step python -m pytest -q -m gpu tests/test_fp4_gpu.py tests/test_kernels.py \
+        tests/test_master_weights.py tests/test_nonfinite.py
+    step "$g" 420 whole_state_step python benchmarks/whole_state_step.py --rounds 3 \
+        --which torch,flashoptim,torchao,coat --configs 8x4,2x1,8x4r72,2x1r64 \
+        --out "$OUT/whole_state_step.json"
+}
+
 case "$LANE" in
     all) lane_a 0 & lane_b 1 & wait ;;
     a) lane_a 0 ;;
     b) lane_b 0 ;;
+    step) lane_step 0 ;;
     fsdp)
         step 0,1 110 fsdp_train torchrun --standalone --nproc-per-node 2 benchmarks/fsdp_train.py \
             --steps 6 --warmup 2 --out "$OUT/fsdp_train.json" ;;
-    *) echo "usage: bash benchmarks/gpu_suite.sh all | a | b | fsdp" >&2; exit 2 ;;
+    *) echo "usage: bash benchmarks/gpu_suite.sh all | a | b | step | fsdp" >&2; exit 2 ;;
 esac
 grep -E "^== |passed|failed" "$OUT/log.txt"
