@@ -352,7 +352,10 @@ def train_run(variant: str, seed: int, args, corpus: dict, val: torch.Tensor) ->
         st = ca.stats  # (bytes saved for backward by one block, and held of them)
         record["activations"] = dict(graphs=ca.graphs, packed=st.packed, kept=st.kept)
         record["activations"] |= dict(saved=st.activation_bytes_original, held=st.activation_bytes_held)
-        record["activations"]["attention"] = ca.policy.attention.value  # (the default changed once)
+        policy = ca.policy  # (attention's default changed once; the others are diagnostics' options)
+        record["activations"] |= {
+            k: getattr(policy, k).value for k in ("attention", "attention_v_out", "norm")
+        }
     if device.type == "cuda":
         record["peak_gib"] = max(record["peak_gib"], torch.cuda.max_memory_allocated() / 2**30)
     rates = record["window_tokens_per_s"]

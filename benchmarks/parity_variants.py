@@ -18,6 +18,10 @@ VARIANTS = {  # name: (optimizer, CompiledActivations (True, or its policy overr
     # q and k in FP8 (ActivationPolicy.attention's default until 2026-12-02, COAT's choice)
     "compressed_ca_attn_group": ("compressed", {"attention": "group"}, False),
     "full_attn_group": ("compressed", {"attention": "group"}, True),
+    # the smaller activation policies (options, issue #34): attention's v and output, or the norms'
+    # inputs, in FP8 groups instead of kept / bfloat16
+    "compressed_ca_v_out_group": ("compressed", {"attention_v_out": "group"}, False),
+    "compressed_ca_norm_group": ("compressed", {"norm": "group"}, False),
     # 4-bit moments (issue #33; options, not defaults): 4-bit both, and FP8 m with 4-bit v
     "fp4": ("fp4", False, False),
     "fp4_v": ("fp4_v", False, False),

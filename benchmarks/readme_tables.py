@@ -24,6 +24,8 @@ RECIPES = {  # variant: (what a user runs, the bound on its mean vs AdamW's mean
         None,
     ),
     "full_attn_group": ("diagnostic: the full recipe with q, k in FP8 (the default until now)", None),
+    "compressed_ca_v_out_group": ('+ `CompiledActivations(attention_v_out="group")` (an option)', 0.5),
+    "compressed_ca_norm_group": ('+ `CompiledActivations(norm="group")` (an option)', 0.5),
     "fp4_nearest": ("diagnostic: 4-bit moments, v rounded to the nearest level (until now)", None),
     "fp4_v_nearest": ("diagnostic: FP8 m + 4-bit v, v rounded to the nearest level (until now)", None),
     "compressed_plain": ("diagnostic: no range expansion", None),
