@@ -49,8 +49,8 @@ lane_step() {  # the fused step after a kernel change: its GPU tests, then its t
     step "$g" 150 gpu_tests_step python -m pytest -q -m gpu tests/test_fp4_gpu.py tests/test_kernels.py \
         tests/test_master_weights.py tests/test_nonfinite.py
     step "$g" 420 whole_state_step python benchmarks/whole_state_step.py --rounds 3 \
-        --which torch,flashoptim,torchao,coat --configs 8x4,2x1,8x4r72,2x1r64 \
-        --out "$OUT/whole_state_step.json"
+        --which torch,flashoptim,torchao,coat --only "fp32 params,bf16 params,master 24,master_bits=24" \
+        --configs 8x4,2x1,8x4r72,2x1r72,2x1r64 --out "$OUT/whole_state_step.json"
 }
 
 case "$LANE" in
