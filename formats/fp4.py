@@ -62,11 +62,12 @@ def encode_groups(
     per-group scales: the float32 operations of the fused step's encoder, in its order (one
     division a group, a multiply and the nearest level per element).
 
-    `rounding` (ue3m1 only): 22 random bits per element (int64, shaped like `padded`) that round
-    stochastically instead: up to the next level with probability (y - lower) / (upper - lower),
-    so the decoded value is unbiased. ue3m1's levels are the floats with a 1-bit mantissa from 1
-    up, so within a level's interval y is linear in its 22 low mantissa bits: adding the random
-    bits and truncating at bit 22 does it in integers, exactly (below level 1: level 1)."""
+    `rounding` (ue3m1 only): a random offset in [0, 2**22) per element (int64, shaped like
+    `padded`; fp4_moment.rounding_bits) that rounds stochastically instead: up to the next level
+    with probability (y - lower) / (upper - lower), so the decoded value is unbiased. ue3m1's
+    levels are the floats with a 1-bit mantissa from 1 up, so within a level's interval y is
+    linear in its 22 low mantissa bits: adding the offset and truncating at bit 22 does it in
+    integers, exactly for a uniform offset (below level 1: level 1)."""
     levels, signed = _codebook(codebook)
     top = levels[-1].item()
     # one true division a group (a tensor numerator: the kernel's div_rn on every device)
