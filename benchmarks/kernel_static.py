@@ -26,6 +26,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 import tempfile
 
 os.environ["TRITON_INTERPRET"] = "0"  # compile the GPU code (kernels read this when imported)
@@ -36,6 +37,9 @@ from coatstate.formats.fp8 import FP8Format  # noqa: E402
 from coatstate.formats.optimizer_state import MomentFormat  # noqa: E402
 from coatstate.kernels import adamw_fused as K  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import result_meta  # noqa: E402
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 FP8 = MomentFormat(FP8Format.E4M3, True)
@@ -210,8 +214,8 @@ def main() -> None:
         print(f"{name:26s}" + "".join(f"{get(r):>8d}" for get in cols.values()))
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"triton": triton.__version__, "target": "sm_90", "grad": args.grad, "variants": rows}, f,
-                  indent=1)  # fmt: skip
+        head = {"meta": result_meta(args), "triton": triton.__version__, "target": "sm_90", "grad": args.grad}
+        json.dump({**head, "variants": rows}, f, indent=1)
     print(f"wrote {args.out}")
 
 

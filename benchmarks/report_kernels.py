@@ -24,9 +24,8 @@ def section_kernel_static(data: dict, path: Path) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in data["variants"].items():
-        s = r["sass"]
-        out.append(
-            f"| {name} | {r['registers']} | {r['spill_stores_B'] + r['spill_loads_B']} | {s['instructions']} | "
-            f"{s['hot_path']} | {s['hot_path_alu']} | {s['ops']['BAR']} | {s['ops']['SHFL']} | {r['shared_B']} |"
-        )
+        s, spill = r["sass"], r["spill_stores_B"] + r["spill_loads_B"]
+        cells = [name, r["registers"], spill, s["instructions"], s["hot_path"], s["hot_path_alu"]]
+        cells += [s["ops"]["BAR"], s["ops"]["SHFL"], r["shared_B"]]
+        out.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(out + [""])
