@@ -455,10 +455,6 @@ def _adamw_kernel(
                         0, False)  # fmt: skip
         quantize_store4(v, v_mag, v_sign, v_mx, rare, v_codes, pmask, v_scales, gmask, GROUP, V_FP4, EVEN,
                         rbits, SR_V)  # fmt: skip
-        if AMSGRAD:
-            _store_moment(vmax, x_base, row_ptr, 8, offs, mask, gid, gmask, COMPRESSED,
-                          V_EXPAND, V_MAX, V_MBITS, V_EMIN, V_LOG2_MAX, V_KNUM, V_E4M3, poffs, pmask, GROUP,
-                          V_FP4, EVEN, 0, False)  # fmt: skip
         if rare:  # rare (it holds wherever m + v is not finite)
             _count_nonfinite_exact(m + v, row_ptr, nonfinite_ptr, t)
     else:
@@ -474,11 +470,11 @@ def _adamw_kernel(
             _store_moment(v, v_base, row_ptr, 5, offs, mask, gid, gmask, COMPRESSED,
                           V_EXPAND, V_MAX, V_MBITS, V_EMIN, V_LOG2_MAX, V_KNUM, V_E4M3, poffs, pmask, GROUP,
                           V_FP4, EVEN, 0, False)  # fmt: skip
-        if AMSGRAD:
-            _store_moment(vmax, x_base, row_ptr, 8, offs, mask, gid, gmask, COMPRESSED,
-                          V_EXPAND, V_MAX, V_MBITS, V_EMIN, V_LOG2_MAX, V_KNUM, V_E4M3, poffs, pmask, GROUP,
-                          V_FP4, EVEN, 0, False)  # fmt: skip
         _count_nonfinite(m, v, row_ptr, nonfinite_ptr, t, M_FP4 + V_FP4 == 0)
+    if AMSGRAD:  # (the running maximum of v, in v's format)
+        _store_moment(vmax, x_base, row_ptr, 8, offs, mask, gid, gmask, COMPRESSED,
+                      V_EXPAND, V_MAX, V_MBITS, V_EMIN, V_LOG2_MAX, V_KNUM, V_E4M3, poffs, pmask, GROUP,
+                      V_FP4, EVEN, 0, False)  # fmt: skip
 
 
 def _constants(prefix: str, f: MomentFormat | None) -> dict:
