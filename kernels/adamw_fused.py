@@ -155,8 +155,8 @@ def _count_nonfinite(m, v, row_ptr, nonfinite_ptr, t, SUM_FIRST: tl.constexpr):
     """Count non-finite moments (a NaN/Inf gradient): reported by CompressedAdamW, never hidden.
     Per parameter: values, steps with any, the last such step (the first program of a step to
     raise the last step counts the step). SUM_FIRST: a float sum of m + v decides first whether
-    to count (NaN/Inf wherever an element is, since v >= 0; a finite sum that overflows only
-    sends the program to a count that finds nothing): 26 fewer hot-path instructions a thread
+    to count (a sum with a NaN or an Inf term is NaN or Inf, whatever the signs; a finite sum that
+    overflows only sends the program to a count that finds nothing): 26 fewer hot-path instructions a thread
     for FP8 moments, but 8 more registers where a moment is 4-bit (the launch does not take it
     there)."""
     s = m + v
@@ -254,7 +254,7 @@ def _hash32(seed, step, offs, STREAM: tl.constexpr):
 def _rounding_bits(seed, step, gid, goffs, first, GROUP: tl.constexpr, EVEN: tl.constexpr):
     """fp4_moment.rounding_bits (int32) of the tile's elements at global offsets `goffs`: one
     hash a pair of neighbours, its low 16 bits to the even offset. EVEN: the tile's pairs are
-    whole (the plan's EVEN holds only where every tensor's first global offset is even), so the
+    whole (with a 4-bit v, _Plan.launch_even asks every tensor's first global offset be even), so the
     hash runs on the [groups, GROUP / 2] tile of pairs and its halves are joined in the
     registers of the thread that holds both elements; else once an element."""
     if EVEN:

@@ -28,6 +28,7 @@ from ..formats.optimizer_state import (
 )
 from . import adamw_fused as kernel
 from .adamw_fused import M_CODES, META, NPTR, STEP, V_CODES, X_CODES, C, G, P, _adamw_kernel, _constants
+from .fp4_triton import UE3M1_SQRT
 
 
 class _Plan:
@@ -71,8 +72,10 @@ class _Plan:
         self.meta = meta.to(device)
         self.blocks = torch.cat(blocks).to(device)
         self.n_blocks = self.blocks.shape[0]
-        # whole groups per row; an even first offset keeps the stochastic rounding's pairs whole
-        self.even = all(int(m[0]) % group_size == 0 and int(m[4]) % 2 == 0 for m in meta)
+        self.even = all(int(m[0]) % group_size == 0 for m in meta)
+        """every row is whole groups (the kernel's EVEN tiles, unless launch_even says otherwise)"""
+        self.even_firsts = all(int(m[4]) % 2 == 0 for m in meta)
+        """every tensor starts at an even offset of its global tensor"""
         self.steps = [s["step"] for s in states]
         self.params = list(params)
         self._constants: dict | None = None
@@ -80,6 +83,13 @@ class _Plan:
         """the bfloat16 parameters' master-weight mode; set by the owner of the plan"""
         self.nonfinite: torch.Tensor | None = None
         """per tensor: how many moment values came out NaN/Inf (counted on the device; the caller's)"""
+
+    def launch_even(self, fm, fv) -> bool:
+        """The kernel's EVEN: whole-group rows, and where a 4-bit second moment rounds
+        stochastically also even first offsets (its hash serves pairs of neighbours, which an odd
+        offset would split; the per-element path handles those)."""
+        pairs = fm is not None and self.constants(fm, fv)["V_FP4"] == UE3M1_SQRT
+        return self.even and (self.even_firsts or not pairs)
 
     def constants(self, fm, fv) -> dict:
         """The kernel's format constexprs (computed once per plan: they cost host time per step)."""
@@ -404,7 +414,7 @@ def _execute(plan: _Plan, group: dict, grads: list, fm, fv, group_size: int, gra
             inv_scale if inv_scale is not None else hyper,
             plan.nonfinite,
             COMPRESSED=compressed,
-            EVEN=plan.even,
+            EVEN=plan.launch_even(fm, fv),
             AMSGRAD=bool(group["amsgrad"]),
             MAXIMIZE=bool(group["maximize"]),
             HAS_SCALE=inv_scale is not None,
