@@ -156,9 +156,9 @@ def _count_nonfinite(m, v, row_ptr, nonfinite_ptr, t, SUM_FIRST: tl.constexpr):
     Per parameter: values, steps with any, the last such step (the first program of a step to
     raise the last step counts the step). SUM_FIRST: a float sum of m + v decides first whether
     to count (a sum with a NaN or an Inf term is NaN or Inf, whatever the signs; a finite sum that
-    overflows only sends the program to a count that finds nothing): 26 fewer hot-path instructions a thread
-    for FP8 moments, but 8 more registers where a moment is 4-bit (the launch does not take it
-    there)."""
+    overflows only sends the program to a count that finds nothing). That skips a compare and a
+    select an element for FP8 moments; where a moment is 4-bit it costs registers, so the launch
+    does not take it there (CHANGELOG has the counts)."""
     s = m + v
     if SUM_FIRST:
         total = tl.sum(tl.sum(s, axis=1), axis=0)
