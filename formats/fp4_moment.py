@@ -80,8 +80,8 @@ def rounding_bits(
 ) -> torch.Tensor:
     """A random offset below 2**22 (int64, (rows, cols)) per element for the optimizer step's
     stochastic rounding of a ue3m1_sqrt moment (added to y's pattern below its code's bit 22),
-    the rows being elements first_element, first_element + 1,
-    ... of their (global) tensor. One hash32(seed, step, offset // 2) serves two neighbours: the
+    the rows being elements first_element, first_element + 1, ... of their (global) tensor.
+    One hash32(seed, step, offset // 2) serves two neighbours: the
     even offset takes its low 16 bits, the odd one its high 16 (the fused step hashes once per
     pair, which halves the hashing). The 16 bits r give the rounding offset 64 r + 32: the
     midpoint of each of the 2**16 bins, so the probability of rounding up is off by less than

@@ -431,13 +431,14 @@ def _adamw_kernel(
     if MASTER == 16 or SR_V:
         seed = tl.load(meta_ptr + 5 * t + 3).to(tl.uint32)
         step = tl.load(tl.load(row_ptr + 11).to(tl.pointer_type(tl.float32)))
-        goffs = offs + tl.load(meta_ptr + 5 * t + 4)
+        first = tl.load(meta_ptr + 5 * t + 4)
+        goffs = offs + first
     else:
         seed = 0
         step = 0.0
         goffs = offs
     if SR_V:
-        rbits = _rounding_bits(seed, step, gid, goffs, tl.load(meta_ptr + 5 * t + 4), GROUP, EVEN)
+        rbits = _rounding_bits(seed, step, gid, goffs, first, GROUP, EVEN)
     else:
         rbits = 0
     if MASTER > 0:
@@ -456,7 +457,7 @@ def _adamw_kernel(
         quantize_store4(v, v_mag, v_sign, v_mx, rare, v_codes, pmask, v_scales, gmask, GROUP, V_FP4, EVEN,
                         rbits, SR_V)  # fmt: skip
         if rare:  # rare (it holds wherever m + v is not finite)
-            _count_nonfinite_exact(m + v, row_ptr, nonfinite_ptr, t)
+            _count_nonfinite(m, v, row_ptr, nonfinite_ptr, t, False)
     else:
         if COMPRESSED and M_FP4 > 0:
             encode_store4(m, m_codes, pmask, m_scales, gmask, GROUP, M_FP4, EVEN, 0, False)
