@@ -224,30 +224,32 @@ def main() -> None:
             gc.collect()
             torch.cuda.empty_cache()
         print(f"round {rnd + 1}/{args.rounds} done", flush=True)
-    report(rows, bw, args)
+        # written after every round, so a call cut short by its time limit keeps the rounds it ran
+        report(rows, bw, args, rnd + 1, show=rnd + 1 == args.rounds)
 
 
-def report(rows: dict, bw: float, args) -> None:
-    print(f"\ncopy bandwidth {bw / 1e12:.2f} TB/s, {torch.cuda.get_device_name()}, rounds {args.rounds}")
+def report(rows: dict, bw: float, args, rounds_done: int, show: bool = True) -> None:
+    out = print if show else (lambda *a, **k: None)
+    out(f"\ncopy bandwidth {bw / 1e12:.2f} TB/s, {torch.cuda.get_device_name()}, rounds {rounds_done}")
     head = f"{'variant':64s} {'weights':>7s} {'corr':>5s} {'grads':>5s} {'moments':>7s} {'total':>6s} "
-    print(head + f"{'release':>7s} {'floor ms':>8s} {'step ms':>8s} {'spread':>13s} {'first s':>7s}")
+    out(head + f"{'release':>7s} {'floor ms':>8s} {'step ms':>8s} {'spread':>13s} {'first s':>7s}")
     for r in rows.values():
         if not r["times_ms"] or "params" not in r:
-            print(f"{r['name']:64s} failed: {r.get('error')}")
+            out(f"{r['name']:64s} failed: {r.get('error')}")
             continue
         r["step_ms"] = statistics.median(r["times_ms"])
         r["spread_ms"] = [min(r["times_ms"]), max(r["times_ms"])]
         r["floor_ms"] = r["bytes_moved"] / bw * 1e3
         r["total_B"] = r["weights_B"] + r["correction_B"] + r["grads_B"] + r["moments_B"]
         r["total_with_release_B"] = r["total_B"] - r["grads_B"]
-        print(
+        out(
             f"{r['name']:64s} {r['weights_B']:7.2f} {r['correction_B']:5.2f} {r['grads_B']:5.2f} "
             f"{r['moments_B']:7.2f} {r['total_B']:6.2f} {r['total_with_release_B']:7.2f} "
             f"{r['floor_ms']:8.2f} {r['step_ms']:8.2f} {r['spread_ms'][0]:6.2f}-{r['spread_ms'][1]:6.2f} "
             f"{r['first_step_s']:7.2f}"
         )
     write_results(
-        args.out, bw, list(rows.values()), "cuda", scale=args.scale, steps=args.steps, rounds=args.rounds,
+        args.out, bw, list(rows.values()), "cuda", scale=args.scale, steps=args.steps, rounds=rounds_done,
         expand=EXPAND,
     )  # fmt: skip
 
