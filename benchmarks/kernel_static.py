@@ -3,11 +3,12 @@
 Static cost of the fused AdamW step's specializations (kernels/adamw_fused.py), without a GPU:
 each is compiled by triton.compile for GPUTarget("cuda", 90, 32) with the exact constexprs that
 kernels/adamw_launch.py launches it with for the 1.31B set of benchmarks/whole_state_step.py
-(bfloat16 p and g, master_bits=24, GROUP=128, GPP=8, EVEN, COMPRESSED, num_warps=4, no AMSGrad,
-GradScaler or maximize; FP8 moments at the default E4M3 with expansion). Reported per variant:
+(bfloat16 p and g, master_bits=24, GROUP=128, EVEN, COMPRESSED, no AMSGrad, GradScaler or
+maximize; FP8 moments at the default E4M3 with expansion) at the kernel's default launch
+(adamw_fused's GROUPS_PER_PROGRAM, NUM_WARPS, MAX_REGISTERS). Reported per variant:
 ttg.convert_layout and ttg.local_alloc ops in the TTGIR, the shared memory Triton allocates,
 registers and spill bytes (ptxas -v, the ptxas Triton uses), PTX and SASS instruction counts, global
-loads/stores by width in bytes, per thread (a [8, 128] tile over 128 threads: 8 elements each), and
+loads/stores by width in bytes, per thread (a [GPP, 128] tile: 8 elements a thread), and
 the hot path: the SASS a thread runs when nothing is rare (slow-path calls, NaN/Inf branches and
 the non-finite counters' atomics skipped), in all and on the integer/compare/select pipe ("alu":
 half the FP32 pipe's rate on Hopper, so 2 * alu > hot means that pipe limits the issue).
@@ -68,7 +69,8 @@ def compile_variant(fm: MomentFormat, fv: MomentFormat, grad: str):
     # torch tensors are 16-byte aligned: the launcher's JIT specializes pointers as divisible by 16
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in pointers}
     src = triton.compiler.ASTSource(fn, signature, constexprs, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": K.NUM_WARPS})
+    options = {"num_warps": K.NUM_WARPS, **({"maxnreg": K.MAX_REGISTERS} if K.MAX_REGISTERS else {})}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 SASS_LINE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
@@ -214,7 +216,9 @@ def main() -> None:
         print(f"{name:26s}" + "".join(f"{get(r):>8d}" for get in cols.values()))
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        head = {"meta": result_meta(args), "triton": triton.__version__, "target": "sm_90", "grad": args.grad}
+        head = {"meta": result_meta(args), "triton": triton.__version__, "target": "sm_90", "grad": args.grad,
+                "launch": {"groups_per_program": K.GROUPS_PER_PROGRAM, "num_warps": K.NUM_WARPS,
+                           "max_registers": K.MAX_REGISTERS}}  # fmt: skip
         json.dump({**head, "variants": rows}, f, indent=1)
     print(f"wrote {args.out}")
 

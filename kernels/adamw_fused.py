@@ -43,11 +43,24 @@ META = 5
 """per tensor: columns, groups per row, groups, the seed of the stochastic roundings (master_bits=16,
 a 4-bit second moment), the local tensor's first element in its global tensor (mod 2**32)"""
 ROUNDING_STREAM = tl.constexpr(_ROUNDING_STREAM)
-GROUPS_PER_PROGRAM = 8
-NUM_WARPS = 4
-MAX_REGISTERS = None
-"""registers a thread may use (Triton's maxnreg; None: ptxas decides); set by benchmarks to try
-more resident warps per SM at the price of spills"""
+# The launch: small programs (one warp over two groups) with registers capped so that more warps
+# stay resident per SM and hide the step's memory latency. The fastest or tied launch for every
+# moment format in whole_state_step.py's sweep on the H200 (docs/benchmarks.md); benchmarks set
+# others to compare.
+GROUPS_PER_PROGRAM = 2
+NUM_WARPS = 1
+MAX_REGISTERS = 64
+"""registers a thread may use (Triton's maxnreg; None: ptxas decides)"""
+INTERPRETER_GROUPS_PER_PROGRAM: int | None = 8
+"""groups per program under Triton's CPU interpreter (tests), where each program costs host time,
+so fewer, larger ones; None launches GROUPS_PER_PROGRAM there too (the tests of the default)"""
+
+
+def groups_per_program(interpreting: bool) -> int:
+    """The launch's groups per program (the kernel's GPP and its grid)."""
+    if interpreting and INTERPRETER_GROUPS_PER_PROGRAM is not None:
+        return INTERPRETER_GROUPS_PER_PROGRAM
+    return GROUPS_PER_PROGRAM
 DATA_COLUMNS = (P, G, M_CODES, V_CODES, X_CODES, C)
 """columns holding element offsets from the launch's base tensor; the others hold addresses"""
 

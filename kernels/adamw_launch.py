@@ -29,13 +29,14 @@ from ..formats.optimizer_state import (
 from . import adamw_fused as kernel
 from .adamw_fused import M_CODES, META, NPTR, STEP, V_CODES, X_CODES, C, G, P, _adamw_kernel, _constants
 from .fp4_triton import UE3M1_SQRT
+from .runtime import interpreting
 
 
 class _Plan:
     """Everything about a launch that stays fixed from step to step (rebuilt when params/states change)."""
 
     def __init__(self, params, states, group_size, device, seeds=None, firsts=None):
-        self.gpp = kernel.GROUPS_PER_PROGRAM
+        self.gpp = kernel.groups_per_program(interpreting())
         n = len(params)
         table = torch.zeros((n, NPTR), dtype=torch.int64)
         self.bases = {P: params[0]}

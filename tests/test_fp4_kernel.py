@@ -123,6 +123,20 @@ def test_fused_4bit_step_on_whole_groups_equals_the_twin_bit_for_bit(fm, fv, dty
     assert launches and all(x.plan.even for x in launches)
 
 
+@pytest.mark.parametrize(("fm", "fv"), [*FORMATS, ("e4m3", "e4m3")], ids="/".join)
+@pytest.mark.parametrize("shapes", [SHAPES, EVEN_SHAPES], ids=["any", "whole-groups"])
+def test_fused_step_at_the_default_launch_equals_the_twin(fm, fv, shapes, monkeypatch):
+    """The interpreter launches programs of INTERPRETER_GROUPS_PER_PROGRAM groups (it pays per
+    program); the GPU's smaller default programs, with tensors ending mid-program, give the same bits."""
+    from coatstate.kernels import adamw_fused
+
+    monkeypatch.setattr(adamw_fused, "INTERPRETER_GROUPS_PER_PROGRAM", None)
+    a, b, opt_a, opt_b = _pair(torch.bfloat16, fm, fv, shapes, master_bits=24)
+    _run(a, b, opt_a, opt_b)
+    launches = [x for prepared in opt_b._prepared.values() for x in prepared.launches]
+    assert launches and all(x.plan.gpp == adamw_fused.GROUPS_PER_PROGRAM for x in launches)
+
+
 @pytest.mark.parametrize(
     "shapes, first",
     [(SHAPES, 4099), (EVEN_SHAPES, 4099), (EVEN_SHAPES, 2**32 - 64)],

@@ -122,7 +122,7 @@ def test_finite_moments_whose_sum_overflows_are_not_reported(fused):
     grads = [torch.full(SHAPE, 1.8e19) for _ in range(3)]
     p, opt = _run(grads, fused, expand=False)
     v = read_moment(opt.state[opt.param_groups[0]["params"][0]], "exp_avg_sq", 128)
-    # rows 0-3 are the first program's 8 groups (kernels.adamw_fused.GROUPS_PER_PROGRAM)
+    # rows 0-3 are the first program's 8 groups (adamw_fused.INTERPRETER_GROUPS_PER_PROGRAM)
     assert torch.isfinite(v).all() and float(v[:4].sum(dtype=torch.float32)) == float("inf")
     assert torch.isfinite(p).all()
     assert opt.nonfinite_parameters() == []
