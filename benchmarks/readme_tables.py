@@ -141,6 +141,8 @@ WHOLE_STATE_ROWS = {  # whole_state_step.json row name: the label a user reads
     "torchao AdamW4bit, bf16 params (no master)": "torchao 0.18 AdamW4bit, bf16, no master",
     "coatstate CompressedAdamW, bf16, master_bits=24, 4-bit moments": "**coatstate**, bf16, 24-bit master, "
     '4-bit moments (`"e2m1"` / `"ue3m1_sqrt"`, opt-in)',
+    "coatstate CompressedAdamW, bf16, master_bits=24, FP8 m + 4-bit v": "**coatstate**, bf16, 24-bit master, "
+    'FP8 m + 4-bit v (`"ue3m1_sqrt"`, opt-in)',
 }
 
 
@@ -164,12 +166,13 @@ def expansion_note(meta: dict, step: dict) -> str:
 def _default_launch_name(name: str) -> str:
     """A row measured under --configs is named "... [GPPxWARPS]": the headline shows the launch
     config a user gets (the kernel's defaults) under the plain name, and drops the others."""
-    from coatstate.kernels.adamw_fused import GROUPS_PER_PROGRAM, NUM_WARPS
+    from coatstate.kernels.adamw_fused import GROUPS_PER_PROGRAM, MAX_REGISTERS, NUM_WARPS
 
     base, _, config = name.partition(" [")
     if not config:
         return name
-    return base if config == f"{GROUPS_PER_PROGRAM}x{NUM_WARPS}]" else ""
+    default = f"{GROUPS_PER_PROGRAM}x{NUM_WARPS}" + (f"r{MAX_REGISTERS}" if MAX_REGISTERS else "")
+    return base if config == f"{default}]" else ""
 
 
 def headline_table(whole: dict, step: dict, activations: dict, checkpoint: dict) -> str:

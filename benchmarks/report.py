@@ -385,12 +385,22 @@ def section_fp8_linear_parity(data: dict, path: Path) -> str:
 
 def section_whole_state_step(data: dict, path: Path) -> str:
     m = data["meta"]
-    variant = "" if path.stem == "whole_state_step" else f" (`{path.name}`)"  # the expand_off run too
+    # the other runs too: expand_off, the launch-config sweep, the kernel before that sweep's default
+    variant = "" if path.stem == "whole_state_step" else f" (`{path.name}`)"
     out = [
         f"## The whole training state per parameter (GPU){variant}",
         f"{m['device']}, {m['date']}, copy bandwidth {m['copy_bandwidth_Bps'] / 1e12:.2f} TB/s, "
         f"median of {m['rounds']} interleaved rounds of {m['steps']} back-to-back steps (spread min-max). "
         f"Source: `python benchmarks/whole_state_step.py` -> `benchmarks/results/{path.name}`.",
+    ]
+    if any(" [" in r["name"] for r in data["rows"]):
+        out += [
+            "",
+            "`[GxWrR]`: the fused kernel's launch, G groups of 128 a program, W warps, registers capped at R "
+            "(none: ptxas decides). The default was 8x4 until 2026-12-03, 2x1r64 since (the sweep's fastest "
+            "or tied launch for every moment format).",
+        ]
+    out += [
         "",
         "| optimizer | weights | correction | grads | moments | total B | with release | floor ms | step ms "
         "| spread | first s |",
@@ -506,6 +516,8 @@ SECTIONS = {
     "table7_x2_4layers": section_table7,
     "whole_state_step": section_whole_state_step,
     "whole_state_step_expand_off": section_whole_state_step,
+    "whole_state_step_launch_sweep": section_whole_state_step,
+    "whole_state_step_2026-12-02": section_whole_state_step,
     "parity_gpu": section_parity_gpu,
     "parity_gpu_learned": section_parity_gpu,
     "parity_gpu_val1M": section_parity_gpu,
