@@ -8,6 +8,10 @@ if not torch.cuda.is_available():
     # must be set before any kernel module is imported, hence here.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+if os.environ.get("PYTEST_XDIST_WORKER") and (n := os.environ.get("PYTEST_XDIST_WORKER_COUNT")):
+    # the workers share the cores: torch's threads in each would otherwise oversubscribe them
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(n)))
+
 
 def _one_tree() -> None:
     """coatstate, coatstate.formats and coatstate.kernels must come from one source tree. An

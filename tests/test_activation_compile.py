@@ -42,10 +42,8 @@ def _compiled_blocks(model, options=None):
     return model
 
 
-@pytest.mark.parametrize(
-    "arch,autocast",
-    [("gpt", False), ("llama", False), ("gpt", True), ("llama", True)],
-    ids=["gpt-fp32", "llama-fp32", "gpt-bf16", "llama-bf16"],
+@pytest.mark.parametrize(  # each model and each precision once (every pair: 75 s more CI on 2 cores)
+    "arch,autocast", [("gpt", False), ("llama", True)], ids=["gpt-fp32", "llama-bf16"]
 )
 def test_gradient_fidelity_and_bytes(arch, autocast, device="cpu"):
     """Blocks compiled with the FP8 partitioner against the same blocks compiled without it."""
