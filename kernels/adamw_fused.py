@@ -61,6 +61,8 @@ def groups_per_program(interpreting: bool) -> int:
     if interpreting and INTERPRETER_GROUPS_PER_PROGRAM is not None:
         return INTERPRETER_GROUPS_PER_PROGRAM
     return GROUPS_PER_PROGRAM
+
+
 DATA_COLUMNS = (P, G, M_CODES, V_CODES, X_CODES, C)
 """columns holding element offsets from the launch's base tensor; the others hold addresses"""
 

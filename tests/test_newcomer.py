@@ -173,7 +173,8 @@ def test_readme_commands_stand_in_copyable_blocks():
     assert any(  # a regular install, as a package index serves it, not an editable one
         "pip install torch==2.13.0 && pip install . && python examples/train_gpt.py" in b for b in bash
     )
-    assert any(b.strip() == "pip install -e '.[test]' && python -m pytest -q -m \"not gpu\" -n auto" for b in bash)
+    tests = "pip install -e '.[test]' && python -m pytest -q -m \"not gpu\" -n auto"
+    assert any(b.strip() == tests for b in bash)
     back = next(line for b in bash for line in b.splitlines() if "--to adamw" in line)
     assert " optimizer.pt" not in back  # the user's original file is never the target
     assert "lossy" in back + README.split(back, 1)[1][:400]
