@@ -82,10 +82,10 @@ def accuracy_table(data: dict) -> str:
     ]
     if noisy:
         head += f" Noisier than AdamW across seeds (over {NOISIER:g}x its std): {'; '.join(noisy)}."
-    cols = "recipe|seeds|val loss|vs AdamW's mean [95% CI]|paired by seed [95% CI]|optimizer MB|peak GiB|"
-    cols += "keeps AdamW's accuracy?"
+    cols = "recipe|seeds|val loss|spread|vs AdamW's mean [95% CI]|paired by seed [95% CI]|"
+    cols += "optimizer MB|peak GiB|keeps AdamW's accuracy?"
     out = [head, "", "| " + cols.replace("|", " | ") + " |", "|---" * (cols.count("|") + 1) + "|"]
-    ref_loss = f"{ref['mean']:.4f} ± {ref['std']:.4f}"
+    ref_loss = f"{ref['mean']:.4f} ± {ref['std']:.4f} | {_spread(ref)}"
     out.append(f"| torch AdamW (fused, fp32) | {len(ref['seeds'])} | {ref_loss} | | | "
                f"{ref['opt_state_mb']:.0f} | {ref['peak_gib']:.1f} | (reference) |")  # fmt: skip
     for variant, (label, bound) in RECIPES.items():
@@ -93,7 +93,8 @@ def accuracy_table(data: dict) -> str:
             continue
         std = f" ± {r['std']:.4f}" if r["std"] is not None else ""
         out.append(
-            f"| {label} | {len(r['seeds'])} | {r['mean']:.4f}{std} | {fmt_pct(r['vs_adamw_mean_pct'])}% "
+            f"| {label} | {len(r['seeds'])} | {r['mean']:.4f}{std} | {_spread(r)} | "
+            f"{fmt_pct(r['vs_adamw_mean_pct'])}% "
             f"{fmt_ci(r['welch_ci_pct'])} | "
             f"{fmt_pct(r['paired_mean_pct'])}% {fmt_ci(r['paired_ci_pct'])} | {r['opt_state_mb']:.0f} | "
             f"{r['peak_gib']:.1f} | {_verdict(r, bound)} |"
@@ -104,6 +105,11 @@ def accuracy_table(data: dict) -> str:
     if missing:
         out += ["", "Not run yet: " + "; ".join(missing) + "."]
     return "\n".join(out)
+
+
+def _spread(row: dict) -> str:
+    """(max - min) / mean of a variant's final losses over its seeds, in % ("" for one seed)."""
+    return f"{row['spread_pct']:.2f}%" if row["spread_pct"] is not None else ""
 
 
 def expansion_line(data: dict) -> str | None:
