@@ -3,10 +3,11 @@
 # lanes that fit the device's 600 s per call: on a 2-GPU machine (nvidia-h200-x2) `all` runs lane
 # a on GPU 0 and lane b on GPU 1 side by side; on one GPU run `a` and `b` as two calls. `fsdp`
 # (both GPUs) is the FSDP2 training run; `step` checks and times the fused optimizer step after a
-# kernel change (one GPU). Each step has a time limit; what finished is kept.
+# kernel change (one GPU); `defaults` times the activation recipes without tuning flags (one GPU).
+# Each step has a time limit; what finished is kept.
 # Results: JSON per benchmark and one log, under $OUT (default ./gpu_out).
 #
-#     bash benchmarks/gpu_suite.sh all | a | b | step | fsdp
+#     bash benchmarks/gpu_suite.sh all | a | b | step | defaults | fsdp
 set -u
 LANE=${1:-all}
 OUT=${OUT:-gpu_out}
@@ -50,7 +51,16 @@ lane_step() {  # the fused step after a kernel change: its GPU tests, then its t
         tests/test_master_weights.py tests/test_nonfinite.py
     step "$g" 420 whole_state_step python benchmarks/whole_state_step.py --rounds 3 \
         --which torch,flashoptim,torchao,coat --only "fp32 params,bf16 params,master 24,master_bits=24" \
-        --configs 8x4,2x1,8x4r72,2x1r72,2x1r64 --out "$OUT/whole_state_step.json"
+        --configs 2x1r64,8x4,2x1r72,4x1r64,4x2r64,2x1 --out "$OUT/whole_state_step.json"
+}
+
+lane_defaults() {  # issue #34's figures at inductor's defaults (no tuning flags), 5 rounds each
+    local g=$1 v="none,compress_activations,compiled: none,compiled: CompiledActivations"
+    v="$v,cudagraphs: none,cudagraphs: CompiledActivations"
+    step "$g" 240 activation_memory_gpt python benchmarks/activation_memory.py --arch gpt --cudagraphs \
+        --rounds 5 --steps 8 --variants "$v" --out "$OUT/activation_memory.json"
+    step "$g" 300 activation_memory_llama python benchmarks/activation_memory.py --arch llama --cudagraphs \
+        --rounds 5 --steps 8 --variants "$v" --out "$OUT/activation_memory_llama.json"
 }
 
 case "$LANE" in
@@ -58,9 +68,10 @@ case "$LANE" in
     a) lane_a 0 ;;
     b) lane_b 0 ;;
     step) lane_step 0 ;;
+    defaults) lane_defaults 0 ;;
     fsdp)
         step 0,1 110 fsdp_train torchrun --standalone --nproc-per-node 2 benchmarks/fsdp_train.py \
             --steps 6 --warmup 2 --out "$OUT/fsdp_train.json" ;;
-    *) echo "usage: bash benchmarks/gpu_suite.sh all | a | b | step | fsdp" >&2; exit 2 ;;
+    *) echo "usage: bash benchmarks/gpu_suite.sh all | a | b | step | defaults | fsdp" >&2; exit 2 ;;
 esac
 grep -E "^== |passed|failed" "$OUT/log.txt"

@@ -10,14 +10,14 @@ on the fused Triton step (the interpreter on CPU, compiled on a GPU).
 
 import pytest
 import torch
-from conftest import requires_cuda
-
-from coatstate import CompressedAdamW
-from coatstate.kernels import adamw_fused
-from coatstate.kernels.runtime import interpreting
 from coatstate.formats.fp8 import FP8Format
 from coatstate.formats.group import quantize_groups
 from coatstate.formats.optimizer_state import read_moment
+from coatstate.kernels import adamw_fused
+from coatstate.kernels.runtime import interpreting
+from conftest import requires_cuda
+
+from coatstate import CompressedAdamW
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPE = (8, 256)  # two groups per row: small enough for the interpreter
@@ -120,12 +120,12 @@ def test_every_step_with_a_nonfinite_moment_is_reported(fused):
 def test_finite_moments_whose_sum_overflows_are_not_reported(fused):
     """g = 1.8e19: g*g stays finite, and after six steps a program's sum of m + v (the fused
     step's first test for a non-finite moment) overflows float32, at the GPU's launch (2 groups a
-    program) and the interpreter's (8). The exact count behind that test finds nothing, so nothing
-    is reported, and the parameter stays finite."""
+    program, one row here) as at the interpreter's (the whole tensor). The exact count behind that
+    test finds nothing, so nothing is reported, and the parameter stays finite."""
     grads = [torch.full(SHAPE, 1.8e19) for _ in range(6)]
     p, opt = _run(grads, fused, expand=False)
     v = read_moment(opt.state[opt.param_groups[0]["params"][0]], "exp_avg_sq", 128)
-    rows = adamw_fused.groups_per_program(interpreting()) * 128 // SHAPE[1]  # the first program's
+    rows = adamw_fused.groups_per_program(interpreting()) * 128 // SHAPE[1]  # the first program's rows
     assert torch.isfinite(v).all() and float(v[:rows].sum(dtype=torch.float32)) == float("inf")
     assert torch.isfinite(p).all()
     assert opt.nonfinite_parameters() == []
