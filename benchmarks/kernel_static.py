@@ -69,8 +69,7 @@ def compile_variant(fm: MomentFormat, fv: MomentFormat, grad: str):
     # torch tensors are 16-byte aligned: the launcher's JIT specializes pointers as divisible by 16
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in pointers}
     src = triton.compiler.ASTSource(fn, signature, constexprs, attrs)
-    options = {"num_warps": K.NUM_WARPS, **({"maxnreg": K.MAX_REGISTERS} if K.MAX_REGISTERS else {})}
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=K.launch_options())
 
 
 SASS_LINE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")

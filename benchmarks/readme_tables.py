@@ -173,12 +173,12 @@ def _default_launch_name(name: str) -> str:
     """A row measured under --configs is named "... [GPPxWARPS]": the headline shows the launch
     config a user gets (the kernel's defaults) under the plain name, and drops the others."""
     from coatstate.kernels.adamw_fused import GROUPS_PER_PROGRAM, MAX_REGISTERS, NUM_WARPS
+    from optimizer_step import launch_config_name
 
     base, _, config = name.partition(" [")
     if not config:
         return name
-    default = f"{GROUPS_PER_PROGRAM}x{NUM_WARPS}" + (f"r{MAX_REGISTERS}" if MAX_REGISTERS else "")
-    return base if config == f"{default}]" else ""
+    return base if config == f"{launch_config_name(GROUPS_PER_PROGRAM, NUM_WARPS, MAX_REGISTERS)}]" else ""
 
 
 def headline_table(whole: dict, step: dict, activations: dict, checkpoint: dict) -> str:

@@ -53,8 +53,8 @@ MAX_REGISTERS = 64
 """registers a thread may use (Triton's maxnreg; None: ptxas decides)"""
 INTERPRETER_GROUPS_PER_PROGRAM: int | None = 128
 """groups per program under Triton's CPU interpreter (tests), where each program costs host time,
-so one program covers most test tensors (the fused-step tests ran 4x faster than at 8); None
-launches GROUPS_PER_PROGRAM there too (the tests of the default launch)"""
+so one program covers most test tensors (CHANGELOG has the timings); None launches
+GROUPS_PER_PROGRAM there too (the tests of the default launch)"""
 
 
 def groups_per_program(interpreting: bool) -> int:
@@ -62,6 +62,12 @@ def groups_per_program(interpreting: bool) -> int:
     if interpreting and INTERPRETER_GROUPS_PER_PROGRAM is not None:
         return INTERPRETER_GROUPS_PER_PROGRAM
     return GROUPS_PER_PROGRAM
+
+
+def launch_options() -> dict:
+    """Triton's launch options for the step: its warps and, when set, its register cap (read at
+    each call: benchmarks set the module's values to compare launches)."""
+    return {"num_warps": NUM_WARPS, **({"maxnreg": MAX_REGISTERS} if MAX_REGISTERS else {})}
 
 
 DATA_COLUMNS = (P, G, M_CODES, V_CODES, X_CODES, C)

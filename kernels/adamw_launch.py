@@ -423,8 +423,7 @@ def _execute(plan: _Plan, group: dict, grads: list, fm, fv, group_size: int, gra
             GROUP=group_size,
             GPP=plan.gpp,
             MASTER=plan.master_bits or 0,
-            num_warps=kernel.NUM_WARPS,
-            **({"maxnreg": kernel.MAX_REGISTERS} if kernel.MAX_REGISTERS else {}),
+            **kernel.launch_options(),
             **plan.constants(fm, fv),
         )
     if found_inf is not None:
