@@ -9,8 +9,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 if os.environ.get("PYTEST_XDIST_WORKER") and (n := os.environ.get("PYTEST_XDIST_WORKER_COUNT")):
-    # the workers share the cores: torch's threads in each would otherwise oversubscribe them
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(n)))
+    # the workers share the cores: torch's threads in each would otherwise oversubscribe them. The
+    # environment carries the share to the scripts and ranks the tests start as subprocesses: with
+    # a thread per core each, their OpenMP threads spun against the other worker's (a 8 s benchmark
+    # smoke took 44 s under -n 2)
+    share = max(1, (os.cpu_count() or 1) // int(n))
+    torch.set_num_threads(share)
+    os.environ.setdefault("OMP_NUM_THREADS", str(share))
 
 
 def _one_tree() -> None:
