@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import platform
 import statistics
 import sys
 import time
@@ -271,7 +272,15 @@ def main() -> None:
         _cprofile(model, idx, variants, args)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    result = {"args": vars(args), "torch": torch.__version__, "python": sys.version.split()[0]}
+    cpu = platform.processor() or platform.machine()
+    machine = torch.cuda.get_device_name() if args.device == "cuda" else cpu
+    result = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": machine,
+        "args": vars(args),
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+    }
     result.update(ops_per_forward=counter.calls, rows=rows)
     if args.baseline:
         result["baseline"] = json.loads(Path(args.baseline).read_text())

@@ -1,7 +1,9 @@
 """The README's two number tables, generated from benchmarks/results/*.json (report.py writes them
 between the README's `<!-- table:NAME -->` and `<!-- /table:NAME -->` markers): the accuracy of
 each recipe against AdamW (parity_gpu.json) and the headline bytes and step times
-(whole_state_step.json, optimizer_step.json, activation_memory.json, checkpoint_io.json)."""
+(whole_state_step.json, optimizer_step.json, activation_memory.json, checkpoint_io.json), and
+the step time of the saved-activation recipes (activation_memory.json, activation_memory_llama.json,
+fp8_linear_train_rounds.json)."""
 
 from __future__ import annotations
 
@@ -218,6 +220,55 @@ def headline_table(whole: dict, step: dict, activations: dict, checkpoint: dict)
     return "\n".join(out)
 
 
+ACTIVATION_ROWS = {  # activation_memory.json variant: what a user runs
+    "compress_activations": "eager, `compress_activations()`",
+    "compiled: CompiledActivations": "compiled blocks, `CompiledActivations()`",
+    "cudagraphs: CompiledActivations": "compiled blocks, `CompiledActivations(cudagraphs=True)`",
+}
+
+
+def _ratio(spread: dict) -> str:
+    return f"{spread['median']:.3f}x [{spread['min']:.3f}-{spread['max']:.3f}]"
+
+
+def activations_table(gpt: dict, llama: dict, fp8: dict | None) -> str:
+    """Each saved-activation recipe against the same step without it, per model; the FP8 recipe
+    against bf16 in one line."""
+    meta, args = gpt["meta"], gpt["args"]
+    tuned = "inductor's defaults (no tuning flags)" if not args.get("inductor") else f"`{args['inductor']}`"
+    out = [
+        f"Saved activations, {meta['machine']}, {meta['date'][:10]}, {tuned}, bf16 autocast, "
+        f"batch {args['batch']} x seq {args['seq']}; median of {args['rounds']} interleaved rounds "
+        "[min-max], each ratio against the same model run the same way without compression (eager, "
+        "compiled, or compiled with CUDA graphs). GPU = the step's kernel time.",
+        "",
+        "| model | recipe | activation memory | wall time | GPU time |",
+        "|---|---|---|---|---|",
+    ]
+    for data in (gpt, llama):
+        a = data["args"]
+        name = f"{'GPT' if a['arch'] == 'gpt' else 'Llama'}, {a['layers']} x {a['dim']}"
+        rows = {r["variant"]: r for r in data["rows"]}
+        for variant, label in ACTIVATION_ROWS.items():
+            if (r := rows.get(variant)) is None:
+                continue
+            out.append(
+                f"| {name} | {label} | {r['activation_vs_base']:.3f}x | {_ratio(r['wall_vs_base'])} | "
+                f"{_ratio(r['kernel_vs_base'])} |"
+            )
+    if fp8 and (ca := fp8.get("summary", {}).get("coatstate_compiled_ca")):
+        s, m = ca["speedup_vs_bf16_spread"], fp8["model"]
+        out += [
+            "",
+            f"The FP8 recipe (compiled `FP8Linear` + `CompiledActivations` + `CompressedAdamW`) on a "
+            f"{m['params'] / 1e9:.2f}B Llama ({m['layers']} x {m['dim']}, seq {m['seq']}, batch "
+            f"{fp8['batch']}), {fp8['device']}, {fp8['date']}, {fp8['rounds']} rounds at inductor's "
+            f"defaults: **{s['median']:.2f}x** [{s['min']:.2f}-{s['max']:.2f}] bf16's tokens/s at "
+            f"**{ca['memory_reduction_vs_bf16']:.2f}x** less peak memory.",
+        ]
+    return "\n".join(out)
+
+
 def _load(name: str) -> dict | None:
     path = RESULTS / f"{name}.json"
     return json.loads(path.read_text()) if path.exists() else None
@@ -231,6 +282,8 @@ def tables() -> dict[str, str]:
     parts = [_load(n) for n in ("whole_state_step", "optimizer_step", "activation_memory", "checkpoint_io")]
     if all(parts):
         out["headline"] = headline_table(*parts)
+    if (gpt := _load("activation_memory")) and (llama := _load("activation_memory_llama")):
+        out["activations"] = activations_table(gpt, llama, _load("fp8_linear_train_rounds"))
     return out
 
 

@@ -389,7 +389,8 @@ def section_whole_state_step(data: dict, path: Path) -> str:
     variant = "" if path.stem == "whole_state_step" else f" (`{path.name}`)"
     out = [
         f"## The whole training state per parameter (GPU){variant}",
-        f"{m.get('machine', m['device'])}, {m['date']}, copy bandwidth {m['copy_bandwidth_Bps'] / 1e12:.2f} TB/s, "
+        f"{m.get('machine', m['device'])}, {m['date']}, "
+        f"copy bandwidth {m['copy_bandwidth_Bps'] / 1e12:.2f} TB/s, "
         f"median of {m['rounds']} interleaved rounds of {m['steps']} back-to-back steps (spread min-max). "
         f"Source: `python benchmarks/whole_state_step.py` -> `benchmarks/results/{path.name}`.",
     ]

@@ -289,7 +289,7 @@ def section_activation_host(data: dict, path: Path) -> str:
         d = data if p == path else json.loads(p.read_text())
         date, machine = provenance(d, p)
         device = d.get("args", {}).get("device", "?")
-        parts.append(f"{device}: {machine}, {date}")
+        parts.append(f"{device}: {machine}, {date}, median of {d.get('args', {}).get('rounds', '?')} rounds")
         for r in d["rows"]:
             fwd, bwd = (r.get(f"{k}_us_per_packed_over_hooks") for k in ("fwd", "bwd"))
             rows.append(
@@ -315,7 +315,7 @@ def section_activation_host(data: dict, path: Path) -> str:
             "per op. On CPU the times are the calling thread's CPU time; on CUDA the forward is the wall "
             "time to issue it and the backward runs to its end. us/save and us/op: forward overhead over "
             "`none` per saved tensor and per op; us/packed: time over `hooks only` per compressed tensor, "
-            f"forward / backward. Median of {args.get('rounds', '?')} rounds. On CPU, compress runs the "
+            "forward / backward. On CPU, compress runs the "
             "pure-torch codec (torch twin) or the GPU path's host steps with the kernel launches made no-ops "
             "(no launch); on CUDA the kernel path launches the real kernels.",
             "",
