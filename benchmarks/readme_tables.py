@@ -1,4 +1,4 @@
-"""The README's two number tables, generated from benchmarks/results/*.json (report.py writes them
+"""The README's number tables, generated from benchmarks/results/*.json (report.py writes them
 between the README's `<!-- table:NAME -->` and `<!-- /table:NAME -->` markers): the accuracy of
 each recipe against AdamW (parity_gpu.json) and the headline bytes and step times
 (whole_state_step.json, optimizer_step.json, activation_memory.json, checkpoint_io.json), and
