@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import platform
 import statistics
 import sys
 import time
@@ -55,6 +54,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import result_meta  # noqa: E402
 from models import GPT, ModelConfig  # noqa: E402
 
 from coatstate.activations import KEEP_ALL  # noqa: E402
@@ -272,11 +272,8 @@ def main() -> None:
         _cprofile(model, idx, variants, args)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    cpu = platform.processor() or platform.machine()
-    machine = torch.cuda.get_device_name() if args.device == "cuda" else cpu
     result = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": machine,
+        "meta": result_meta(args),
         "args": vars(args),
         "torch": torch.__version__,
         "python": sys.version.split()[0],

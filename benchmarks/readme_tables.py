@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 from parity_stats import NOISIER, finished, fmt_ci, fmt_pct, summaries
-from report_common import RESULTS, ROOT
+from report_common import RESULTS, ROOT, fmt_spread
 
 RECIPES = {  # variant: (what a user runs, the bound on its mean vs AdamW's mean, in percent)
     "compressed": ("`CompressedAdamW` (FP8 moments)", 0.3),
@@ -227,15 +227,11 @@ ACTIVATION_ROWS = {  # activation_memory.json variant: what a user runs
 }
 
 
-def _ratio(spread: dict) -> str:
-    return f"{spread['median']:.3f}x [{spread['min']:.3f}-{spread['max']:.3f}]"
-
-
 def activations_table(gpt: dict, llama: dict, fp8: dict | None) -> str:
     """Each saved-activation recipe against the same step without it, per model; the FP8 recipe
     against bf16 in one line."""
     meta, args = gpt["meta"], gpt["args"]
-    tuned = "inductor's defaults (no tuning flags)" if not args.get("inductor") else f"`{args['inductor']}`"
+    tuned = f"`{args['inductor']}`" if args.get("inductor") else "inductor's defaults (no tuning flags)"
     out = [
         f"Saved activations, {meta['machine']}, {meta['date'][:10]}, {tuned}, bf16 autocast, "
         f"batch {args['batch']} x seq {args['seq']}; median of {args['rounds']} interleaved rounds "
@@ -252,18 +248,18 @@ def activations_table(gpt: dict, llama: dict, fp8: dict | None) -> str:
         for variant, label in ACTIVATION_ROWS.items():
             if (r := rows.get(variant)) is None:
                 continue
-            out.append(
-                f"| {name} | {label} | {r['activation_vs_base']:.3f}x | {_ratio(r['wall_vs_base'])} | "
-                f"{_ratio(r['kernel_vs_base'])} |"
-            )
+            wall, gpu = (fmt_spread(r[k], ".3f", "x") for k in ("wall_vs_base", "kernel_vs_base"))
+            out.append(f"| {name} | {label} | {r['activation_vs_base']:.3f}x | {wall} | {gpu} |")
     if fp8 and (ca := fp8.get("summary", {}).get("coatstate_compiled_ca")):
         s, m = ca["speedup_vs_bf16_spread"], fp8["model"]
+        flagged = "--inductor" in fp8.get("command", "")
+        how = "with `--inductor` options" if flagged else "at inductor's defaults"
         out += [
             "",
             f"The FP8 recipe (compiled `FP8Linear` + `CompiledActivations` + `CompressedAdamW`) on a "
             f"{m['params'] / 1e9:.2f}B Llama ({m['layers']} x {m['dim']}, seq {m['seq']}, batch "
-            f"{fp8['batch']}), {fp8['device']}, {fp8['date']}, {fp8['rounds']} rounds at inductor's "
-            f"defaults: **{s['median']:.2f}x** [{s['min']:.2f}-{s['max']:.2f}] bf16's tokens/s at "
+            f"{fp8['batch']}), {fp8['device']}, {fp8['date']}, {fp8['rounds']} rounds {how}: "
+            f"**{s['median']:.2f}x** [{s['min']:.2f}-{s['max']:.2f}] bf16's tokens/s at "
             f"**{ca['memory_reduction_vs_bf16']:.2f}x** less peak memory.",
         ]
     return "\n".join(out)

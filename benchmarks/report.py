@@ -34,7 +34,7 @@ from report_common import (  # machine_meta: the CPU benchmarks import it from h
     _md_table,
     _running_mean,
     _save,
-    _spread,
+    fmt_spread,
     machine_meta,  # noqa: F401
     plot_loss_curves,
     provenance,
@@ -112,10 +112,10 @@ def _section_activation_rounds(data: dict, path: Path) -> str:
             r["variant"],
             _f(r["activation_bytes"] and r["activation_bytes"] / 1e9),
             _f(r.get("activation_vs_base"), ".3f") + ("x" if r.get("activation_vs_base") else ""),
-            _spread(r["wall_ms"], ".1f"),
-            _spread(r["wall_vs_base"], ".3f", "x"),
-            _spread(r["kernel_ms"], ".1f"),
-            _spread(r["kernel_vs_base"], ".3f", "x"),
+            fmt_spread(r["wall_ms"], ".1f"),
+            fmt_spread(r["wall_vs_base"], ".3f", "x"),
+            fmt_spread(r["kernel_ms"], ".1f"),
+            fmt_spread(r["kernel_vs_base"], ".3f", "x"),
             _f(r["busy"] and r["busy"]["median"]) + (" host-bound" if r["host_bound"] else ""),
         ]
         for r in data["rows"]

@@ -84,7 +84,7 @@ def _device_name(device) -> bool:
     return isinstance(device, str) and device.split(":")[0] not in ("cpu", "cuda", "mps", "xpu", "")
 
 
-def _spread(s: dict | None, spec: str = ".2f", suffix: str = "") -> str:
+def fmt_spread(s: dict | None, spec: str = ".2f", suffix: str = "") -> str:
     """'median [min-max]' of a {median, min, max} dict (the interleaved-rounds JSON); '-' if none."""
     return "-" if not s else f"{s['median']:{spec}}{suffix} [{s['min']:{spec}}-{s['max']:{spec}}]"
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from report_common import _f, _figure, _md_table, _save, _spread, provenance
+from report_common import _f, _figure, _md_table, _save, fmt_spread, provenance
 
 
 def section_optimizer_step(data: dict, path: Path) -> str:
@@ -82,10 +82,10 @@ def _optimizer_rounds(data: dict, rows: list[dict], date: str, machine: str, bw)
         "optimizer|params dtype|state B/param|step ms|GPU ms|floor ms|x floor|vs torch AdamW|first step s"
     )
     table = [
-        [r["name"], r["dtype"], f"{r['state_bytes_per_param']:.3f}", _spread(r["step_ms_spread"], ".2f")]
-        + [_spread(r["gpu_ms_spread"], ".2f"), f"{r['floor_ms']:.2f}"]
+        [r["name"], r["dtype"], f"{r['state_bytes_per_param']:.3f}", fmt_spread(r["step_ms_spread"], ".2f")]
+        + [fmt_spread(r["gpu_ms_spread"], ".2f"), f"{r['floor_ms']:.2f}"]
         + [f"{r['pipelined_ms'] / r['floor_ms']:.2f}"]
-        + [_spread(r["vs_torch"], ".3f", "x"), _f(r.get("first_step_s"))]
+        + [fmt_spread(r["vs_torch"], ".3f", "x"), _f(r.get("first_step_s"))]
         for r in rows
     ]  # fmt: skip
     return "\n".join(
@@ -197,7 +197,7 @@ def section_fp8_linear_train(data: dict, path: Path) -> str:
             [
                 method,
                 f"{s['tokens_per_s']:,.0f}",
-                _spread(spread, suffix="x") if spread else _f(m.get("speedup_vs_bf16")) + "x",
+                fmt_spread(spread, suffix="x") if spread else _f(m.get("speedup_vs_bf16")) + "x",
                 f"{s['peak_allocated_gib']:.2f}",
                 _f(m.get("own_peak_gib")),  # (fp8_linear_train.own_peak_gib, in its summary)
             ]
@@ -436,9 +436,9 @@ def section_checkpoint_scale(data: dict, path: Path) -> str:
         [
             str(r["world_size"]),
             r["variant"],
-            _spread(r["blocked_s"], ".3f"),
-            _spread(r["total_s"], ".3f"),
-            _spread(r["gbps"]),
+            fmt_spread(r["blocked_s"], ".3f"),
+            fmt_spread(r["total_s"], ".3f"),
+            fmt_spread(r["gbps"]),
         ]
         for r in rows
     ]
@@ -495,8 +495,8 @@ def section_checkpoint_load(data: dict, path: Path) -> str:
         [
             r["tree"],
             r["layout"],
-            _spread(r["load_s"], ".3f"),
-            _spread(r["floor_s"], ".3f"),
+            fmt_spread(r["load_s"], ".3f"),
+            fmt_spread(r["floor_s"], ".3f"),
             f"{r['bytes'] / 1e6:.1f}",
         ]
         for r in rows

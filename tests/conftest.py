@@ -11,8 +11,7 @@ if not torch.cuda.is_available():
 if os.environ.get("PYTEST_XDIST_WORKER") and (n := os.environ.get("PYTEST_XDIST_WORKER_COUNT")):
     # the workers share the cores: torch's threads in each would otherwise oversubscribe them. The
     # environment carries the share to the scripts and ranks the tests start as subprocesses: with
-    # a thread per core each, their OpenMP threads spun against the other worker's (an 8 s benchmark
-    # smoke took 44 s under -n 2)
+    # a thread per core each, their OpenMP threads spun against the other worker's
     share = max(1, (os.cpu_count() or 1) // int(n))
     torch.set_num_threads(share)
     os.environ.setdefault("OMP_NUM_THREADS", str(share))
