@@ -1,7 +1,7 @@
 """CompressedAdamW under FSDP2 (DTensor states), DDP and torch.distributed.checkpoint, on CPU/gloo.
 
 Each test starts its ranks from a fork server that has imported torch and coatstate once (a
-free local port, one intra-op thread per rank); rank 0 also trains the single-process
+file store, one intra-op thread per rank); rank 0 also trains the single-process
 reference on the same data. World sizes 1, 2 and 4 (4 ranks on CI's 2 cores takes ~3 s).
 
 Exactness. Every rank sees the same batch, so FSDP2's reduce-scatter averages equal gradients,
@@ -20,11 +20,13 @@ bits only, so states after a reshard are compared bit for bit for every paramete
 
 from __future__ import annotations
 
+import atexit
 import math
 import multiprocessing
 import os
-import socket
+import shutil
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -42,10 +44,12 @@ MORE = 3
 UNEVEN = "2.weight"  # 131 x 256: rows 66 + 65, two groups per row (0.weight: 256 x 64, 4.weight: 128 x 131)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rendezvous() -> str:
+    """A file store in a fresh directory: unlike a free TCP port picked and released here, nothing
+    another test (or pytest-xdist worker) does can take it before rank 0 binds it."""
+    directory = tempfile.mkdtemp(prefix="coatstate-dist-")
+    atexit.register(shutil.rmtree, directory, True)
+    return f"file://{directory}/store"
 
 
 def _spawn(fn, world_size: int, *args) -> None:
@@ -54,17 +58,17 @@ def _spawn(fn, world_size: int, *args) -> None:
     # OpenMP region, so forking it is safe
     multiprocessing.set_forkserver_preload(["torch", "coatstate", "coatstate.kernels.adamw_fused", __name__])
     mp.start_processes(
-        fn, args=(world_size, _free_port(), *args), nprocs=world_size, start_method="forkserver"
+        fn, args=(world_size, _rendezvous(), *args), nprocs=world_size, start_method="forkserver"
     )
 
 
-def _init(rank: int, world_size: int, port: int, device_type: str = "cpu"):
+def _init(rank: int, world_size: int, store: str, device_type: str = "cpu"):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo" if device_type == "cpu" else "nccl", rank=rank, world_size=world_size)
+    backend = "gloo" if device_type == "cpu" else "nccl"
+    dist.init_process_group(backend, init_method=store, rank=rank, world_size=world_size)
     return init_device_mesh(device_type, (world_size,))
 
 
@@ -153,12 +157,12 @@ def _check_close(got, want, name: str, steps: int) -> None:
 
 
 # ------------------------------------------------------------------------------------ workers
-def _fsdp_worker(rank, world_size, port, out_dir):
+def _fsdp_worker(rank, world_size, store, out_dir):
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    mesh = _init(rank, world_size, port)
+    mesh = _init(rank, world_size, store)
     model = _fsdp(mesh)
     opt = _optimizer(model)
     p = dict(model.named_parameters())[UNEVEN]
@@ -187,13 +191,13 @@ def _fsdp_worker(rank, world_size, port, out_dir):
     dist.destroy_process_group()
 
 
-def _resume_worker(rank, world_size, port, out_dir, source, save_as):
+def _resume_worker(rank, world_size, store, out_dir, source, save_as):
     """Load `source` (a DCP dir) at this world size, check the states, save `save_as`, continue."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    mesh = _init(rank, world_size, port)
+    mesh = _init(rank, world_size, store)
     ref = torch.load(os.path.join(out_dir, "ws2.pt"), weights_only=True)
     model = _fsdp(mesh)
     opt = _optimizer(model)
@@ -238,7 +242,7 @@ def _small_steps(model, device, steps: int = 2) -> CompressedAdamW:
     return opt
 
 
-def _fused_worker(rank, world_size, port, device_type):
+def _fused_worker(rank, world_size, store, device_type):
     """The fused Triton step on each rank's local shards (CUDA, or Triton's interpreter on CPU,
     which conftest.py turns on without a GPU) equals it on the full tensors, bit for bit, for
     uneven shards too: the kernel treats every group alike, wherever it sits."""
@@ -250,7 +254,7 @@ def _fused_worker(rank, world_size, port, device_type):
             NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1"
         )
         torch.cuda.set_device(rank)
-    mesh = _init(rank, world_size, port, device_type)
+    mesh = _init(rank, world_size, store, device_type)
     device = torch.device(device_type, rank if device_type == "cuda" else None)
     model = _small(device)
     for layer in (model[0], model[2], model):
@@ -269,11 +273,11 @@ def _fused_worker(rank, world_size, port, device_type):
     dist.destroy_process_group()
 
 
-def _ddp_worker(rank, world_size, port, out_dir):
+def _ddp_worker(rank, world_size, store, out_dir):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    _init(rank, world_size, port)
+    _init(rank, world_size, store)
     model = DistributedDataParallel(_model())
     opt = CompressedAdamW(model.parameters(), lr=LR, weight_decay=0.1)
     _train(model, opt, 0, STEPS)
@@ -351,10 +355,10 @@ def test_torch_adamw_on_fsdp2_save_load(tmp_path):
     _spawn(_torch_adamw_worker, 2, str(tmp_path))
 
 
-def _torch_adamw_worker(rank, world_size, port, out_dir):
+def _torch_adamw_worker(rank, world_size, store, out_dir):
     import torch.distributed as dist
 
-    mesh = _init(rank, world_size, port)
+    mesh = _init(rank, world_size, store)
     runs = []
     for _ in range(2):
         model = _fsdp(mesh)
@@ -409,11 +413,11 @@ def test_compressed_moments_refuse_row_cutting_placements():
     _spawn(_placement_worker, 1)
 
 
-def _placement_worker(rank, world_size, port):
+def _placement_worker(rank, world_size, store):
     import torch.distributed as dist
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    mesh = _init(rank, world_size, port)
+    mesh = _init(rank, world_size, store)
     p = torch.nn.Parameter(distribute_tensor(torch.randn(64, 256), mesh, [Shard(1)]))
     p.grad = distribute_tensor(torch.randn(64, 256), mesh, [Shard(1)])
     with pytest.raises(ValueError, match="Shard\\(0\\) or Replicate"):

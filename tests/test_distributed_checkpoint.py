@@ -25,11 +25,11 @@ from test_distributed import (
     _bits,
     _check_close,
     _check_equal,
-    _free_port,
     _fsdp,
     _init,
     _model,
     _optimizer,
+    _rendezvous,
     _snapshot,
     _train,
 )
@@ -49,7 +49,7 @@ STEPS, MORE = 3, 2  # the second step already reads back quantized moments
 def _start(fn, world_size: int, *args, join: bool = True):
     multiprocessing.set_forkserver_preload(["torch", "coatstate", "test_distributed", __name__])
     return mp.start_processes(
-        fn, args=(world_size, _free_port(), *args), nprocs=world_size, join=join, start_method="forkserver"
+        fn, args=(world_size, _rendezvous(), *args), nprocs=world_size, join=join, start_method="forkserver"
     )
 
 
@@ -67,10 +67,10 @@ def _assert_same(a: dict, b: dict, what: str) -> None:
 
 
 # ------------------------------------------------------------------------------------ workers
-def _save_worker(rank, world_size, port, out):
+def _save_worker(rank, world_size, store, out):
     import torch.distributed as dist
 
-    mesh = _init(rank, world_size, port)
+    mesh = _init(rank, world_size, store)
     model = _fsdp(mesh)
     opt = _optimizer(model)
     _train(model, opt, 0, STEPS)
@@ -106,12 +106,12 @@ def _failing_write(*args, **kwargs):
     raise OSError("no space left on device (injected)")
 
 
-def _load_worker(rank, world_size, port, out):
+def _load_worker(rank, world_size, store, out):
     """Load the 4-rank save at this world size from the per-rank files and from the gathered file:
     equal to the state at the save, bit for bit; then both continue identically."""
     import torch.distributed as dist
 
-    mesh = _init(rank, world_size, port)
+    mesh = _init(rank, world_size, store)
     ref = torch.load(os.path.join(out, "ref.pt"), weights_only=True)
     runs = []
     for name in ("ckpt.safetensors", "gathered.safetensors"):
@@ -140,10 +140,10 @@ def _load_worker(rank, world_size, port, out):
     dist.destroy_process_group()
 
 
-def _killed_worker(rank, world_size, port, out, pause_marker):
+def _killed_worker(rank, world_size, store, out, pause_marker):
     import torch.distributed as dist
 
-    mesh = _init(rank, world_size, port)
+    mesh = _init(rank, world_size, store)
     model = _fsdp(mesh)
     opt = _optimizer(model)
     _train(model, opt, 0, 2)
@@ -160,11 +160,11 @@ def _killed_worker(rank, world_size, port, out, pause_marker):
     raise AssertionError("the save should never have finished")
 
 
-def _ddp_worker(rank, world_size, port, out):
+def _ddp_worker(rank, world_size, store, out):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    _init(rank, world_size, port)
+    _init(rank, world_size, store)
     model = DistributedDataParallel(_model())
     opt = coatstate.CompressedAdamW(model.parameters(), lr=LR, weight_decay=0.1)
     _train(model, opt, 0, 2)
@@ -175,14 +175,14 @@ def _ddp_worker(rank, world_size, port, out):
     dist.destroy_process_group()
 
 
-def _one_rank_fails_worker(rank, world_size, port, out):
+def _one_rank_fails_worker(rank, world_size, store, out):
     """Rank 1 alone cannot start (its directory check fails: a node-local disk), then cannot
     take its lock: every rank must raise, none may wait in a collective for rank 1."""
     import torch.distributed as dist
 
     from coatstate.checkpoint import shards
 
-    _init(rank, world_size, port)
+    _init(rank, world_size, store)
     model = _model()
     opt = coatstate.CompressedAdamW(model.parameters(), lr=LR)
     _train(model, opt, 0, 1)
