@@ -20,6 +20,10 @@ variants interleaved in each round so machine load affects all alike):
 - identity hooks: a saved_tensors_hooks pair that returns what it gets (the cost of the hook
   mechanism itself, the floor under any hook-based variant; its per-save figures use the saves
   that `hooks only` counts);
+- keep floor: a hook pair that wraps each save in the record compress_activations keeps for an
+  uncompressed tensor (detached, with its version) and nothing else: what any correct keep costs;
+- inspect floor: the keep floor plus the reads every decision of the real hook starts from (the
+  caller's frame, grad_fn and its sequence number, storage pointer, offset and strides);
 - hooks only: compress_activations with every kind kept (its bookkeeping, no packing);
 - compress (torch twin): the default policy on the pure-torch codec (the CPU path: its cost is
   the codec's dozen torch ops per tensor, not what the GPU path runs);
@@ -57,8 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import result_meta  # noqa: E402
 from models import GPT, ModelConfig  # noqa: E402
 
-from coatstate.activations import KEEP_ALL  # noqa: E402
-from coatstate.activations import compress_activations  # noqa: E402
+from coatstate.activations import KEEP_ALL, compress_activations  # noqa: E402
 
 
 def _parse() -> argparse.Namespace:
@@ -111,6 +114,11 @@ def _variants(device: str) -> dict:
     out = {
         "none": (contextlib.nullcontext, False),
         "identity hooks": (lambda: torch.autograd.graph.saved_tensors_hooks(_same, _same), False),
+        "keep floor": (lambda: torch.autograd.graph.saved_tensors_hooks(_keep_floor, _kept_tensor), False),
+        "inspect floor": (
+            lambda: torch.autograd.graph.saved_tensors_hooks(_inspect_floor, _kept_tensor),
+            False,
+        ),
         "hooks only (all kept)": (lambda: compress_activations(min_numel=0, **KEEP_ALL), False),
     }
     if device == "cuda":
@@ -130,6 +138,32 @@ def _variants(device: str) -> dict:
 
 def _same(x):
     return x
+
+
+class _Kept:
+    """The shape of compress_activations' record of a kept save (a slotted class, three fields)."""
+
+    __slots__ = ("tensor", "version", "reason")
+
+    def __init__(self, tensor: torch.Tensor, version: int, reason: str) -> None:
+        self.tensor, self.version, self.reason = tensor, version, reason
+
+
+def _keep_floor(x):
+    return _Kept(x.detach() if x.requires_grad else x, x._version, "floor")
+
+
+def _inspect_floor(x):
+    sys._getframe(1)
+    node = x.grad_fn
+    if node is not None:
+        node._sequence_nr()
+    x.untyped_storage().data_ptr(), x.storage_offset(), x.stride()
+    return _Kept(x.detach() if x.requires_grad else x, x._version, "floor")
+
+
+def _kept_tensor(saved):
+    return saved.tensor
 
 
 class _CountOps(TorchFunctionMode):

@@ -40,7 +40,6 @@ from report_common import (  # machine_meta: the CPU benchmarks import it from h
     provenance,
 )
 from report_gpu import (
-    section_activation_host,
     section_activation_kernels,
     section_checkpoint_load,
     section_checkpoint_scale,
@@ -52,6 +51,7 @@ from report_gpu import (
     section_plan_check,
     section_table7,
 )
+from report_host import section_activation_host, section_host_primitives
 from report_kernels import section_kernel_static
 from report_linear import section_fp8_width
 from report_states import (
@@ -514,6 +514,7 @@ SECTIONS = {
     "fp8_width": section_fp8_width,
     "plan_check": section_plan_check,
     "activation_host": section_activation_host,
+    "host_primitives": section_host_primitives,
     "fp8_linear_parity": section_fp8_linear_parity,
     "table7": section_table7,
     "table7_x2_4layers": section_table7,
@@ -543,7 +544,7 @@ SECTIONS = {
     "checkpoint_scale_cpu16": section_checkpoint_scale,
     "checkpoint_load": section_checkpoint_load,
 }
-COVERED = {"activation_host_cuda"}  # shown in another file's section
+COVERED = {"activation_host_cuda", "host_primitives_cuda"}  # shown in another file's section
 
 
 def main() -> int:

@@ -1,11 +1,10 @@
 """The sections of docs/benchmarks.md whose results come from the GPU machine: optimizer step (GPU),
-FSDP2 training, FP8 linear training, the memory planner check and the host cost of activation
-compression (CPU and CUDA in one table). benchmarks/report.py imports them into its SECTIONS.
+FSDP2 training, FP8 linear training, the memory planner check and activation
+compression's kernels. benchmarks/report.py imports them into its SECTIONS.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from report_common import _f, _figure, _md_table, _save, fmt_spread, provenance
@@ -274,52 +273,6 @@ def section_plan_check(data: dict, path: Path) -> str:
             + ("All checks pass." if data.get("all_ok") else "**Not every check passes.**"),
             "",
             _md_table("variant|quantity|predicted GB|measured GB|error %|bound|ok".split("|"), rows),
-            "",
-        ]
-    )
-
-
-def section_activation_host(data: dict, path: Path) -> str:
-    """activation_host.json (CPU) and activation_host_cuda.json in one table."""
-    parts, rows = [], []
-    for p in (path, path.with_name("activation_host_cuda.json")):
-        if not p.exists():
-            parts.append(f"`{p.name}`: not measured yet")
-            continue
-        d = data if p == path else json.loads(p.read_text())
-        date, machine = provenance(d, p)
-        device = d.get("args", {}).get("device", "?")
-        parts.append(f"{device}: {machine}, {date}, median of {d.get('args', {}).get('rounds', '?')} rounds")
-        for r in d["rows"]:
-            fwd, bwd = (r.get(f"{k}_us_per_packed_over_hooks") for k in ("fwd", "bwd"))
-            rows.append(
-                [
-                    device,
-                    r["variant"],
-                    f"{r['fwd_ms']:.2f}",
-                    f"{r['bwd_ms']:.2f}",
-                    _f(r.get("fwd_us_per_save"), ".1f"),
-                ]
-                + [_f(r.get("fwd_us_per_op"), ".1f"), "-" if fwd is None else f"{fwd:.1f} / {_f(bwd, '.1f')}"]
-            )
-    args = data.get("args", {})
-    return "\n".join(
-        [
-            "## Activation compression: host cost",
-            "; ".join(parts) + ". Source: `python benchmarks/activation_host.py` (and `--device cuda --out "
-            "benchmarks/results/activation_host_cuda.json`).",
-            "",
-            f"A GPT with {args.get('layers', '?')} layers but tiny tensors (d={args.get('dim', '?')}, seq "
-            f"{args.get('seq', '?')}, batch 1; {data.get('ops_per_forward', '?')} torch calls per forward), "
-            "so the step is all host work: what compress_activations costs in Python per saved tensor and "
-            "per op. On CPU the times are the calling thread's CPU time; on CUDA the forward is the wall "
-            "time to issue it and the backward runs to its end. us/save and us/op: forward overhead over "
-            "`none` per saved tensor and per op; us/packed: time over `hooks only` per compressed tensor, "
-            "forward / backward. On CPU, compress runs the "
-            "pure-torch codec (torch twin) or the GPU path's host steps with the kernel launches made no-ops "
-            "(no launch); on CUDA the kernel path launches the real kernels.",
-            "",
-            _md_table("device|variant|fwd ms|bwd ms|us/save|us/op|us/packed".split("|"), rows),
             "",
         ]
     )

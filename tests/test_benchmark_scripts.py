@@ -271,3 +271,16 @@ def test_parity_step_profile_smoke_times_each_position_scheme(tmp_path):
     assert data["meta"]["rope_bshd_max_abs_diff"] == 0.0
     assert data["meta"]["rope_table_max_abs_diff"] == {"eager": 0.0}
     assert rows["rope"]["params"] == rows["rope_table"]["params"] == rows["learned"]["params"] - 64 * 64
+
+
+def test_host_primitives_and_activation_host_floors_smoke(tmp_path):
+    """Both host-time scripts run at a round or two and write every row, the floor variants of
+    activation_host included (CPU: host_primitives has no kernel rows there)."""
+    out = tmp_path / "host_primitives.json"
+    _run("benchmarks/host_primitives.py", "--rounds", "2", "--calls", "20", "--out", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 6 and all(r["us_per_call"]["min"] <= r["us_per_call"]["max"] for r in rows)
+    out = tmp_path / "activation_host.json"
+    _run("benchmarks/activation_host.py", "--rounds", "1", "--steps", "1", "--layers", "2", "--out", str(out))
+    variants = [r["variant"] for r in json.loads(out.read_text())["rows"]]
+    assert variants[:5] == ["none", "identity hooks", "keep floor", "inspect floor", "hooks only (all kept)"]
