@@ -3,11 +3,12 @@
 # lanes that fit the device's 600 s per call: on a 2-GPU machine (nvidia-h200-x2) `all` runs lane
 # a on GPU 0 and lane b on GPU 1 side by side; on one GPU run `a` and `b` as two calls. `fsdp`
 # (both GPUs) is the FSDP2 training run; `step` checks and times the fused optimizer step after a
-# kernel change (one GPU); `defaults` times the activation recipes without tuning flags (one GPU).
+# kernel change (one GPU); `defaults` times the activation recipes without tuning flags (one GPU);
+# `fp8` times the FP8 recipes at the defaults and profiles CompiledActivations' kernels in them.
 # Each step has a time limit; what finished is kept.
 # Results: JSON per benchmark and one log, under $OUT (default ./gpu_out).
 #
-#     bash benchmarks/gpu_suite.sh all | a | b | step | defaults | fsdp
+#     bash benchmarks/gpu_suite.sh all | a | b | step | defaults | fp8 | fsdp
 set -u
 LANE=${1:-all}
 OUT=${OUT:-gpu_out}
@@ -64,15 +65,24 @@ lane_defaults() {  # issue #34's figures at inductor's defaults (no tuning flags
         --rounds 5 --steps 8 --variants "$v" --out "$OUT/activation_memory_llama.json"
 }
 
+lane_fp8() {  # the FP8 recipe the parity harness judged, beside its neighbours, at inductor's defaults
+    local g=$1 m="bf16,coatstate_compiled,coatstate_compiled_graphs,coatstate_compiled_graphs_cg"
+    step "$g" 300 fp8_linear_train_rounds python benchmarks/fp8_linear_train.py --rounds 5 --steps 6 \
+        --methods "$m,coatstate_compiled_ca" --out "$OUT/fp8_linear_train_rounds.json"  # (137 s)
+    step "$g" 120 kernel_breakdown_fp8_graphs python benchmarks/kernel_breakdown.py fp8 \
+        --methods coatstate_compiled,coatstate_compiled_graphs --out "$OUT/kernel_breakdown_fp8_graphs.json"
+}
+
 case "$LANE" in
     all) lane_a 0 & lane_b 1 & wait ;;
     a) lane_a 0 ;;
     b) lane_b 0 ;;
     step) lane_step 0 ;;
     defaults) lane_defaults 0 ;;
+    fp8) lane_fp8 0 ;;
     fsdp)
         step 0,1 110 fsdp_train torchrun --standalone --nproc-per-node 2 benchmarks/fsdp_train.py \
             --steps 6 --warmup 2 --out "$OUT/fsdp_train.json" ;;
-    *) echo "usage: bash benchmarks/gpu_suite.sh all | a | b | step | defaults | fsdp" >&2; exit 2 ;;
+    *) echo "usage: bash benchmarks/gpu_suite.sh all | a | b | step | defaults | fp8 | fsdp" >&2; exit 2 ;;
 esac
 grep -E "^== |passed|failed" "$OUT/log.txt"
