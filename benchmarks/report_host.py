@@ -10,10 +10,10 @@ from pathlib import Path
 from report_common import _f, _md_table, fmt_spread, provenance
 
 
-def section_activation_host(data: dict, path: Path) -> str:
-    """activation_host.json (CPU) and activation_host_cuda.json in one table."""
-    parts, rows = [], []
-    for p in (path, path.with_name("activation_host_cuda.json")):
+def _cpu_and_cuda(data: dict, path: Path, parts: list[str]):
+    """(device, result) for a CPU result and its `_cuda` sibling, where each exists; appends each
+    one's provenance (or that it is missing) to `parts`."""
+    for p in (path, path.with_name(f"{path.stem}_cuda.json")):
         if not p.exists():
             parts.append(f"`{p.name}`: not measured yet")
             continue
@@ -21,6 +21,13 @@ def section_activation_host(data: dict, path: Path) -> str:
         date, machine = provenance(d, p)
         device = d.get("args", {}).get("device", "?")
         parts.append(f"{device}: {machine}, {date}, median of {d.get('args', {}).get('rounds', '?')} rounds")
+        yield device, d
+
+
+def section_activation_host(data: dict, path: Path) -> str:
+    """activation_host.json (CPU) and activation_host_cuda.json in one table."""
+    parts, rows = [], []
+    for device, d in _cpu_and_cuda(data, path, parts):
         for r in d["rows"]:
             fwd, bwd = (r.get(f"{k}_us_per_packed_over_hooks") for k in ("fwd", "bwd"))
             rows.append(
@@ -62,14 +69,7 @@ def section_activation_host(data: dict, path: Path) -> str:
 def section_host_primitives(data: dict, path: Path) -> str:
     """host_primitives.json (CPU) and host_primitives_cuda.json in one table."""
     parts, names, columns = [], [], []
-    for p in (path, path.with_name("host_primitives_cuda.json")):
-        if not p.exists():
-            parts.append(f"`{p.name}`: not measured yet")
-            continue
-        d = data if p == path else json.loads(p.read_text())
-        date, machine = provenance(d, p)
-        device = d.get("args", {}).get("device", "?")
-        parts.append(f"{device}: {machine}, {date}, median of {d.get('args', {}).get('rounds', '?')} rounds")
+    for device, d in _cpu_and_cuda(data, path, parts):
         cells = {r["call"]: fmt_spread(r["us_per_call"], ".2f") for r in d["rows"]}
         names += [n for n in cells if n not in names]
         columns.append((device, cells))
