@@ -35,10 +35,10 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _four_bit_worker(rank, world_size, port, out_dir):
+def _four_bit_worker(rank, world_size, store, out_dir):
     import torch.distributed as dist
 
-    mesh = _init(rank, world_size, port)
+    mesh = _init(rank, world_size, store)
     model = _fsdp(mesh)
     opt = CompressedAdamW(model.named_parameters(), lr=LR, weight_decay=0.1, **FOUR_BIT)
     _train(model, opt, 0, STEPS)

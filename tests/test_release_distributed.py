@@ -31,10 +31,10 @@ def _batch(step: int):
     return torch.randn(16, 64, generator=gen), torch.randn(16, 128, generator=gen)
 
 
-def _release_worker(rank, world_size, port):
+def _release_worker(rank, world_size, store):
     from coatstate.distributed import full_tensor
 
-    mesh = _init(rank, world_size, port)
+    mesh = _init(rank, world_size, store)
     runs = {}
     for release in (False, True):
         model = _fsdp(mesh)
@@ -94,12 +94,12 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).contiguous().view(torch.uint8)
 
 
-def _master_worker(rank, world_size, port):
+def _master_worker(rank, world_size, store):
     """bfloat16 FSDP2 shards with the default 24-bit master, with and without release, against
     one process (rank 0) for every parameter whose rows split evenly."""
     from test_distributed import UNEVEN, _model
 
-    mesh = _init(rank, world_size, port)
+    mesh = _init(rank, world_size, store)
     runs = {}
     for release in (False, True):
         model = _bf16_fsdp(mesh)
