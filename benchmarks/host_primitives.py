@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import result_meta  # noqa: E402
+from common import median_range, result_meta  # noqa: E402
 
 
 def _parse() -> argparse.Namespace:
@@ -47,7 +46,7 @@ def _time(fn, args, sync) -> dict:
             fn()
         per_call.append((time.perf_counter() - t0) / args.calls * 1e6)
         sync()  # (outside the timing: what is timed is the host issuing the calls)
-    return {"median": statistics.median(per_call), "min": min(per_call), "max": max(per_call)}
+    return median_range(per_call)
 
 
 def _kernel_calls(x: torch.Tensor) -> dict:
