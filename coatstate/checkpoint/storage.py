@@ -230,8 +230,8 @@ def atomic_write(url: str, write: Callable[[BinaryIO], Any], total_hint: int = 0
     """Write `url` so that readers see the old object or the complete new one, never a mix.
 
     Local: temp file in the same directory, fsync, os.replace, fsync of the directory (POSIX
-    rename is atomic). Other filesystems: write `<name>.tmp-<uuid>`, then fs.mv onto the final
-    name: atomic on memory://; on object stores (s3, gcs) each object PUT/copy is atomic, so the
+    rename is atomic). Other filesystems: write `<name>.tmp-<uuid>`, then copy it onto the final
+    name (move_literal: `url` is never a glob pattern): atomic on memory://; on object stores (s3, gcs) each object PUT/copy is atomic, so the
     final key never holds a partial object. A crash leaves at most a stray temp object.
     """
     fs, path = url_to_fs(url)
@@ -259,11 +259,19 @@ def atomic_write(url: str, write: Callable[[BinaryIO], Any], total_hint: int = 0
     try:
         with fs.open(tmp, "wb") as f:
             write(hooked(f))
-        fs.mv(tmp, path)
+        move_literal(fs, tmp, path)
     except BaseException:
         with contextlib.suppress(Exception):
-            fs.rm(tmp)
+            fs.rm_file(tmp)
         raise
+
+
+def move_literal(fs: fsspec.AbstractFileSystem, src: str, dst: str) -> None:
+    """fs.mv without its glob expansion: fsspec's mv, copy and rm read `* ? [ ]` in a path as a
+    pattern, so a checkpoint named run*.safetensors would move onto nothing (or onto every match).
+    cp_file and rm_file take one literal path each; mv is this copy and delete on object stores."""
+    fs.cp_file(src, dst)
+    fs.rm_file(src)
 
 
 def sibling_sizes(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, int]:
@@ -287,4 +295,4 @@ def remove_quietly(url: str, names: Iterable[str]) -> None:
     fs, path = url_to_fs(url)
     for name in names:
         with contextlib.suppress(Exception):
-            fs.rm(sibling(fs, path, name))
+            fs.rm_file(sibling(fs, path, name))  # (rm_file: a name is never a glob pattern)

@@ -1,0 +1,92 @@
+"""Checkpoint defects found by attacking the landed code (issue 48), one test (or a few) each.
+
+Every test here failed before its fix: it names the defect it pins down.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import fsspec
+import pytest
+import torch
+from coatstate.formats.schema import CheckpointError
+
+from coatstate.checkpoint import api as ck
+
+
+def _state(value: float, shape=(4, 4)) -> dict:
+    t = torch.full(shape, value)
+    return {
+        "state": {0: {"step": torch.tensor(value), "exp_avg": t, "exp_avg_sq": t}},
+        "param_groups": [{"params": [0], "lr": 1e-3}],
+    }
+
+
+def _files(directory: str) -> set[str]:
+    """Every file under `directory`, relative to it, listed afresh."""
+    fs, path = fsspec.core.url_to_fs(directory)
+    fs.invalidate_cache()
+    try:
+        return {f[len(path.rstrip("/")) + 1 :] for f in fs.find(path)}
+    except FileNotFoundError:
+        return set()
+
+
+@pytest.fixture(scope="module")
+def s3_bucket():
+    """A bucket on moto's S3 server, reached through s3fs (skipped without either)."""
+    pytest.importorskip("s3fs")
+    server_mod = pytest.importorskip("moto.server")
+    pytest.importorskip("flask")  # (moto's server needs it: the moto[server] extra)
+    import s3fs
+
+    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    old = fsspec.config.conf.get("s3")
+    try:
+        host, port = server.get_host_and_port()
+        opts = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": f"http://{host}:{port}"}}
+        fsspec.config.conf["s3"] = opts
+        s3fs.S3FileSystem.clear_instance_cache()
+        s3fs.S3FileSystem(**opts).mkdir("coatstate-defects")
+        yield "s3://coatstate-defects"
+    finally:
+        if old is None:
+            fsspec.config.conf.pop("s3", None)
+        else:
+            fsspec.config.conf["s3"] = old
+        server.stop()
+
+
+@pytest.fixture(params=["local", "memory", "s3"])
+def directory(request, tmp_path):
+    if request.param == "local":
+        return str(tmp_path)
+    if request.param == "memory":
+        return f"memory://coatstate-defects/{uuid.uuid4().hex}"
+    return f"{request.getfixturevalue('s3_bucket')}/{uuid.uuid4().hex}"
+
+
+# -------------------------------------------------------------- 1: glob characters in URLs
+@pytest.mark.parametrize("name", ["run*.safetensors", "run[1].safetensors", "a?b.safetensors"])
+def test_1_glob_characters_in_a_name_are_literal(directory, name):
+    url = f"{directory}/{name}"
+    ck.save(_state(1.0), url)
+    ck.save(_state(2.0), url)  # over an existing file: the new step, never the stale one
+    assert ck.read(url).optimizer["state"][0]["step"].item() == 2.0
+    assert _files(directory) == {name}, "a temp file was left, or the save went elsewhere"
+
+
+def test_1_a_bracket_in_a_directory_name_is_literal(directory):
+    url = f"{directory}/sweep[1]/ck.safetensors"
+    ck.save(_state(3.0), url)
+    assert ck.read(url).optimizer["state"][0]["step"].item() == 3.0
+    assert _files(directory) == {"sweep[1]/ck.safetensors"}
+
+
+def test_1_a_pattern_name_never_touches_the_files_it_matches(directory):
+    ck.save(_state(1.0), f"{directory}/run1.safetensors")
+    ck.save(_state(2.0), f"{directory}/run*.safetensors")
+    assert ck.read(f"{directory}/run1.safetensors").optimizer["state"][0]["step"].item() == 1.0
+    assert ck.read(f"{directory}/run*.safetensors").optimizer["state"][0]["step"].item() == 2.0
