@@ -90,3 +90,46 @@ def test_1_a_pattern_name_never_touches_the_files_it_matches(directory):
     ck.save(_state(2.0), f"{directory}/run*.safetensors")
     assert ck.read(f"{directory}/run1.safetensors").optimizer["state"][0]["step"].item() == 1.0
     assert ck.read(f"{directory}/run*.safetensors").optimizer["state"][0]["step"].item() == 2.0
+
+
+# ------------------------------------------------------------- 2: saved but never readable
+class _ThreeBetas(torch.optim.Optimizer):
+    """An optimizer with three betas (as Adan has): its own hyperparameters, its own class."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 1e-3, "betas": (0.98, 0.92, 0.99)})
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["m"] = p.detach().clone()
+
+
+def _stepped(make):
+    model = torch.nn.Linear(4, 3)
+    opt = make(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+@pytest.mark.parametrize("make", [torch.optim.Adafactor, _ThreeBetas], ids=["adafactor", "three_betas"])
+def test_2_what_save_writes_read_and_load_open(make, tmp_path):
+    url = str(tmp_path / "o.safetensors")
+    model, opt = _stepped(make)
+    ck.save(opt, url, model=model)
+    got = ck.read(url)
+    assert got.optimizer["param_groups"][0] == {k: v for k, v in opt.state_dict()["param_groups"][0].items()}
+    fresh = make(model.parameters())
+    ck.load(fresh, url, model=model)
+    for a, b in zip(fresh.state_dict()["state"].values(), opt.state_dict()["state"].values(), strict=True):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_2_a_state_dict_the_reader_would_refuse_is_refused_before_writing(tmp_path):
+    url = tmp_path / "sd.safetensors"
+    _, opt = _stepped(torch.optim.Adafactor)
+    with pytest.raises(CheckpointError, match=r"not saved: a reader would refuse.*eps") as e:
+        ck.save(opt.state_dict(), url)  # (no class recorded: read as AdamW's, whose eps is a number)
+    assert str(url) in str(e.value) and "Save the optimizer itself" in str(e.value)
+    assert not url.exists()

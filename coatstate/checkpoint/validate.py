@@ -112,7 +112,8 @@ def validate_header(header: Any, where: str) -> dict[str, Any]:
         referenced[key] = what
         return tensors[key]
 
-    group_of = _param_groups(header["param_groups"], fail, ref)
+    saved_class = (opt or {}).get("class")
+    group_of = _param_groups(header["param_groups"], fail, ref, saved_class in (None, *ADAMW_FAMILY))
     group_sizes = [g.get("group_size", DEFAULT_GROUP_SIZE) for g in header["param_groups"]]
     params = header["params"]
     if set(params) != {str(pid) for pid in group_of}:
@@ -139,6 +140,23 @@ def validate_header(header: Any, where: str) -> dict[str, Any]:
     if header.get("per_rank") is not None:  # checked here, so no reader walks an unchecked index
         check_index(header, where)
     return header
+
+
+def check_writable(header: dict[str, Any], where: str) -> None:
+    """Refuse, before anything is written, a header that `validate_header` would refuse on read:
+    the writer checks exactly what the reader enforces, so no save succeeds into a file that no
+    reader opens. Checksums not computed yet (a per-rank save adds its own) stand in as zeros."""
+    unsummed = {k: {"checksum": "sha256:" + "0" * 64, **v} for k, v in header["tensors"].items()}
+    probe = dict(header, tensors=unsummed)
+    try:
+        validate_header(probe, where)
+    except CheckpointError as e:
+        problem = str(e).removeprefix(f"{where}: invalid header: ").removeprefix(f"{where}: ")
+        raise CheckpointError(
+            f"{where}: not saved: a reader would refuse this state ({problem}). Save the optimizer "
+            "itself rather than its state dict (the header then names its class, whose own values "
+            "are kept as they are), or fix the value named"
+        ) from None
 
 
 def _check_params(params: dict, group_of: dict, group_sizes: list, fail) -> None:
@@ -228,7 +246,10 @@ def _tensors(infos: dict, fail) -> dict[str, _Tensor]:
     return out
 
 
-def _check_group_values(g: int, values: dict[str, Any], fail) -> None:
+def _check_group_values(g: int, values: dict[str, Any], fail, adamw: bool) -> None:
+    """`adamw`: the file is AdamW's (or of unknown class): lr, eps, weight_decay and betas mean what
+    they mean there. Other optimizers give them other shapes (torch's Adafactor: eps=(None, 1e-3);
+    three betas elsewhere); their class checks its own values when it loads them."""
     where = f"param_groups[{g}]"
 
     def number(name: str, low: float = 0.0) -> None:
@@ -244,10 +265,10 @@ def _check_group_values(g: int, values: dict[str, Any], fail) -> None:
         if not _is_num(v) or not v >= low:
             fail(f"{where}.{name} must be a number >= {low:g}; got {v!r:.40}")
 
-    for name in ("lr", "eps", "weight_decay"):
+    for name in ("lr", "eps", "weight_decay") if adamw else ():
         if name in values:
             number(name)
-    if "betas" in values:
+    if "betas" in values and adamw:
         b = values["betas"]
         if not (isinstance(b, (tuple, list)) and len(b) == 2 and all(_is_num(x) and 0 <= x < 1 for x in b)):
             fail(f"{where}.betas must be two numbers in [0, 1); got {b!r:.60}")
@@ -270,7 +291,7 @@ def _check_group_values(g: int, values: dict[str, Any], fail) -> None:
         fail(f"{where}.master_seed must be an integer")
 
 
-def _param_groups(groups: list, fail, ref) -> dict[int, int]:
+def _param_groups(groups: list, fail, ref, adamw: bool) -> dict[int, int]:
     group_of: dict[int, int] = {}
     for g, group in enumerate(groups):
         if not isinstance(group, dict):
@@ -297,7 +318,7 @@ def _param_groups(groups: list, fail, ref) -> dict[int, int]:
                 values[k] = _plain(v, f"param_groups[{g}].{k}", fail)
                 if _contains_ref(values[k]):
                     fail(f"param_groups[{g}].{k}: a tensor may only be a hyperparameter's own value")
-        _check_group_values(g, values, fail)
+        _check_group_values(g, values, fail, adamw)
     return group_of
 
 
