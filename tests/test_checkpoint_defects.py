@@ -133,3 +133,72 @@ def test_2_a_state_dict_the_reader_would_refuse_is_refused_before_writing(tmp_pa
         ck.save(opt.state_dict(), url)  # (no class recorded: read as AdamW's, whose eps is a number)
     assert str(url) in str(e.value) and "Save the optimizer itself" in str(e.value)
     assert not url.exists()
+
+
+# ------------------------------------------------------------------- 4: parameter order
+class _EncDec(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.enc, self.dec = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.dec(self.enc(x))
+
+
+def _trained(make_params):
+    torch.manual_seed(0)
+    model = _EncDec()
+    opt = torch.optim.AdamW(make_params(model), lr=1e-2)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(4, 8)).square().sum().backward()
+        opt.step()
+    return model, opt
+
+
+def _moments_by_name(model, opt) -> dict[str, torch.Tensor]:
+    return {n: opt.state[p]["exp_avg"] for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("with_model", [True, False], ids=["model", "named_parameters"])
+def test_4_load_matches_parameters_by_name_not_position(tmp_path, with_model):
+    url = str(tmp_path / "o.safetensors")
+    forward = (lambda m: m.parameters()) if with_model else (lambda m: m.named_parameters())
+    backward = (
+        (lambda m: list(m.parameters())[::-1]) if with_model else (lambda m: list(m.named_parameters())[::-1])
+    )
+    model, opt = _trained(forward)
+    ck.save(opt, url, model=model)
+    model2 = _EncDec()
+    opt2 = torch.optim.AdamW(backward(model2), lr=1e-2)
+    ck.load(opt2, url, model=model2 if with_model else None)
+    want, got = _moments_by_name(model, opt), _moments_by_name(model2, opt2)
+    for name in want:
+        assert torch.equal(want[name], got[name]), f"{name} got another parameter's moments"
+
+
+def test_4_names_that_differ_are_refused_before_anything_loads(tmp_path):
+    url = str(tmp_path / "o.safetensors")
+    model, opt = _trained(lambda m: m.parameters())
+    ck.save(opt, url, model=model)
+    other = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    opt2 = torch.optim.AdamW(other.parameters(), lr=1e-2)
+    with pytest.raises(CheckpointError, match=r"not the checkpoint's.*only in the file \['enc.weight'"):
+        ck.load(opt2, url, model=other)
+    assert not opt2.state
+
+
+# ------------------------------------------------- snag (b): torch.compile's _orig_mod. keys
+@pytest.mark.parametrize("compiled_side", ["saved", "loaded"])
+def test_b_a_compiled_models_keys_load_both_ways(tmp_path, compiled_side):
+    url = str(tmp_path / "o.safetensors")
+    model, opt = _trained(lambda m: m.parameters())
+    saved_as = torch.compile(model) if compiled_side == "saved" else model  # (never run: no compiler needed)
+    ck.save(opt, url, model=saved_as)
+    model2 = _EncDec()
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
+    ck.load(opt2, url, model=torch.compile(model2) if compiled_side == "loaded" else model2)
+    for (name, a), b in zip(model.state_dict().items(), model2.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    want, got = _moments_by_name(model, opt), _moments_by_name(model2, opt2)
+    assert all(torch.equal(want[n], got[n]) for n in want)

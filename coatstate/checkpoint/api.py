@@ -27,6 +27,7 @@ from coatstate.checkpoint import (
     storage,
     validate,
 )
+from coatstate.checkpoint import names as param_names
 from coatstate.checkpoint.dcp import load_failure, read_dcp, weights_only_load
 from coatstate.formats import schema
 from coatstate.formats.optimizer_state import (
@@ -508,11 +509,10 @@ def load(
     url = storage.locate(url)  # resolved once: every function below takes the Location
     ckpt = _read_for(optimizer, url, model)
     local_model = ckpt.model is not None and any(dtensors.is_dtensor(t) for t in ckpt.model.values())
-    names = {}
+    names = param_names.optimizer_names(optimizer, model)
+    ckpt = param_names.by_name(ckpt, optimizer, names, url)  # never another parameter's moments
     if model is not None:
-        by_obj = {id(p): n for n, p in model.named_parameters()}
-        flat = [p for g in optimizer.param_groups for p in g["params"]]
-        names = {i: by_obj[id(p)] for i, p in enumerate(flat) if id(p) in by_obj}
+        ckpt = param_names.model_keys(ckpt, model, url)
     ckpt = _join_masters(optimizer, model, ckpt, names, url)
     sd = ckpt.optimizer
     has_codes = any(is_compressed(s, name) for s in sd["state"].values() for name in MOMENTS)
