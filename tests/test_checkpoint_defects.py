@@ -5,6 +5,10 @@ Every test here failed before its fix: it names the defect it pins down.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import struct
+import tracemalloc
 import uuid
 
 import fsspec
@@ -13,6 +17,7 @@ import torch
 from coatstate.formats.schema import CheckpointError
 
 from coatstate.checkpoint import api as ck
+from coatstate.checkpoint import encoding
 
 
 def _state(value: float, shape=(4, 4)) -> dict:
@@ -31,6 +36,20 @@ def _files(directory: str) -> set[str]:
         return {f[len(path.rstrip("/")) + 1 :] for f in fs.find(path)}
     except FileNotFoundError:
         return set()
+
+
+def _with_header(data: bytes, edit) -> bytes:
+    """The file with its coatstate header edited by `edit(header)` and its checksum recomputed."""
+    n = struct.unpack("<Q", data[:8])[0]
+    outer = json.loads(data[8 : 8 + n])
+    header = json.loads(outer["__metadata__"]["coatstate"])
+    edit(header)
+    text = json.dumps(header, separators=(",", ":"))
+    outer["__metadata__"]["coatstate"] = text
+    outer["__metadata__"]["coatstate.header_sha256"] = hashlib.sha256(text.encode()).hexdigest()
+    head = json.dumps(outer, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    return struct.pack("<Q", len(head)) + head + data[8 + n :]
 
 
 @pytest.fixture(scope="module")
@@ -202,3 +221,44 @@ def test_b_a_compiled_models_keys_load_both_ways(tmp_path, compiled_side):
         assert torch.equal(a, b), name
     want, got = _moments_by_name(model, opt), _moments_by_name(model2, opt2)
     assert all(torch.equal(want[n], got[n]) for n in want)
+
+
+# --------------------------------------------------------------------- 5 and 8: zstd bombs
+def test_5_load_compares_shapes_before_it_decompresses(tmp_path, monkeypatch):
+    pytest.importorskip("zstandard")
+    url = str(tmp_path / "bomb.safetensors")
+    ck.save(_state(0.0, shape=(2048, 2048)), url, compress="zstd")  # 16 MiB of zeros in a few kB
+    assert (tmp_path / "bomb.safetensors").stat().st_size < 64 * 1024
+
+    def decode(*args, **kwargs):
+        raise AssertionError("decompressed before the shapes were compared")
+
+    monkeypatch.setattr(encoding, "decode", decode)
+    model = torch.nn.Linear(4, 4, bias=False)
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(CheckpointError, match=r"shape \[4, 4\] in the optimizer but \[2048, 2048\]"):
+        ck.load(opt, url)
+
+
+def test_5_a_zstd_tensor_inflates_into_its_own_memory_once(tmp_path):
+    pytest.importorskip("zstandard")
+    url = str(tmp_path / "z.safetensors")
+    ck.save(_state(0.0, shape=(2048, 4096)), url, compress="zstd")  # 32 MiB a moment
+    tracemalloc.start()
+    try:
+        got = ck.read(url)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert got.optimizer["state"][0]["exp_avg"].shape == (2048, 4096)
+    assert peak < 8 * 2**20, f"{peak / 2**20:.0f} MiB of Python buffers for 32 MiB tensors"
+
+
+def test_8_a_shape_whose_size_overflows_int64_is_a_checkpoint_error(tmp_path):
+    pytest.importorskip("zstandard")
+    path = tmp_path / "m.safetensors"
+    ck.save(_state(1.0), str(path), model={"w": torch.zeros(64, 64)}, compress="zstd")
+    huge = [4096, 2**52 + 1]
+    path.write_bytes(_with_header(path.read_bytes(), lambda h: h["tensors"]["model/w"].update(shape=huge)))
+    with pytest.raises(CheckpointError, match="model/w"):
+        ck.read(str(path))

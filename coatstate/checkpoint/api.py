@@ -407,6 +407,17 @@ def _read_for(optimizer: torch.optim.Optimizer, url: str, model) -> Checkpoint:
     raise CheckpointError(f"{url}: the checkpoint was replaced {READ_ATTEMPTS} times while being read; retry")
 
 
+def _header_of(url: storage.Location) -> dict[str, Any] | None:
+    """The header of a coatstate file, or None for a .pt, a DCP directory or anything else (read
+    then says what it is)."""
+    if os.path.isdir(url) or os.path.splitext(url)[1].lower() in PT_EXTENSIONS:
+        return None
+    try:
+        return read_header(url)
+    except CheckpointError:
+        return None
+
+
 def _snapshot(optimizer) -> tuple:
     """What load_state_dict may replace or edit: the state and param-group containers, their
     entries and the entries' items (tensors are not copied: loading replaces them, never edits)."""
@@ -507,9 +518,12 @@ def load(
         Checkpoint(CompressedAdamW, 1 param groups, 4 params with state, ...)
     """
     url = storage.locate(url)  # resolved once: every function below takes the Location
+    names = param_names.optimizer_names(optimizer, model)
+    header = _header_of(url)
+    if header is not None:  # shapes checked before a tensor is read (or a zstd frame inflated)
+        param_names.check_header_first(header, optimizer, model, names, url)
     ckpt = _read_for(optimizer, url, model)
     local_model = ckpt.model is not None and any(dtensors.is_dtensor(t) for t in ckpt.model.values())
-    names = param_names.optimizer_names(optimizer, model)
     ckpt = param_names.by_name(ckpt, optimizer, names, url)  # never another parameter's moments
     if model is not None:
         ckpt = param_names.model_keys(ckpt, model, url)

@@ -7,6 +7,7 @@ checks stored tensors against a header and undoes the zstd encoding. No file is 
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -18,6 +19,11 @@ from coatstate.checkpoint import container
 from coatstate.formats import schema
 from coatstate.formats.optimizer_state import CODES, EXPONENTS, FP4_NAMES, format_option, moment_of
 from coatstate.formats.schema import CheckpointError
+
+
+MAX_ZSTD_RATIO = 2**17
+"""zstd's format cannot expand a frame by more than about 32768 times (a 128 KiB block from a few
+bytes, plus frame overhead): a claim beyond this bound is refused before anything is allocated."""
 
 
 def to_cpu(t: torch.Tensor) -> torch.Tensor:
@@ -210,10 +216,16 @@ def decode(stored: Mapping[str, torch.Tensor], header: Mapping[str, Any], where:
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"{where}: corrupt header entry for {key!r} ({e!r})") from None
         if info.get("encoding") == "zstd":
-            nbytes = dtype.itemsize * int(torch.Size(shape).numel())
-            raw = container.zstd_decompress(schema.tensor_bytes(t), nbytes, f"{where}: {key}")
-            t = torch.frombuffer(bytearray(raw), dtype=dtype) if nbytes else torch.empty(0, dtype=dtype)
-            t = t.reshape(shape)
+            # Python ints: a shape whose element count overflows int64 is a wrong size, not a crash
+            nbytes = dtype.itemsize * math.prod(shape)
+            if nbytes > len(t) * MAX_ZSTD_RATIO:
+                raise CheckpointError(
+                    f"{where}: tensor {key!r} claims {nbytes} bytes from {len(t)} compressed bytes, more "
+                    f"than a zstd frame can expand to (over {MAX_ZSTD_RATIO}:1): the file is corrupt"
+                )
+            blob = schema.tensor_bytes(t)
+            t = torch.empty(shape, dtype=dtype)
+            container.zstd_decompress_into(blob, schema.tensor_bytes(t), f"{where}: {key}")
         if t.dtype != dtype or list(t.shape) != shape:
             raise CheckpointError(
                 f"{where}: tensor {key!r} is {t.dtype} {list(t.shape)} in the file but "

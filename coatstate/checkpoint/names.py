@@ -5,6 +5,8 @@ knows the loading optimizer's. Two parameters of one shape in another order woul
 swap their moments silently; `by_name` reorders the file's state to the optimizer's order, or
 refuses naming what differs. torch.compile wraps a model, so its keys gain `_orig_mod.`:
 `model_keys` accepts a checkpoint of the compiled model in the plain one, and the other way round.
+`check_header_first` compares the shapes a header records with the optimizer and model before a
+tensor is read: a small zstd file that claims huge tensors is refused before it is decompressed.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 
 import torch
 
+from coatstate.formats import schema
 from coatstate.formats.schema import CheckpointError
 
 COMPILED_PREFIX = "_orig_mod."
@@ -129,3 +132,37 @@ def model_keys(ckpt, model: torch.nn.Module, where: str):
     ):
         return ckpt  # (check_model names the keys that differ)
     return dataclasses.replace(ckpt, model={by_plain[plain(k)]: t for k, t in saved.items()})
+
+
+def check_header_first(header: Mapping[str, Any], optimizer, model, names: Mapping[int, str], where: str):
+    """Refuse a checkpoint whose header (parameter counts, recorded shapes, model tensor shapes)
+    does not fit `optimizer` and `model`, before any tensor is read or decompressed. Parameters
+    pair by name where both sides name them all (as `by_name` loads them), else by position."""
+    ids = [pid for g in header["param_groups"] for pid in g["params"]]
+    flat = [p for g in optimizer.param_groups for p in g["params"]]
+    if len(ids) != len(flat):
+        raise CheckpointError(f"{where}: the file has {len(ids)} params; the optimizer has {len(flat)}")
+    recorded = {pid: header["params"][str(pid)] for pid in ids}
+    theirs = [plain(recorded[pid].get("name") or "") for pid in ids]
+    ours = [plain(names.get(i, "")) for i in range(len(flat))]
+    pairs = list(zip(ids, range(len(flat)), strict=True))
+    if all(theirs) and all(ours) and len(set(theirs)) == len(ids) and set(theirs) == set(ours):
+        index = {n: i for i, n in enumerate(ours)}
+        pairs = [(pid, index[n]) for pid, n in zip(ids, theirs, strict=True)]
+    for pid, i in pairs:
+        shape = recorded[pid].get("shape")
+        if shape is not None and list(shape) != list(flat[i].shape):
+            raise CheckpointError(
+                f"{where}: parameter {names.get(i) or f'#{i}'} has shape {list(flat[i].shape)} in the "
+                f"optimizer but {shape} in the checkpoint"
+            )
+    if model is None or header.get("model") is None:
+        return
+    current = {plain(k): list(t.shape) for k, t in model.state_dict().items()}
+    for name in header["model"]:
+        shape = header["tensors"][schema.model_key(name)]["shape"]
+        if plain(name) in current and current[plain(name)] != shape:
+            raise CheckpointError(
+                f"{where}: model tensor {name} has shape {current[plain(name)]} in the model but {shape} "
+                "in the checkpoint"
+            )
