@@ -65,7 +65,8 @@ def s3_bucket():
     old = fsspec.config.conf.get("s3")
     try:
         host, port = server.get_host_and_port()
-        opts = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": f"http://{host}:{port}"}}
+        endpoint = {"endpoint_url": f"http://{host}:{port}"}
+        opts = {"key": "testing", "secret": "testing", "client_kwargs": endpoint}
         fsspec.config.conf["s3"] = opts
         s3fs.S3FileSystem.clear_instance_cache()
         s3fs.S3FileSystem(**opts).mkdir("coatstate-defects")
@@ -262,3 +263,41 @@ def test_8_a_shape_whose_size_overflows_int64_is_a_checkpoint_error(tmp_path):
     path.write_bytes(_with_header(path.read_bytes(), lambda h: h["tensors"]["model/w"].update(shape=huge)))
     with pytest.raises(CheckpointError, match="model/w"):
         ck.read(str(path))
+
+
+# ------------------------------------------------------------- 6: group_size has a ceiling
+def test_6_group_size_is_capped_in_the_constructor_groups_and_files(tmp_path):
+    from coatstate.optim import CompressedAdamW
+
+    w = torch.nn.Parameter(torch.randn(64, 64))
+    with pytest.raises(ValueError, match="group_size"):
+        CompressedAdamW([w], group_size=2**40)
+    with pytest.raises(ValueError, match="group_size"):
+        CompressedAdamW([{"params": [w], "group_size": 2**40}])
+    CompressedAdamW([w], group_size=2**16)  # the ceiling itself is allowed
+    opt = CompressedAdamW([w], min_numel=1)
+    w.grad = torch.randn(64, 64)
+    opt.step()
+    path = tmp_path / "c.safetensors"
+    ck.save(opt, str(path))
+
+    def huge(h):
+        h["param_groups"][0]["group_size"] = 2**40
+        for m in h["params"]["0"]["compressed"].values():
+            m["group_size"] = 2**40
+        for part in ("scales", "exponents"):  # one group a row: the scales agree with it
+            for m in ("exp_avg", "exp_avg_sq"):
+                key = f"state/0/{m}_{part}"
+                if key in h["tensors"]:
+                    h["tensors"][key]["shape"] = [64, 1]
+
+    path.write_bytes(_with_header(path.read_bytes(), huge))
+    with pytest.raises(CheckpointError, match=r"group_size must be an integer from 1 to 65536"):
+        ck.read(str(path))
+
+
+def test_6_one_ceiling_for_the_library_and_the_cli():
+    from coatstate.cli.convert import MAX_GROUP_SIZE as CLI_MAX
+    from coatstate.formats.defaults import MAX_GROUP_SIZE
+
+    assert CLI_MAX == MAX_GROUP_SIZE == 2**16

@@ -231,8 +231,9 @@ def atomic_write(url: str, write: Callable[[BinaryIO], Any], total_hint: int = 0
 
     Local: temp file in the same directory, fsync, os.replace, fsync of the directory (POSIX
     rename is atomic). Other filesystems: write `<name>.tmp-<uuid>`, then copy it onto the final
-    name (move_literal: `url` is never a glob pattern): atomic on memory://; on object stores (s3, gcs) each object PUT/copy is atomic, so the
-    final key never holds a partial object. A crash leaves at most a stray temp object.
+    name (move_literal: `url` is never a glob pattern): atomic on memory://; on object stores
+    (s3, gcs) each object PUT/copy is atomic, so the final key never holds a partial object. A
+    crash leaves at most a stray temp object.
     """
     fs, path = url_to_fs(url)
     tmp_name = f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:12]}"

@@ -20,6 +20,7 @@ import torch
 from coatstate.checkpoint.layout import num_rows, rank_file_pattern, stem_of
 from coatstate.formats import schema
 from coatstate.formats.group import group_layout
+from coatstate.formats.defaults import MAX_GROUP_SIZE
 from coatstate.formats.optimizer_state import CODES, DEFAULT_GROUP_SIZE, EXPONENTS, MOMENTS, SCALES
 from coatstate.formats.schema import CheckpointError
 
@@ -183,10 +184,13 @@ def _check_params(params: dict, group_of: dict, group_sizes: list, fail) -> None
                 fail(f"params[{key}].compressed.{m}.format {f['format']!r} is not a format for {m}")
             if (
                 not _is_int(f.get("group_size"))
-                or f["group_size"] < 1
+                or not 1 <= f["group_size"] <= MAX_GROUP_SIZE
                 or not isinstance(f.get("expand"), bool)
             ):
-                fail(f"params[{key}].compressed.{m} needs a positive int group_size and a bool expand")
+                fail(
+                    f"params[{key}].compressed.{m} needs an int group_size from 1 to {MAX_GROUP_SIZE} "
+                    "and a bool expand"
+                )
             if f["format"] in _FP4_FORMATS and (f.get("expand") is not False or f["group_size"] % 2):
                 fail(
                     f"params[{key}].compressed.{m}: a 4-bit format needs expand false and an even group_size"
@@ -278,8 +282,9 @@ def _check_group_values(g: int, values: dict[str, Any], fail, adamw: bool) -> No
     for name in ("foreach", "fused"):
         if name in values and not isinstance(values[name], (bool, type(None))):
             fail(f"{where}.{name} must be true, false or null")
-    if "group_size" in values and not (_is_int(values["group_size"]) and values["group_size"] >= 1):
-        fail(f"{where}.group_size must be a positive integer; got {values['group_size']!r:.40}")
+    size = values.get("group_size", 1)
+    if not (_is_int(size) and 1 <= size <= MAX_GROUP_SIZE):
+        fail(f"{where}.group_size must be an integer from 1 to {MAX_GROUP_SIZE}; got {size!r:.40}")
     if "min_numel" in values and not (_is_int(values["min_numel"]) and values["min_numel"] >= 0):
         fail(f"{where}.min_numel must be a non-negative integer")
     for name in ("exp_avg_format", "exp_avg_sq_format"):

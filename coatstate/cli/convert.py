@@ -30,7 +30,7 @@ from coatstate.cli.common import (
 from coatstate.cli.locations import refuse_input_as_output
 
 MAX_GROUP_SIZE = 2**16
-"""A group lies within one row, so a larger group only pads rows; 65536 is wider than any model's."""
+"""formats.defaults.MAX_GROUP_SIZE (not imported: it brings torch, and --help must not)."""
 MAX_MIN_NUMEL = 2**63 - 1
 """A tensor's numel is an int64: any larger threshold means the same (nothing compressed)."""
 

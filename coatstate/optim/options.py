@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from coatstate.formats.defaults import MAX_GROUP_SIZE
 from coatstate.formats.master_weights import MASTER_BITS
 from coatstate.formats.optimizer_state import (
     MomentFormat,
@@ -50,6 +51,10 @@ def check_group(gi: int, group: dict[str, Any]) -> None:
         v, least = group[key], 1 if key == "group_size" else 0
         if isinstance(v, bool) or not isinstance(v, int) or v < least:
             raise ValueError(f"param group {gi}: {key} must be an int >= {least}; got {v!r:.40}")
+    if group["group_size"] > MAX_GROUP_SIZE:
+        raise ValueError(
+            f"param group {gi}: group_size must be at most {MAX_GROUP_SIZE}; got {group['group_size']!r:.40}"
+        )
     for key in ("exp_avg_format", "exp_avg_sq_format"):  # first: a bad format leaves expand "auto"
         try:
             parse_format(group[key])
@@ -124,8 +129,8 @@ def check_arguments(lr, betas, eps, weight_decay, unsupported_mode, group_size, 
             "CompressedAdamW does not support capturable=True or differentiable=True: its "
             "states are requantized in place each step; use torch.optim.AdamW for those modes"
         )
-    if not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"group_size must be a positive int; got {group_size!r}")
+    if isinstance(group_size, bool) or not (isinstance(group_size, int) and 0 < group_size <= MAX_GROUP_SIZE):
+        raise ValueError(f"group_size must be an int from 1 to {MAX_GROUP_SIZE}; got {group_size!r}")
     for name, value in zip(("exp_avg_format", "exp_avg_sq_format"), formats, strict=True):
         try:
             parse_format(value)
