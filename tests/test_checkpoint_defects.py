@@ -301,3 +301,54 @@ def test_6_one_ceiling_for_the_library_and_the_cli():
     from coatstate.formats.defaults import MAX_GROUP_SIZE
 
     assert CLI_MAX == MAX_GROUP_SIZE == 2**16
+
+
+# ----------------------------------------------------------- 7: tensor values are checked
+def _compressed_state() -> tuple[torch.nn.Module, dict]:
+    from coatstate.optim import CompressedAdamW
+
+    model = torch.nn.Linear(64, 64, bias=False)
+    opt = CompressedAdamW(model.parameters(), min_numel=1, exp_avg_expand=True, exp_avg_sq_expand=True)
+    model(torch.randn(2, 64)).sum().backward()
+    opt.step()
+    return model, opt.state_dict()
+
+
+def _nan_scale(state):
+    state["exp_avg_scales"][0, 0] = float("nan")
+
+
+def _zero_exponent(state):
+    state["exp_avg_sq_exponents"][0, 0] = 0
+
+
+_BAD_VALUES = {
+    "step -5": (lambda s: s.update(step=torch.tensor(-5.0)), "step is -5"),
+    "step nan": (lambda s: s.update(step=torch.tensor(float("nan"))), "step is nan"),
+    "nan scale": (_nan_scale, "exp_avg_scales holds NaN"),
+    "exponent 0": (_zero_exponent, "exp_avg_sq_exponents holds the code 0"),
+    "two-element step": (lambda s: s.update(step=torch.tensor([1.0, 2.0])), "one-element"),
+}
+
+
+@pytest.mark.parametrize(
+    "bad, container",
+    # (a two-element step never reaches a .safetensors file: save refuses its header)
+    [(b, c) for b in _BAD_VALUES for c in ("safetensors", "pt") if b != "two-element step" or c == "pt"],
+)
+def test_7_bad_values_are_refused_before_the_optimizer_changes(tmp_path, bad, container):
+    from coatstate.optim import CompressedAdamW
+
+    edit, problem = _BAD_VALUES[bad]
+    model, sd = _compressed_state()
+    edit(sd["state"][0])
+    url = str(tmp_path / f"bad.{container}")
+    if container == "pt":
+        torch.save(sd, url)
+    else:
+        ck.save(sd, url)
+    opt = CompressedAdamW(model.parameters(), min_numel=1)
+    before = opt.state_dict()
+    with pytest.raises(CheckpointError, match=problem):
+        ck.load(opt, url)
+    assert opt.state_dict() == before

@@ -26,6 +26,7 @@ from coatstate.checkpoint import (
     shards,
     storage,
     validate,
+    values,
 )
 from coatstate.checkpoint import names as param_names
 from coatstate.checkpoint.dcp import load_failure, read_dcp, weights_only_load
@@ -534,6 +535,7 @@ def load(
     saved_class = (ckpt.header.get("optimizer") or {}).get("class")
     validate.check_class(optimizer, saved_class, has_codes, compressed_optimizer, url)
     validate.check_optimizer(optimizer, ckpt, names, url)
+    values.check_values(sd, url)  # steps, scales, exponents: what the header cannot say
     if model is not None:
         validate.check_model(model, ckpt.model, url)
     try:

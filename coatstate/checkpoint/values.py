@@ -1,0 +1,67 @@
+"""Checks of the values a read checkpoint holds, before `load` changes anything.
+
+The header checks (validate.py) see dtypes and shapes only. A step of -5 or NaN, a NaN or
+negative scale, or an expansion exponent code of 0 (k = 0 divides by zero) passes them, loads,
+and then fails the first step or turns the weights NaN. These are cheap reductions over the
+small tensors (steps, scales, exponents); the codes and float moments are not read (a NaN code
+is how a non-finite moment is stored on purpose).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from coatstate import distributed as dtensors
+from coatstate.formats.group import MIN_EXPONENT_CODE
+from coatstate.formats.optimizer_state import EXPONENTS, MOMENTS, SCALES
+from coatstate.formats.schema import CheckpointError
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if dtensors.is_dtensor(t) else t
+
+
+def _check_step(step: Any, where: str) -> None:
+    if isinstance(step, torch.Tensor):
+        step = _local(step)
+        if step.numel() != 1 or step.is_complex() or step.dtype == torch.bool:
+            raise CheckpointError(
+                f"{where}.step must be a one-element number tensor; got {step.dtype} {list(step.shape)}"
+            )
+        value = float(step.reshape(-1)[0])
+    elif isinstance(step, (int, float)) and not isinstance(step, bool):
+        value = float(step)
+    else:
+        raise CheckpointError(f"{where}.step must be a number or a one-element tensor; got {step!r:.40}")
+    if not (math.isfinite(value) and value >= 0):
+        raise CheckpointError(f"{where}.step is {value}; a step count is finite and >= 0 (a corrupt file)")
+
+
+def check_values(sd: Mapping[str, Any], where: str) -> None:
+    """Steps finite and >= 0 (one element), scales finite and >= 0, exponent codes >= 1; else a
+    CheckpointError naming the parameter and the tensor."""
+    for pid, state in sd["state"].items():
+        at = f"{where}: state[{pid}]"
+        if "step" in state:
+            _check_step(state["step"], at)
+        for m in MOMENTS:
+            scales = state.get(m + SCALES)
+            if isinstance(scales, torch.Tensor) and scales.is_floating_point():
+                s = _local(scales)
+                if s.numel() and not bool((torch.isfinite(s) & (s >= 0)).all()):
+                    raise CheckpointError(
+                        f"{at}.{m}{SCALES} holds NaN, infinite or negative scales (a scale is the "
+                        "finite, non-negative size of its group): the file is corrupt"
+                    )
+            exponents = state.get(m + EXPONENTS)
+            if isinstance(exponents, torch.Tensor):
+                e = _local(exponents)
+                if e.numel() and int(e.min()) < MIN_EXPONENT_CODE:
+                    raise CheckpointError(
+                        f"{at}.{m}{EXPONENTS} holds the code {int(e.min())}; expansion codes are "
+                        f"{MIN_EXPONENT_CODE} to 255 (16 * k, k > 0): the file is corrupt"
+                    )
