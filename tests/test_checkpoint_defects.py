@@ -352,3 +352,25 @@ def test_7_bad_values_are_refused_before_the_optimizer_changes(tmp_path, bad, co
     with pytest.raises(CheckpointError, match=problem):
         ck.load(opt, url)
     assert opt.state_dict() == before
+
+
+# ------------------------------------------------------- 10: no half-loaded model on failure
+def _with_expanded_buffer(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 4)
+    model.register_buffer("b", torch.zeros(1).expand(4))  # one element seen four times
+    return model
+
+
+def test_10_a_model_that_cannot_take_the_load_is_refused_before_anything_loads(tmp_path):
+    url = str(tmp_path / "m.safetensors")
+    model = _with_expanded_buffer(0)
+    opt = torch.optim.AdamW(model.parameters())
+    ck.save(opt, url, model=model)
+    model2 = _with_expanded_buffer(1)
+    before = {k: v.clone() for k, v in model2.state_dict().items()}
+    opt2 = torch.optim.AdamW(model2.parameters())
+    with pytest.raises(CheckpointError, match=r"model tensor b is expanded.*nothing was loaded"):
+        ck.load(opt2, url, model=model2)
+    for k, v in model2.state_dict().items():
+        assert torch.equal(v, before[k]), f"{k} was loaded although the load failed"

@@ -538,6 +538,7 @@ def load(
     values.check_values(sd, url)  # steps, scales, exponents: what the header cannot say
     if model is not None:
         validate.check_model(model, ckpt.model, url)
+        values.check_model_writable(model, url)
     try:
         if has_codes and not compressed_optimizer:
             sd = to_adamw_state_dict(sd, header_shapes(ckpt.header))

@@ -65,3 +65,28 @@ def check_values(sd: Mapping[str, Any], where: str) -> None:
                         f"{at}.{m}{EXPONENTS} holds the code {int(e.min())}; expansion codes are "
                         f"{MIN_EXPONENT_CODE} to 255 (16 * k, k > 0): the file is corrupt"
                     )
+
+
+def _overlaps(t: torch.Tensor) -> bool:
+    """Whether two elements of `t` share memory (an expand()ed tensor: a stride of 0), which a
+    copy into it refuses. Dims by ascending stride: each must step past all the smaller ones."""
+    reach = 0
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape, strict=True) if sz > 1):
+        if stride <= reach:
+            return True
+        reach += (size - 1) * stride
+    return False
+
+
+def check_model_writable(model: torch.nn.Module, where: str) -> None:
+    """Refuse, before anything is loaded, a model whose load_state_dict would fail partway: a
+    tensor whose elements share memory (copy_ into it raises after the tensors before it were
+    copied, leaving the model half-loaded)."""
+    for name, t in model.state_dict(keep_vars=True).items():
+        if isinstance(t, torch.Tensor) and _overlaps(_local(t)):
+            raise CheckpointError(
+                f"{where}: model tensor {name} is expanded (its elements share memory, strides "
+                f"{list(_local(t).stride())}), so load_state_dict cannot copy into it; nothing was loaded. "
+                f"Give the module its own copy first (e.g. register_buffer({name.rsplit('.', 1)[-1]!r}, "
+                "tensor.clone())), or register it with persistent=False"
+            )
