@@ -374,3 +374,26 @@ def test_10_a_model_that_cannot_take_the_load_is_refused_before_anything_loads(t
         ck.load(opt2, url, model=model2)
     for k, v in model2.state_dict().items():
         assert torch.equal(v, before[k]), f"{k} was loaded although the load failed"
+
+
+# --------------------------------------------------- 12: inspect prints the file's strings safely
+def test_12_inspect_escapes_control_characters_from_the_header(tmp_path, capsys):
+    from coatstate.cli import main as cli
+
+    path = tmp_path / "n.safetensors"
+    fake = "w\nchecksums: all verified\n\x1b[8m"
+    ck.save(_state(1.0), str(path), param_names=[fake])
+    assert cli(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out
+    lines = [line for line in out.splitlines() if line.startswith("checksums:")]
+    assert lines == ["checksums: not verified (--verify reads and checks every tensor)"], out
+    assert "w\\nchecksums: all verified\\n\\x1b[8m" in out
+
+
+def test_12_every_header_field_has_its_type(tmp_path):
+    path = tmp_path / "v.safetensors"
+    ck.save(_state(1.0), str(path))
+    path.write_bytes(_with_header(path.read_bytes(), lambda h: h.update(library_version=["0.2", "\x1b[2J"])))
+    with pytest.raises(CheckpointError, match="library_version must be a string"):
+        ck.read_header(str(path))

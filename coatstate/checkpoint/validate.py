@@ -98,6 +98,10 @@ def validate_header(header: Any, where: str) -> dict[str, Any]:
             fail("optimizer must be {'class': str or null, 'variant': ...}")
         if opt.get("variant") not in (None, "compressed", "full"):
             fail(f"optimizer.variant must be 'compressed' or 'full'; got {opt.get('variant')!r:.40}")
+    if not isinstance(header.get("library_version"), (str, type(None))):
+        fail(f"library_version must be a string or null; got {header.get('library_version')!r:.40}")
+    if header.get("created_unix") is not None and not _is_num(header["created_unix"]):
+        fail(f"created_unix must be a number or null; got {header.get('created_unix')!r:.40}")
     if header.get("checksum", schema.CHECKSUM_ALGORITHM) != schema.CHECKSUM_ALGORITHM:
         fail(f"checksum must be {schema.CHECKSUM_ALGORITHM!r}")
     if header.get("compression") not in (None, "zstd"):

@@ -4,9 +4,11 @@ tensor checked against its checksum); also describes a torch .pt optimizer state
 from __future__ import annotations
 
 import argparse
+import builtins
 import json
 import math
 import os
+import unicodedata
 from typing import Any
 
 from coatstate.cli.common import PT_EXTENSIONS, checkpoint_error, extension, human_bytes, stored_bytes
@@ -160,7 +162,18 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def printable(text: str) -> str:
+    """`text` with control and format characters escaped (`\\n`, `\\x1b`, `\\u202e`): a header's
+    strings are the file's, and a name holding a newline and a terminal escape could print a
+    fake line (`checksums: all verified`) and hide the real one."""
+    shown = (c if c == " " or unicodedata.category(c)[0] not in "CZ" else ascii(c)[1:-1] for c in text)
+    return "".join(shown)
+
+
 def _print_summary(url: str, s: dict[str, Any], checksums: str, show_all: bool) -> None:
+    def print(line: str) -> None:  # every line of the report, whatever the file holds
+        builtins.print(printable(line))
+
     opt = s["optimizer"] or {}
     if s["format_version"] is None:
         print(f"{url}: torch.save optimizer state dict (read with weights_only=True)")
