@@ -397,3 +397,35 @@ def test_12_every_header_field_has_its_type(tmp_path):
     path.write_bytes(_with_header(path.read_bytes(), lambda h: h.update(library_version=["0.2", "\x1b[2J"])))
     with pytest.raises(CheckpointError, match="library_version must be a string"):
         ck.read_header(str(path))
+
+
+# ----------------------------------------------- 13: state dicts keyed by parameter name
+def _named_state_dict():
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    model, opt = _trained(lambda m: m.parameters())
+    sd = get_optimizer_state_dict(model, opt)
+    assert set(sd["state"]) == {"enc.weight", "enc.bias", "dec.weight", "dec.bias"}
+    return model, opt, sd
+
+
+def test_13_save_takes_a_state_dict_keyed_by_name(tmp_path):
+    url = str(tmp_path / "n.safetensors")
+    model, opt, sd = _named_state_dict()
+    ck.save(sd, url)
+    assert [ck.read_header(url)["params"][str(i)]["name"] for i in range(4)] == list(sd["state"])
+    model2 = _EncDec()
+    opt2 = torch.optim.AdamW(list(model2.named_parameters())[::-1], lr=1e-2)  # (matched by name)
+    ck.load(opt2, url)
+    want, got = _moments_by_name(model, opt), _moments_by_name(model2, opt2)
+    assert all(torch.equal(want[n], got[n]) for n in want)
+
+
+def test_13_convert_takes_a_pt_keyed_by_name(tmp_path, capsys):
+    from coatstate.cli import main as cli
+
+    _, _, sd = _named_state_dict()
+    torch.save(sd, tmp_path / "n.pt")
+    assert cli(["convert", str(tmp_path / "n.pt"), str(tmp_path / "n.safetensors"), "--min-numel", "1"]) == 0
+    header = ck.read_header(str(tmp_path / "n.safetensors"))
+    assert header["params"]["0"]["name"] == "enc.weight" and header["params"]["0"]["compressed"]

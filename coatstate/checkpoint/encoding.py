@@ -33,6 +33,27 @@ def to_cpu(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
+def numbered(sd: Mapping[str, Any]) -> tuple[dict[str, Any], dict[int, str]]:
+    """(`sd` with its parameters numbered 0.. in param-group order, {number: name}) for a state
+    dict keyed by parameter name, as torch.distributed.checkpoint.state_dict's
+    get_optimizer_state_dict returns it (`{"state": {"0.weight": ...}, "param_groups":
+    [{"params": ["0.weight", ...]}]}`); a state dict keyed by number is returned as it is."""
+    ids = [pid for g in sd["param_groups"] for pid in g["params"]]
+    if not any(isinstance(pid, str) for pid in ids):
+        return dict(sd), {}
+    index = {pid: i for i, pid in enumerate(ids)}
+    unknown = [k for k in sd["state"] if k not in index]
+    if len(index) != len(ids) or unknown:
+        raise ValueError(
+            f"a state dict keyed by parameter name must list each name in exactly one param group; "
+            f"state for {unknown[:3]} is listed in none" if unknown else "a name is listed twice"
+        )
+    state = {index[k]: v for k, v in sd["state"].items()}
+    groups = [dict(g, params=[index[p] for p in g["params"]]) for g in sd["param_groups"]]
+    names = {i: str(pid) for pid, i in index.items()}
+    return {**sd, "state": state, "param_groups": groups}, names
+
+
 def source(
     obj: Any, model: Any, param_names: Any
 ) -> tuple[dict, dict[int, list[int]], dict[int, str], str | None]:
@@ -53,7 +74,7 @@ def source(
                 pid += 1
         kind = type(obj).__name__
     elif isinstance(obj, Mapping) and "state" in obj and "param_groups" in obj:
-        sd, kind = dict(obj), None
+        (sd, names), kind = numbered(obj), None  # (keyed by name: the names are kept)
     else:
         raise TypeError(
             "save() takes a torch.optim.Optimizer or an optimizer state dict (a mapping with 'state' "
