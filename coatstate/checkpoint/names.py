@@ -140,8 +140,13 @@ def check_header_first(header: Mapping[str, Any], optimizer, model, names: Mappi
     pair by name where both sides name them all (as `by_name` loads them), else by position."""
     ids = [pid for g in header["param_groups"] for pid in g["params"]]
     flat = [p for g in optimizer.param_groups for p in g["params"]]
-    if len(ids) != len(flat):
-        raise CheckpointError(f"{where}: the file has {len(ids)} params; the optimizer has {len(flat)}")
+    theirs_counts = [len(g["params"]) for g in header["param_groups"]]
+    ours_counts = [len(g["params"]) for g in optimizer.param_groups]
+    if theirs_counts != ours_counts:  # (validate.check_optimizer's words)
+        raise CheckpointError(
+            f"{where}: the file has {len(theirs_counts)} param group(s) with {theirs_counts} params; the "
+            f"optimizer has {len(ours_counts)} with {ours_counts}"
+        )
     recorded = {pid: header["params"][str(pid)] for pid in ids}
     theirs = [plain(recorded[pid].get("name") or "") for pid in ids]
     ours = [plain(names.get(i, "")) for i in range(len(flat))]
@@ -152,9 +157,10 @@ def check_header_first(header: Mapping[str, Any], optimizer, model, names: Mappi
     for pid, i in pairs:
         shape = recorded[pid].get("shape")
         if shape is not None and list(shape) != list(flat[i].shape):
+            name = recorded[pid].get("name") or names.get(i) or f"#{i}"
             raise CheckpointError(
-                f"{where}: parameter {names.get(i) or f'#{i}'} has shape {list(flat[i].shape)} in the "
-                f"optimizer but {shape} in the checkpoint"
+                f"{where}: parameter {name} (index {i}) has shape {list(flat[i].shape)} in the optimizer "
+                f"but {shape} in the checkpoint"
             )
     if model is None or header.get("model") is None:
         return
