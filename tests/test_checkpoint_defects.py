@@ -5,8 +5,10 @@ Every test here failed before its fix: it names the defect it pins down.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import os
 import struct
 import tracemalloc
 import uuid
@@ -429,3 +431,48 @@ def test_13_convert_takes_a_pt_keyed_by_name(tmp_path, capsys):
     assert cli(["convert", str(tmp_path / "n.pt"), str(tmp_path / "n.safetensors"), "--min-numel", "1"]) == 0
     header = ck.read_header(str(tmp_path / "n.safetensors"))
     assert header["params"]["0"]["name"] == "enc.weight" and header["params"]["0"]["compressed"]
+
+
+# ------------------------------------------------------- 14 and 15: write errors name the path
+def _disk_full(monkeypatch):
+    from coatstate.checkpoint import storage
+
+    def fsync(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(storage.os, "fsync", fsync)
+
+
+def test_14_a_full_disk_names_the_checkpoint_and_what_to_do(tmp_path, monkeypatch):
+    url = str(tmp_path / "ck.safetensors")
+    _disk_full(monkeypatch)
+    with pytest.raises(OSError, match=r"cannot write .*ck\.safetensors: No space left.*free space") as e:
+        ck.save(_state(1.0), url)
+    assert e.value.errno == errno.ENOSPC and ".tmp-" not in str(e.value)
+    assert os.listdir(tmp_path) == []
+
+
+def test_14_the_cli_blames_dst_for_a_failed_write(tmp_path, monkeypatch, capsys):
+    from coatstate.cli import main as cli
+
+    torch.save(_state(1.0), tmp_path / "big.pt")
+    _disk_full(monkeypatch)
+    assert cli(["convert", str(tmp_path / "big.pt"), str(tmp_path / "out.safetensors")]) == 1
+    err = capsys.readouterr().err
+    assert f"cannot write {tmp_path / 'out.safetensors'}" in err and "big.pt" not in err, err
+
+
+def test_15_a_255_byte_name_saves_and_reads(tmp_path):
+    name = "é" * 60 + "x" * (255 - 120 - len(".safetensors")) + ".safetensors"
+    assert len(name.encode()) == 255
+    url = str(tmp_path / name)
+    ck.save(_state(1.0), url)
+    assert ck.read(url).optimizer["state"][0]["step"].item() == 1.0
+    assert os.listdir(tmp_path) == [name]
+
+
+def test_15_a_name_past_name_max_is_reported_by_its_own_name(tmp_path):
+    url = str(tmp_path / ("x" * 300 + ".safetensors"))
+    with pytest.raises(OSError, match=r"cannot write .*x{300}\.safetensors") as e:
+        ck.save(_state(1.0), url)
+    assert ".tmp-" not in str(e.value)

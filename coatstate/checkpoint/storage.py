@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import os
 import stat
@@ -18,6 +19,10 @@ from coatstate.formats.schema import CheckpointError
 TEST_PAUSE_ENV = "COATSTATE_TEST_PAUSE_MID_WRITE"
 """Test-only hook: when set to a path, every write pauses for 60 s after writing half of the
 temporary file, after creating that path (so a test can SIGKILL the writer at a known point)."""
+
+
+NAME_MAX = 255
+"""Bytes in one file name on Linux, macOS and Windows file systems."""
 
 
 class Location(str):
@@ -236,35 +241,62 @@ def atomic_write(url: str, write: Callable[[BinaryIO], Any], total_hint: int = 0
     crash leaves at most a stray temp object.
     """
     fs, path = url_to_fs(url)
-    tmp_name = f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:12]}"
-    tmp = sibling(fs, path, tmp_name)
+    tmp = sibling(fs, path, temp_name(os.path.basename(path)))
     hooked = (lambda f: _HalfwayHook(f, total_hint)) if os.environ.get(TEST_PAUSE_ENV) else (lambda f: f)
-    if is_local(fs):
-        directory = _existing_directory(path, url)
-        try:
-            with open(tmp, "wb") as f:
-                write(hooked(f))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        return
     try:
-        with fs.open(tmp, "wb") as f:
-            write(hooked(f))
-        move_literal(fs, tmp, path)
+        if is_local(fs):
+            _write_local(tmp, path, _existing_directory(path, url), lambda f: write(hooked(f)))
+            return
+        try:
+            with fs.open(tmp, "wb") as f:
+                write(hooked(f))
+            move_literal(fs, tmp, path)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                fs.rm_file(tmp)
+            raise
+    except OSError as e:
+        if e.errno is None:  # (ours, which names the path already)
+            raise
+        raise _naming(url, e) from e
+
+
+def _write_local(tmp: str, path: str, directory: str, write: Callable[[BinaryIO], Any]) -> None:
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
     except BaseException:
-        with contextlib.suppress(Exception):
-            fs.rm_file(tmp)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
         raise
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def temp_name(name: str) -> str:
+    """`.{name}.tmp-{random}`, with `name` cut short (at a UTF-8 character) where the whole would
+    pass NAME_MAX: a legal 255-byte file name must still be savable."""
+    suffix = f".tmp-{uuid.uuid4().hex[:12]}"
+    room = NAME_MAX - 1 - len(suffix)
+    encoded = name.encode("utf-8", "surrogateescape")
+    if len(encoded) > room:
+        name = encoded[:room].decode("utf-8", "ignore")
+    return f".{name}{suffix}"
+
+
+def _naming(url: str, e: OSError) -> OSError:
+    """`e` as an OSError of the same kind that names `url`, the user's path (the temp file it
+    was written through is ours), and on a full disk what to do."""
+    why = e.strerror or str(e)
+    if e.errno == errno.ENOSPC:
+        why += "; free space there or save elsewhere (the previous file at this path is untouched)"
+    return OSError(e.errno, f"cannot write {url}: {why}")
 
 
 def move_literal(fs: fsspec.AbstractFileSystem, src: str, dst: str) -> None:
