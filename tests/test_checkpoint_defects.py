@@ -476,3 +476,27 @@ def test_15_a_name_past_name_max_is_reported_by_its_own_name(tmp_path):
     with pytest.raises(OSError, match=r"cannot write .*x{300}\.safetensors") as e:
         ck.save(_state(1.0), url)
     assert ".tmp-" not in str(e.value)
+
+
+# -------------------------------------------------- snag (a): inspect of a truncated file
+def test_a_inspect_refuses_a_truncated_file_without_verify(tmp_path, capsys):
+    from coatstate.cli import main as cli
+
+    path = tmp_path / "t.safetensors"
+    ck.save(_state(1.0, shape=(64, 64)), str(path))
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    assert cli(["inspect", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert str(path) in err and "truncated" in err, err
+
+
+def test_a_inspect_refuses_a_truncated_shard(tmp_path, capsys):
+    from coatstate.cli import main as cli
+
+    url = str(tmp_path / "s.safetensors")
+    ck.save(_state(1.0, shape=(64, 64)), url, shard_size=20_000)
+    shard = tmp_path / ck.read_header(url)["shards"][0]["file"]
+    shard.write_bytes(shard.read_bytes()[:100])
+    assert cli(["inspect", url]) == 1
+    assert "truncated" in capsys.readouterr().err

@@ -92,6 +92,30 @@ def _first_step(url: str, header: dict[str, Any]) -> float | None:
     return None
 
 
+def check_sizes(url: str, header: dict[str, Any]) -> None:
+    """Without --verify too: every tensor's data offsets lie inside the file, and every shard or
+    rank file the root names has the size the root records (a truncated file is an error)."""
+    from coatstate.checkpoint import container, storage
+
+    _, start, st_header = container.read_head(url, url)
+    data_bytes = storage.file_size(url) - start
+    for key in st_header:
+        if key != "__metadata__":
+            container.tensor_span(st_header, key, data_bytes, url)
+    kinds = [("shard", s) for s in header.get("shards") or []]
+    kinds += [("rank file", f) for f in (header.get("per_rank") or {}).get("files", [])]
+    for what, part in kinds:
+        try:
+            size = storage.file_size(storage.sibling_inside(url, part["file"], what))
+        except FileNotFoundError:
+            raise checkpoint_error(f"{url}: {what} {part['file']} is missing") from None
+        if size != part["bytes"]:
+            raise checkpoint_error(
+                f"{url}: {what} {part['file']} is {size} bytes, the root records {part['bytes']}: truncated "
+                "or replaced"
+            )
+
+
 def summarize(header: dict[str, Any], *, file_bytes: int, step: float | None) -> dict[str, Any]:
     """What `inspect` reports, as a JSON-able dict."""
     from coatstate.formats import schema
@@ -254,6 +278,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             try:
                 if args.verify:
                     checkpoint.read(url, verify=True)
+                else:
+                    check_sizes(url, header)
                 s = summarize(header, file_bytes=stored_bytes(url, header), step=_first_step(url, header))
                 break
             except (shards.ShardMissing, FileNotFoundError):
