@@ -500,3 +500,68 @@ def test_a_inspect_refuses_a_truncated_shard(tmp_path, capsys):
     shard.write_bytes(shard.read_bytes()[:100])
     assert cli(["inspect", url]) == 1
     assert "truncated" in capsys.readouterr().err
+
+
+# ------------------------------------------------- snag (c): the run's other state, same file
+def _run_state(opt) -> dict:
+    import random
+
+    multi = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[3, 5])  # (a Counter: int keys)
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10)
+    return {
+        "step": 100,
+        "schedulers": [multi.state_dict(), cosine.state_dict()],
+        "plateau": torch.optim.lr_scheduler.ReduceLROnPlateau(opt).state_dict(),  # best=inf
+        "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+        "data": {"epoch": 2, "position": (7, 31), "files": ["a.bin", None], "loss": 2.5},
+        "ema": torch.randn(3, 4, dtype=torch.bfloat16),
+    }
+
+
+@pytest.mark.parametrize("compress", [None, "zstd"])
+def test_c_save_extra_round_trips_through_read_load_and_convert(tmp_path, compress):
+    url = str(tmp_path / "run.safetensors")
+    model, opt = _trained(lambda m: m.parameters())
+    extra = _run_state(opt)
+    ck.save(opt, url, model=model, extra=extra, compress=compress)
+    from coatstate.cli import main as cli
+
+    converted = str(tmp_path / "converted.safetensors")
+    assert cli(["convert", url, converted]) == 0
+    loaded = ck.load(torch.optim.AdamW(model.parameters()), url, model=model)
+    for got in (ck.read(url).extra, loaded.extra, ck.read(converted).extra):
+        assert got["step"] == 100 and got["data"] == extra["data"] and got["plateau"] == extra["plateau"]
+        assert got["rng"]["python"] == extra["rng"]["python"]
+        assert torch.equal(got["rng"]["torch"], extra["rng"]["torch"])
+        assert torch.equal(got["ema"], extra["ema"])
+        assert got["schedulers"][1] == extra["schedulers"][1]
+        assert got["schedulers"][0]["milestones"] == {3: 1, 5: 1}
+    resumed = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[1])
+    resumed.load_state_dict(got["schedulers"][0])
+    assert resumed.milestones == {3: 1, 5: 1}
+    torch.set_rng_state(got["rng"]["torch"])  # a uint8 tensor torch takes as it is
+
+
+def test_c_extra_never_takes_what_it_cannot_store(tmp_path):
+    with pytest.raises(TypeError, match=r"extra\.callback: cannot store a value of type function"):
+        ck.save(_state(1.0), str(tmp_path / "x.safetensors"), extra={"callback": lambda: 0})
+    assert not (tmp_path / "x.safetensors").exists()
+
+
+@pytest.mark.parametrize(
+    "edit, problem",
+    [
+        (lambda h: h["extra"].update(x={"$tensor": "state/0/step"}), "extra may name only extra/"),
+        (lambda h: h["extra"].update(x={"$tensor": "extra/9"}), "does not list"),
+        (lambda h: h["extra"].update(x={"$items": [[[1], 2]]}), r"\$items must hold"),
+        (lambda h: h.update(extra=[1]), "extra must be null or an object"),
+        (lambda h: h["extra"].pop("t"), "are listed but no"),
+    ],
+    ids=["a state tensor", "an unlisted tensor", "a list as a key", "a list", "an unnamed tensor"],
+)
+def test_c_a_hostile_extra_is_refused(tmp_path, edit, problem):
+    path = tmp_path / "e.safetensors"
+    ck.save(_state(1.0), str(path), extra={"t": torch.ones(2), "n": 1})
+    path.write_bytes(_with_header(path.read_bytes(), edit))
+    with pytest.raises(CheckpointError, match=problem):
+        ck.read(str(path))

@@ -28,6 +28,7 @@ from coatstate.checkpoint import (
     validate,
     values,
 )
+from coatstate.checkpoint import extra as run_state
 from coatstate.checkpoint import names as param_names
 from coatstate.checkpoint.dcp import load_failure, read_dcp, weights_only_load
 from coatstate.formats import schema
@@ -58,6 +59,8 @@ class Checkpoint:
             tensors on the CPU (DTensors of this rank's rows where `load` read only those).
         model (`dict[str, torch.Tensor]` or `None`): the model state dict saved with it.
         header (`dict`): the JSON header (docs/CHECKPOINT.md); `{}` for a .pt input.
+        extra (`dict` or `None`): the run's other state saved with `save(..., extra=)` (scheduler
+            state dicts, step, RNG states: plain values and tensors), else None.
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 64))
@@ -75,6 +78,7 @@ class Checkpoint:
     optimizer: dict[str, Any]
     model: dict[str, torch.Tensor] | None
     header: dict[str, Any]
+    extra: dict[str, Any] | None = None
 
     def __repr__(self) -> str:
         state = self.optimizer.get("state", {})
@@ -120,6 +124,7 @@ def save(
     param_names: Mapping[int, str] | list[str] | None = None,
     blocking: bool = True,
     distributed: str = "gathered",
+    extra: Mapping[str, Any] | None = None,
 ) -> background.SaveHandle | None:
     """Write an optimizer's state (and optionally its model's) to `url`, atomically.
 
@@ -149,6 +154,10 @@ def save(
             (FSDP2) states and rank 0 writes one file (every rank calls save; DDP: rank 0 only);
             `"per_rank"`: every rank writes its own rows to its own file and rank 0 the root at
             `url` (the commit point); loads at any world size; no zstd, no shard_size.
+        extra (`Mapping[str, Any]`, *optional*): the rest of the run's state, in the same file:
+            scheduler state dicts, the step, the data position, RNG states (`torch.get_rng_state()`);
+            values are None, bool, int, float, str, lists, tuples, dicts and tensors (stored as
+            tensors, never pickled). `read` and `load` return it as `Checkpoint.extra`.
 
     Returns:
         `SaveHandle` when `blocking=False` (`wait()`, `done()`), else `None`.
@@ -184,6 +193,11 @@ def save(
             f"shard_size={shard_size} does not apply to distributed='per_rank': a per-rank save writes one "
             "file per rank; drop shard_size, or save a single file (distributed='gathered') to shard it"
         )
+    if extra is not None and distributed == "per_rank":
+        raise ValueError(
+            "extra= is not available with distributed='per_rank' yet: save the run state with "
+            "distributed='gathered', or in a file of its own from rank 0"
+        )
     url = os.fspath(url)  # resolved by the rank that writes (_write, rank_commit._start)
     # every save waits for the one in flight (whose failure is raised here, before anything else):
     # two saves of one process never race for a file, nor for the per-rank pinned buffers
@@ -209,12 +223,12 @@ def save(
                 "coatstate.save(blocking=False) does not gather sharded (DTensor/FSDP2) states: save "
                 "them with distributed='per_rank' (every rank writes its rows in the background)"
             )
-        (sd, model_sd), ready = background.snapshot((sd, model_sd))
+        (sd, model_sd, extra), ready = background.snapshot((sd, model_sd, extra))
         return background.start(
-            url, lambda: _write(url, sd, shapes, names, kind, model_sd, compress, shard_size), ready
+            url, lambda: _write(url, sd, shapes, names, kind, model_sd, compress, shard_size, extra), ready
         )
     if not sharded:
-        _write(url, sd, shapes, names, kind, model_sd, compress, shard_size)
+        _write(url, sd, shapes, names, kind, model_sd, compress, shard_size, extra)
         return None
     # FSDP2/DTensor: gather every tensor (a collective), rank 0 writes, every rank learns how it went
     sd = dtensors.gather_state_dict(sd)
@@ -223,7 +237,7 @@ def save(
     error = None
     if dtensors.is_main_process():
         try:
-            _write(url, sd, shapes, names, kind, model_sd, compress, shard_size)
+            _write(url, sd, shapes, names, kind, model_sd, compress, shard_size, extra)
         except Exception as e:  # noqa: BLE001 - re-raised below, after the other ranks are told
             error = e
     failed = dtensors.broadcast_from_main(None if error is None else f"{type(error).__name__}: {error}")
@@ -234,10 +248,10 @@ def save(
     return None
 
 
-def _write(url, sd, shapes, names, kind, model_sd, compress, shard_size) -> None:
+def _write(url, sd, shapes, names, kind, model_sd, compress, shard_size, extra=None) -> None:
     url = storage.locate(url)  # resolved once: every function below takes the Location
     storage.check_directory(url)
-    tensors, header = encoding.flatten(sd, shapes, names, model_sd)
+    tensors, header = encoding.flatten(sd, shapes, names, model_sd, extra=extra)
     header["optimizer"]["class"] = kind
     validate.check_writable(header, url)
     stored = encoding.encode_zstd(tensors, header) if compress == "zstd" else tensors
@@ -318,13 +332,16 @@ def _assemble(
         model = None
         if header.get("model") is not None:
             model = {name: tensors[schema.model_key(name)] for name in header["model"]}
+        extra = run_state.decode(header.get("extra"), tensors)
     except CheckpointError as e:
         if str(e).startswith(url):
             raise
         raise CheckpointError(f"{url}: {e}") from None
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise CheckpointError(f"{url}: malformed header ({e!r})") from None
-    return Checkpoint(optimizer={"state": state, "param_groups": groups}, model=model, header=header)
+    return Checkpoint(
+        optimizer={"state": state, "param_groups": groups}, model=model, header=header, extra=extra
+    )
 
 
 def read(url: str | os.PathLike, *, verify: bool = True) -> Checkpoint:

@@ -16,6 +16,7 @@ import torch
 
 from coatstate import __version__
 from coatstate.checkpoint import container
+from coatstate.checkpoint import extra as run_state
 from coatstate.formats import schema
 from coatstate.formats.optimizer_state import CODES, EXPONENTS, FP4_NAMES, format_option, moment_of
 from coatstate.formats.schema import CheckpointError
@@ -121,10 +122,11 @@ def _moment_formats(state: Mapping[str, Any], group: Mapping[str, Any]) -> dict[
 
 
 def flatten(
-    sd: Mapping[str, Any], shapes, names, model_sd, *, prepare=to_cpu, checksums: bool = True
+    sd: Mapping[str, Any], shapes, names, model_sd, *, prepare=to_cpu, checksums: bool = True, extra=None
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(tensors by key, header). `prepare` maps each tensor (a per-rank save keeps DTensors as
-    they are); checksums=False leaves them out of the header (a per-rank save adds its own)."""
+    they are); checksums=False leaves them out of the header (a per-rank save adds its own);
+    `extra`: the run's other state (checkpoint/extra.py), in the header's `extra`."""
     tensors: dict[str, torch.Tensor] = {}
     groups, params = [], {}
     for g, group in enumerate(sd["param_groups"]):
@@ -172,6 +174,7 @@ def flatten(
                 raise TypeError(f"model state dict entry {name!r} is a {type(v).__name__}, not a tensor")
             tensors[schema.model_key(name)] = prepare(v)
             model_keys.append(name)
+    extra_header = run_state.flatten(extra, tensors, prepare) if extra is not None else None
     compressed = any(p.get("compressed") for p in params.values())
     header = {
         "format": schema.FORMAT_NAME,
@@ -190,6 +193,8 @@ def flatten(
             k: {"dtype": schema.dtype_name(t.dtype), "shape": list(t.shape)} for k, t in tensors.items()
         },
     }
+    if extra_header is not None:  # (absent otherwise: headers without it are as they were)
+        header["extra"] = extra_header
     if checksums:
         for key, digest in schema.tensor_checksums(tensors).items():
             header["tensors"][key]["checksum"] = digest

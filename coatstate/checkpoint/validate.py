@@ -17,10 +17,11 @@ from typing import Any
 
 import torch
 
+from coatstate.checkpoint import extra as run_state
 from coatstate.checkpoint.layout import num_rows, rank_file_pattern, stem_of
 from coatstate.formats import schema
-from coatstate.formats.group import group_layout
 from coatstate.formats.defaults import MAX_GROUP_SIZE
+from coatstate.formats.group import group_layout
 from coatstate.formats.optimizer_state import CODES, DEFAULT_GROUP_SIZE, EXPONENTS, MOMENTS, SCALES
 from coatstate.formats.schema import CheckpointError
 
@@ -73,6 +74,8 @@ def _plain(v: Any, where: str, fail) -> Any:
             return tuple(_plain(x, where, fail) for x in v["$tuple"])
         if "$float" in v:
             return float(v["$float"])
+        if "$items" in v:
+            return [(k, _plain(x, where, fail)) for k, x in v["$items"]]
         if "$tensor" in v:
             return _Ref(v["$tensor"])
         return {k: _plain(x, f"{where}.{k}", fail) for k, x in v.items()}
@@ -137,6 +140,8 @@ def validate_header(header: Any, where: str) -> dict[str, Any]:
             fail("model must be null or a list of distinct names")
         for name in model:
             ref(schema.model_key(name), schema.model_key(name), f"model entry {name!r:.80}")
+    if header.get("extra") is not None:
+        run_state.check(header["extra"], fail, ref)
     unreferenced = sorted(set(tensors) - set(referenced))
     if unreferenced:
         fail(f"tensors {unreferenced[:3]} are listed but no state, param group or model entry names them")

@@ -235,6 +235,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             model=model,
             compress="zstd" if args.zstd else None,
             param_names=names,
+            extra=ckpt.extra,  # (the run's other state goes with it)
         )
     else:
         if model is not None:
