@@ -565,3 +565,30 @@ def test_c_a_hostile_extra_is_refused(tmp_path, edit, problem):
     path.write_bytes(_with_header(path.read_bytes(), edit))
     with pytest.raises(CheckpointError, match=problem):
         ck.read(str(path))
+
+
+# ----------------------------------- snag (d): convert finds the optimizer in a training checkpoint
+def test_d_convert_finds_the_optimizer_inside_a_training_checkpoint(tmp_path, capsys):
+    from coatstate.cli import main as cli
+
+    model, opt = _trained(lambda m: m.parameters())
+    src = tmp_path / "train.pt"
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 2}, src)
+    dst = str(tmp_path / "c.safetensors")
+    assert cli(["convert", str(src), dst, "--min-numel", "1"]) == 0, capsys.readouterr().err
+    got = ck.read(dst)
+    assert got.header["params"]["0"]["compressed"] and set(got.model) == set(model.state_dict())
+
+
+def test_d_convert_takes_key_and_lists_the_keys_it_saw(tmp_path, capsys):
+    from coatstate.cli import main as cli
+
+    _, opt = _trained(lambda m: m.parameters())
+    src = tmp_path / "two.pt"
+    torch.save({"opt_g": opt.state_dict(), "opt_d": opt.state_dict(), "step": 2}, src)
+    assert cli(["convert", str(src), str(tmp_path / "a.safetensors")]) == 1
+    err = capsys.readouterr().err
+    assert "['opt_d', 'opt_g', 'step']" in err and "--key" in err, err
+    assert cli(["convert", str(src), str(tmp_path / "b.safetensors"), "--key", "opt_d"]) == 0
+    assert cli(["convert", str(src), str(tmp_path / "c.safetensors"), "--key", "nope"]) == 1
+    assert "has no entry 'nope'" in capsys.readouterr().err

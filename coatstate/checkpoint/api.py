@@ -30,7 +30,8 @@ from coatstate.checkpoint import (
 )
 from coatstate.checkpoint import extra as run_state
 from coatstate.checkpoint import names as param_names
-from coatstate.checkpoint.dcp import load_failure, read_dcp, weights_only_load
+from coatstate.checkpoint.dcp import read_dcp
+from coatstate.checkpoint.pt_files import PT_EXTENSIONS, read_pt
 from coatstate.formats import schema
 from coatstate.formats.optimizer_state import (
     MASTER_CORRECTION,
@@ -44,8 +45,6 @@ __all__ = ["Checkpoint", "CheckpointError", "load", "read", "read_header", "read
 
 DEFAULT_SHARD_SIZE = 5 * 2**30
 """Bytes above which a checkpoint is split into shards (as Hugging Face does for weights)."""
-PT_EXTENSIONS = (".pt", ".pth", ".bin")
-"""Read as torch.save files whatever their first bytes (others by their magic)."""
 READ_ATTEMPTS = 8
 """Roots re-read when a newer save removed a shard mid-read."""
 
@@ -283,21 +282,6 @@ def read_header(url: str | os.PathLike) -> dict[str, Any]:
     return container.coatstate_header(st_header, url)
 
 
-def _read_pt(data: bytes, where: str) -> Checkpoint:
-    ext = os.path.splitext(where)[1].lower()
-    why = f"because of its extension {ext}" if ext in PT_EXTENSIONS else "because it starts like a zip file"
-    try:
-        obj = weights_only_load(data)
-    except Exception as e:  # weights_only refuses anything that would need unpickling code
-        reason = load_failure(e)
-        if data[:2] != b"PK" and data[:1] != b"\x80":  # neither a zip nor a pickle's protocol opcode
-            reason = f"it is neither a zip archive (torch.save's format) nor a pickle ({reason})"
-        raise CheckpointError(
-            f"{where}: not a readable torch.save file (read as one {why}, with weights_only=True): {reason}"
-        ) from None
-    return Checkpoint(optimizer=validate.check_state_dict(obj, where), model=None, header={})
-
-
 def _read_dcp(path: str) -> Checkpoint:
     optimizer, model, names = read_dcp(path)
     validate.check_state_dict(optimizer, path)
@@ -344,7 +328,7 @@ def _assemble(
     )
 
 
-def read(url: str | os.PathLike, *, verify: bool = True) -> Checkpoint:
+def read(url: str | os.PathLike, *, verify: bool = True, key: str | None = None) -> Checkpoint:
     """Everything in a checkpoint, checksums verified; no optimizer needed.
 
     Also reads a torch.save'd optimizer state dict (.pt/.pth/.bin, or any file that starts as a
@@ -355,6 +339,9 @@ def read(url: str | os.PathLike, *, verify: bool = True) -> Checkpoint:
     Args:
         url (`str` or `os.PathLike`): a checkpoint file, a .pt file or a DCP directory.
         verify (`bool`, *optional*, defaults to `True`): check every tensor's checksum.
+        key (`str`, *optional*): in a torch.save'd dict, the entry holding the optimizer state
+            dict (found without it when exactly one entry is one, as in `{"model": ...,
+            "optimizer": ..., "step": ...}`; the model's comes with it from "model").
 
     Returns:
         `Checkpoint`: the optimizer state dict, the model state dict (or None) and the header.
@@ -376,7 +363,8 @@ def read(url: str | os.PathLike, *, verify: bool = True) -> Checkpoint:
         for _ in range(READ_ATTEMPTS):
             data = storage.read_bytes(url)
             if data[:4] == b"PK\x03\x04" or os.path.splitext(url)[1].lower() in PT_EXTENSIONS:
-                return _read_pt(data, url)
+                optimizer, model = read_pt(data, url, key)
+                return Checkpoint(optimizer=optimizer, model=model, header={})
             try:
                 return _read_safetensors(url, data, verify)
             except shards.ShardMissing:

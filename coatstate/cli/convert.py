@@ -95,6 +95,11 @@ def add_convert_parser(sub) -> None:
     )
     c.add_argument("--zstd", action="store_true", help="zstandard-compress the tensors")
     c.add_argument(
+        "--key",
+        help="in a .pt holding a dict ({'model': ..., 'optimizer': ..., 'step': ...}), the entry with the "
+        "optimizer state dict (default: the one entry that is one; the model comes from 'model')",
+    )
+    c.add_argument(
         "--master-bits",
         choices=("none", "16", "24", "32"),
         help="bfloat16 weights + master weights of this many bits from SRC's float32 model (32: exact), "
@@ -193,7 +198,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if not args.force and _exists(args.dst):
         raise UsageError(f"DST {args.dst} exists: convert replaces a file only when given --force")
     t0 = time.perf_counter()
-    ckpt = checkpoint.read(args.src)
+    ckpt = checkpoint.read(args.src, key=args.key)
     # again with the header that was read: a save may have replaced SRC in between
     refuse_input_as_output(args.src, args.dst, ckpt.header)
     sd = ckpt.optimizer
