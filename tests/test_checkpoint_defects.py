@@ -592,3 +592,30 @@ def test_d_convert_takes_key_and_lists_the_keys_it_saw(tmp_path, capsys):
     assert cli(["convert", str(src), str(tmp_path / "b.safetensors"), "--key", "opt_d"]) == 0
     assert cli(["convert", str(src), str(tmp_path / "c.safetensors"), "--key", "nope"]) == 1
     assert "has no entry 'nope'" in capsys.readouterr().err
+
+
+# ------------------------------------- 3 and 11: sharded roots (the per-rank/shard machinery)
+# Both live in checkpoint/shards.py and ownership.py, which the torch.distributed.checkpoint
+# redesign replaces; strict: these fail loudly once that branch fixes them, so the mark goes too.
+_DCP_BRANCH = pytest.mark.xfail(reason="fixed by the DCP redesign branch", strict=True)
+
+
+@_DCP_BRANCH
+def test_3_a_renamed_sharded_root_keeps_its_shards_after_the_next_save(tmp_path):
+    ckpt, best = tmp_path / "ck.safetensors", tmp_path / "best.safetensors"
+    ck.save(_state(1.0, shape=(64, 64)), str(ckpt), shard_size=20_000)
+    assert len(ck.read_header(str(ckpt))["shards"]) >= 2
+    os.rename(ckpt, best)
+    assert ck.read(str(best)).optimizer["state"][0]["step"].item() == 1.0
+    ck.save(_state(2.0, shape=(64, 64)), str(ckpt), shard_size=20_000)
+    assert ck.read(str(best)).optimizer["state"][0]["step"].item() == 1.0  # its shards are still there
+
+
+@_DCP_BRANCH
+def test_11_a_save_keeps_another_checkpoints_temp_file(tmp_path):
+    # the temp file of a save in flight to ck-20240101-00001-of-00001.safetensors, a name that looks
+    # like a shard of ck.safetensors
+    other = tmp_path / ".ck-20240101-00001-of-00001.safetensors.tmp-0123456789ab"
+    other.write_bytes(b"half of another checkpoint")
+    ck.save(_state(1.0), str(tmp_path / "ck.safetensors"))
+    assert other.exists(), "a save of ck.safetensors removed another save's temp file"
