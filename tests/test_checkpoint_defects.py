@@ -12,6 +12,7 @@ import os
 import struct
 import tracemalloc
 import uuid
+import warnings
 
 import fsspec
 import pytest
@@ -619,3 +620,32 @@ def test_11_a_save_keeps_another_checkpoints_temp_file(tmp_path):
     other.write_bytes(b"half of another checkpoint")
     ck.save(_state(1.0), str(tmp_path / "ck.safetensors"))
     assert other.exists(), "a save of ck.safetensors removed another save's temp file"
+
+
+# ------------------------------------------------------- 9: sparse and meta tensors in a .pt
+@pytest.mark.parametrize(
+    "make, problem",
+    [
+        (lambda: torch.eye(3).to_sparse(), "sparse_coo tensor"),
+        (lambda: torch.eye(3).to_sparse_csr(), "sparse_csr tensor"),
+        (lambda: torch.empty(3, 3, device="meta"), "meta tensor"),
+    ],
+    ids=["sparse", "csr", "meta"],
+)
+def test_9_sparse_and_meta_tensors_are_named_not_unexpected(tmp_path, capsys, make, problem):
+    from coatstate.cli import main as cli
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch's "sparse CSR support is in beta")
+        t = make()
+    sd = {"state": {0: {"step": torch.tensor(1.0), "exp_avg": t}}, "param_groups": [{"params": [0]}]}
+    pt = str(tmp_path / "s.pt")
+    torch.save(sd, pt)
+    for argv in (["inspect", pt], ["convert", pt, str(tmp_path / "s.safetensors")]):
+        assert cli(argv) == 1
+        err = capsys.readouterr().err
+        assert "unexpected" not in err and f"state[0].exp_avg is a {problem}" in err, err
+    with pytest.raises(TypeError, match=f"state\\[0\\].exp_avg is a {problem}"):
+        ck.save(sd, str(tmp_path / "direct.safetensors"))
+    with pytest.raises(CheckpointError, match=problem):
+        ck.load(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3, 3))]), pt)

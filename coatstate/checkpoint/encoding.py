@@ -27,6 +27,16 @@ MAX_ZSTD_RATIO = 2**17
 bytes, plus frame overhead): a claim beyond this bound is refused before anything is allocated."""
 
 
+def dense_problem(t: torch.Tensor) -> str | None:
+    """Why `t` has no bytes a checkpoint can store (a sparse or meta tensor), or None."""
+    if t.layout != torch.strided:
+        layout = str(t.layout).removeprefix("torch.")
+        return f"a {layout} tensor (a checkpoint stores dense ones: .to_dense() it)"
+    if t.is_meta:
+        return "a meta tensor, which has no data (materialize it, e.g. with to_empty(), and fill it)"
+    return None
+
+
 def to_cpu(t: torch.Tensor) -> torch.Tensor:
     t = t.detach()
     if t.device.type != "cpu":
@@ -127,13 +137,19 @@ def flatten(
     """(tensors by key, header). `prepare` maps each tensor (a per-rank save keeps DTensors as
     they are); checksums=False leaves them out of the header (a per-rank save adds its own);
     `extra`: the run's other state (checkpoint/extra.py), in the header's `extra`."""
+    def prepare_checked(t: torch.Tensor, where: str) -> torch.Tensor:
+        problem = dense_problem(t)
+        if problem:
+            raise TypeError(f"{where} is {problem}")
+        return prepare(t)
+
     tensors: dict[str, torch.Tensor] = {}
     groups, params = [], {}
     for g, group in enumerate(sd["param_groups"]):
         enc = {}
         for k, v in group.items():
             if isinstance(v, torch.Tensor):
-                tensors[schema.group_key(g, k)] = prepare(v)
+                tensors[schema.group_key(g, k)] = prepare_checked(v, f"param_groups[{g}].{k}")
                 enc[k] = {"$tensor": schema.group_key(g, k)}
             else:
                 enc[k] = schema.encode_value(v, f"param_groups[{g}].{k}")
@@ -148,7 +164,7 @@ def flatten(
         for name, v in pstate.items():
             if isinstance(v, torch.Tensor):
                 key = schema.state_key(pid, name)
-                tensors[key] = prepare(v)
+                tensors[key] = prepare_checked(v, f"state[{pid}].{name}")
                 entry[name] = {"$tensor": key}
             else:
                 entry[name] = schema.encode_value(v, f"state[{pid}].{name}")
@@ -172,9 +188,9 @@ def flatten(
         for name, v in model_sd.items():
             if not isinstance(v, torch.Tensor):
                 raise TypeError(f"model state dict entry {name!r} is a {type(v).__name__}, not a tensor")
-            tensors[schema.model_key(name)] = prepare(v)
+            tensors[schema.model_key(name)] = prepare_checked(v, f"model entry {name!r}")
             model_keys.append(name)
-    extra_header = run_state.flatten(extra, tensors, prepare) if extra is not None else None
+    extra_header = run_state.flatten(extra, tensors, prepare_checked) if extra is not None else None
     compressed = any(p.get("compressed") for p in params.values())
     header = {
         "format": schema.FORMAT_NAME,

@@ -18,7 +18,7 @@ from coatstate.formats import schema
 
 
 def flatten(extra: Mapping[str, Any], tensors: dict[str, torch.Tensor], prepare) -> dict[str, Any]:
-    """The header's `extra` for `extra`; its tensors go into `tensors` (through `prepare`)."""
+    """The header's `extra` for `extra`; its tensors go into `tensors` (`prepare(tensor, where)`)."""
     if not isinstance(extra, Mapping) or not all(isinstance(k, str) for k in extra):
         raise TypeError(
             f"extra must be a dict with str keys (e.g. {{'scheduler': sched.state_dict(), 'step': 100}}); "
@@ -31,7 +31,7 @@ def flatten(extra: Mapping[str, Any], tensors: dict[str, torch.Tensor], prepare)
         if isinstance(value, torch.Tensor):
             key = schema.extra_key(count[0])
             count[0] += 1
-            tensors[key] = prepare(value)
+            tensors[key] = prepare(value, where)
             return {"$tensor": key}
         if isinstance(value, tuple):
             return {"$tuple": [walk(v, f"{where}[{i}]") for i, v in enumerate(value)]}

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from coatstate.checkpoint import validate
+from coatstate.checkpoint import encoding, validate
 from coatstate.checkpoint.dcp import load_failure, weights_only_load
 from coatstate.formats.schema import CheckpointError
 
@@ -67,4 +67,13 @@ def read_pt(data: bytes, where: str, key: str | None = None) -> tuple[dict[str, 
             f"{where}: not a readable torch.save file (read as one {why}, with weights_only=True): {reason}"
         ) from None
     optimizer, model = entry(obj, where, key)
-    return validate.check_state_dict(optimizer, where), model
+    optimizer = validate.check_state_dict(optimizer, where)
+    tensors = [(f"state[{p}].{n}", v) for p, s in optimizer["state"].items() for n, v in s.items()]
+    groups = enumerate(optimizer["param_groups"])
+    tensors += [(f"param_groups[{g}].{k}", v) for g, group in groups for k, v in group.items()]
+    tensors += [(f"model entry {n!r}", v) for n, v in (model or {}).items()]
+    for what, t in tensors:
+        problem = isinstance(t, torch.Tensor) and encoding.dense_problem(t)
+        if problem:
+            raise CheckpointError(f"{where}: {what} is {problem}")
+    return optimizer, model
