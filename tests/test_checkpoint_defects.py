@@ -649,3 +649,20 @@ def test_9_sparse_and_meta_tensors_are_named_not_unexpected(tmp_path, capsys, ma
         ck.save(sd, str(tmp_path / "direct.safetensors"))
     with pytest.raises(CheckpointError, match=problem):
         ck.load(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3, 3))]), pt)
+
+
+# ------------------------------------------------------ 17: plan's bounds apply to configs
+@pytest.mark.parametrize("key, value", [("n_layer", 10**8), ("n_embd", 2**20), ("vocab_size", 2**30)])
+def test_17_a_config_gets_the_bounds_of_the_options(tmp_path, capsys, monkeypatch, key, value):
+    from coatstate import planner
+    from coatstate.cli import main as cli
+
+    def build(*args, **kwargs):
+        raise AssertionError("the model was built: the config's numbers were not bounded")
+
+    monkeypatch.setattr(planner, "resolve_model", build)
+    config = {"n_embd": 64, "n_layer": 2, "n_head": 2, "vocab_size": 100, "n_positions": 128, key: value}
+    (tmp_path / "huge.json").write_text(json.dumps(config))
+    assert cli(["plan", str(tmp_path / "huge.json")]) == 1
+    err = capsys.readouterr().err
+    assert f"{value:,} is outside what `plan` takes" in err, err

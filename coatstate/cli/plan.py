@@ -190,6 +190,24 @@ def read_config(path: str) -> dict:
     return cfg
 
 
+CONFIG_RANGES = {"layers": "layers", "hidden": "hidden", "heads": "heads", "kv_heads": "kv_heads",
+                 "ffn": "ffn", "vocab": "vocab", "max_seq": "seq"}  # fmt: skip
+"""Each field of a config's shape, and the option whose range bounds it."""
+
+
+def check_config_ranges(shape, path: str) -> None:
+    """A config's numbers within the ranges the options have: a config with n_layer 1e8 is
+    refused at once, as `--layers 100000000` is, not built and traced for minutes."""
+    for field, option in CONFIG_RANGES.items():
+        low, high = RANGES[option]
+        value = getattr(shape, field)
+        if not low <= value <= high:
+            raise ValueError(
+                f"{path}: {field} {value:,} is outside what `plan` takes ({low:,} to {high:,}, as "
+                f"--{option.replace('_', '-')})"
+            )
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from coatstate import planner
 
@@ -208,6 +226,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             shape = shape_from_config(cfg, loss_chunks=args.loss_chunks)
         except (KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"{model}: not a usable model config ({type(e).__name__}: {e})") from None
+        check_config_ranges(shape, model)
         model = spec_from_shape(shape, os.path.basename(model))
     shape = {
         k: getattr(args, k)
