@@ -666,3 +666,21 @@ def test_17_a_config_gets_the_bounds_of_the_options(tmp_path, capsys, monkeypatc
     assert cli(["plan", str(tmp_path / "huge.json")]) == 1
     err = capsys.readouterr().err
     assert f"{value:,} is outside what `plan` takes" in err, err
+
+
+# ------------------------------------------- 18: one rule for shard symlinks, read and inspect
+def test_18_inspect_refuses_a_shard_symlink_out_of_the_directory_as_read_does(tmp_path, capsys):
+    from coatstate.cli import main as cli
+
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    url = str(tmp_path / "ck" / "s.safetensors")
+    ck.save(_state(1.0, shape=(64, 64)), url, shard_size=20_000)
+    for shard in ck.read_header(url)["shards"]:
+        inside, outside = tmp_path / "ck" / shard["file"], tmp_path / "elsewhere" / shard["file"]
+        os.rename(inside, outside)
+        os.symlink(outside, inside)
+    with pytest.raises(CheckpointError, match="outside the checkpoint's directory"):
+        ck.read(url)
+    assert cli(["inspect", url]) == 1
+    assert "outside the checkpoint's directory" in capsys.readouterr().err

@@ -83,8 +83,8 @@ def _first_step(url: str, header: dict[str, Any]) -> float | None:
 
             return float(rank_read.read_tensor(url, header, key).reshape(-1)[0])
         for shard in header.get("shards") or []:
-            if key in shard["tensors"]:
-                file_url = storage.sibling_url(url, shard["file"])
+            if key in shard["tensors"]:  # (read()'s rule: no symlink out of the directory)
+                file_url = storage.sibling_inside(url, shard["file"], "shard")
         try:
             return _read_step(file_url, key, header["tensors"][key]["dtype"])
         except FileNotFoundError:
