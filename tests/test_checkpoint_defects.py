@@ -684,3 +684,24 @@ def test_18_inspect_refuses_a_shard_symlink_out_of_the_directory_as_read_does(tm
         ck.read(url)
     assert cli(["inspect", url]) == 1
     assert "outside the checkpoint's directory" in capsys.readouterr().err
+
+
+# ------------------------------------------------ 19: newlines in paths, '..' through nothing
+def test_19_a_newline_in_a_path_keeps_the_cli_error_on_one_line(tmp_path, capsys):
+    from coatstate.cli import main as cli
+
+    path = tmp_path / "bad\nname.safetensors"
+    path.write_bytes(b"not a checkpoint at all")
+    assert cli(["inspect", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "bad\\nname" in err, err
+
+
+def test_19_a_path_through_a_missing_directory_and_dotdot_makes_nothing(tmp_path):
+    url = str(tmp_path / "missing" / ".." / "x.safetensors")
+    with pytest.raises(FileNotFoundError, match=r"missing/\.\. does not exist.*without '\.\.'"):
+        ck.save(_state(1.0), url)
+    assert os.listdir(tmp_path) == []
+    (tmp_path / "there").mkdir()
+    ck.save(_state(1.0), str(tmp_path / "there" / ".." / "y.safetensors"))  # (there/.. exists)
+    assert sorted(os.listdir(tmp_path)) == ["there", "y.safetensors"]

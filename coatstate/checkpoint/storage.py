@@ -217,6 +217,13 @@ def check_directory(url: str) -> None:
     parent = os.path.dirname(path) if is_local(fs) else (path.rsplit("/", 1)[0] if "/" in path else "")
     if not parent or (is_local(fs) and os.path.isdir(parent)):
         return
+    if is_local(fs) and os.pardir in parent.split(os.sep):
+        # makedirs("missing/..") makes missing/ and the save then fails (the kernel resolves ".."
+        # after each directory exists, so that path names no directory that makedirs could make)
+        raise FileNotFoundError(
+            f"cannot save to {url}: directory {parent} does not exist (missing directories are made only "
+            "for paths without '..'; make it first, or give the path without '..')"
+        )
     try:
         fs.makedirs(parent, exist_ok=True)
     except FileExistsError:  # (a file where a directory should be)

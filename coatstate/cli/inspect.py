@@ -8,10 +8,16 @@ import builtins
 import json
 import math
 import os
-import unicodedata
 from typing import Any
 
-from coatstate.cli.common import PT_EXTENSIONS, checkpoint_error, extension, human_bytes, stored_bytes
+from coatstate.cli.common import (
+    PT_EXTENSIONS,
+    checkpoint_error,
+    extension,
+    human_bytes,
+    printable,
+    stored_bytes,
+)
 
 VERIFIED = "all verified"
 NOT_VERIFIED = "not verified (--verify reads and checks every tensor)"
@@ -184,14 +190,6 @@ def _plain(value: Any) -> Any:
     if isinstance(value, dict) and "$float" in value:
         return float(value["$float"])
     return value
-
-
-def printable(text: str) -> str:
-    """`text` with control and format characters escaped (`\\n`, `\\x1b`, `\\u202e`): a header's
-    strings are the file's, and a name holding a newline and a terminal escape could print a
-    fake line (`checksums: all verified`) and hide the real one."""
-    shown = (c if c == " " or unicodedata.category(c)[0] not in "CZ" else ascii(c)[1:-1] for c in text)
-    return "".join(shown)
 
 
 def _print_summary(url: str, s: dict[str, Any], checksums: str, show_all: bool) -> None:
