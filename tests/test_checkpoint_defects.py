@@ -705,3 +705,22 @@ def test_19_a_path_through_a_missing_directory_and_dotdot_makes_nothing(tmp_path
     (tmp_path / "there").mkdir()
     ck.save(_state(1.0), str(tmp_path / "there" / ".." / "y.safetensors"))  # (there/.. exists)
     assert sorted(os.listdir(tmp_path)) == ["there", "y.safetensors"]
+
+
+# ------------------------------------------- 16: what compress=False promises, and to whom
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_16_compress_false_is_torch_adamw_exactly_where_the_docstring_says(dtype):
+    from coatstate.optim import CompressedAdamW
+
+    assert "exactly as torch.optim.AdamW on float32 parameters" in " ".join(CompressedAdamW.__doc__.split())
+    p1 = torch.nn.Parameter(torch.randn(16, 16, dtype=dtype))
+    p2 = torch.nn.Parameter(p1.detach().clone())
+    ours = CompressedAdamW([p2], lr=1e-2, weight_decay=0.1, compress=False, master_bits=None)
+    theirs = torch.optim.AdamW([p1], lr=1e-2, weight_decay=0.1)
+    for _ in range(4):
+        g = torch.randn(16, 16, dtype=dtype)
+        p1.grad, p2.grad = g.clone(), g.clone()
+        theirs.step()
+        ours.step()
+    assert ours.state[p2]["exp_avg"].dtype == torch.float32  # (the docstring's "float32 moments")
+    assert torch.equal(p1, p2) == (dtype == torch.float32)
