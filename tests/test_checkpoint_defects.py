@@ -543,6 +543,15 @@ def test_c_save_extra_round_trips_through_read_load_and_convert(tmp_path, compre
     torch.set_rng_state(got["rng"]["torch"])  # a uint8 tensor torch takes as it is
 
 
+def test_c_inspect_names_the_extra_keys(tmp_path, capsys):
+    from coatstate.cli import main as cli
+
+    url = str(tmp_path / "e.safetensors")
+    ck.save(_state(1.0), url, extra={"step": 3, "rng": torch.get_rng_state()})
+    assert cli(["inspect", url]) == 0
+    assert "extra (the run's other state): rng, step" in capsys.readouterr().out
+
+
 def test_c_extra_never_takes_what_it_cannot_store(tmp_path):
     with pytest.raises(TypeError, match=r"extra\.callback: cannot store a value of type function"):
         ck.save(_state(1.0), str(tmp_path / "x.safetensors"), extra={"callback": lambda: 0})

@@ -176,6 +176,7 @@ def summarize(header: dict[str, Any], *, file_bytes: int, step: float | None) ->
         "compression": header.get("compression"),
         "shards": len(header.get("shards") or []) or None,
         "rank_files": len((header.get("per_rank") or {}).get("files", [])) or None,
+        "extra": sorted(header.get("extra") or {}) or None,  # save(..., extra=)'s keys
         "state_bytes_per_param": state_raw / elements if elements else None,
         "ratio_vs_fp32_adamw": state_raw / fp32_adamw if fp32_adamw else None,
     }
@@ -242,6 +243,8 @@ def _print_summary(url: str, s: dict[str, Any], checksums: str, show_all: bool) 
         f"({s['tensors']} tensors, compression {s['compression']}, "
         + (f"per rank: {s['rank_files']} files)" if s["rank_files"] else f"shards {s['shards'] or 1})")
     )
+    if s["extra"]:
+        print(f"extra (the run's other state): {', '.join(s['extra'])}")
     print(f"checksums: {checksums}")
 
 
