@@ -197,8 +197,8 @@ def _check_params(params: dict, group_of: dict, group_sizes: list, fail) -> None
                 or not isinstance(f.get("expand"), bool)
             ):
                 fail(
-                    f"params[{key}].compressed.{m} needs an int group_size from 1 to {MAX_GROUP_SIZE} "
-                    "and a bool expand"
+                    f"params[{key}].compressed.{m} needs a positive int group_size (at most "
+                    f"{MAX_GROUP_SIZE}) and a bool expand"
                 )
             if f["format"] in _FP4_FORMATS and (f.get("expand") is not False or f["group_size"] % 2):
                 fail(
