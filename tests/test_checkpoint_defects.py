@@ -733,3 +733,25 @@ def test_16_compress_false_is_torch_adamw_exactly_where_the_docstring_says(dtype
         ours.step()
     assert ours.state[p2]["exp_avg"].dtype == torch.float32  # (the docstring's "float32 moments")
     assert torch.equal(p1, p2) == (dtype == torch.float32)
+
+
+def test_2_a_value_nested_past_the_readers_depth_is_refused_before_writing(tmp_path):
+    url = tmp_path / "deep.safetensors"
+    deep: list = []
+    for _ in range(70):
+        deep = [deep]
+    sd = _state(1.0)
+    sd["param_groups"][0]["schedule"] = deep  # (the reader refuses JSON deeper than 64 levels)
+    with pytest.raises(CheckpointError, match="nested deeper than 64"):
+        ck.save(sd, str(url))
+    assert not url.exists()
+
+
+def test_2_a_header_past_the_readers_limit_is_refused_before_writing(tmp_path, monkeypatch):
+    from coatstate.formats import schema
+
+    monkeypatch.setattr(schema, "MAX_HEADER_BYTES", 4096)  # (a real one is 100 MiB of JSON)
+    url = tmp_path / "big.safetensors"
+    with pytest.raises(CheckpointError, match=r"big\.safetensors: .*header would be .* over safetensors"):
+        ck.save(_state(1.0), str(url), extra={"notes": "x" * 8192})
+    assert os.listdir(tmp_path) == []

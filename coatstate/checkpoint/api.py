@@ -254,7 +254,12 @@ def _write(url, sd, shapes, names, kind, model_sd, compress, shard_size, extra=N
     header["optimizer"]["class"] = kind
     validate.check_writable(header, url)
     stored = encoding.encode_zstd(tensors, header) if compress == "zstd" else tensors
-    previous = shards.write(url, stored, header, shard_size, encoding.metadata)
+    try:
+        previous = shards.write(url, stored, header, shard_size, encoding.metadata)
+    except CheckpointError as e:  # (the container's own checks do not know the file's name)
+        if str(e).startswith(url):
+            raise
+        raise CheckpointError(f"{url}: {e}") from None
     if previous is not None and rank_read.is_per_rank(previous):  # its rank files are orphans now
         rank_cleanup.after_commit(url, None, previous)
 

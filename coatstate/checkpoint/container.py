@@ -49,6 +49,11 @@ def safetensors_header(tensors: Mapping[str, torch.Tensor], metadata: Mapping[st
         offset += nbytes
     text = json.dumps(header, separators=(",", ":")).encode("utf-8")
     text += b" " * (-len(text) % 8)
+    if len(text) > schema.MAX_HEADER_BYTES:  # readers refuse it (parse_header): never write one
+        raise CheckpointError(
+            f"the checkpoint's header would be {len(text):,} bytes, over safetensors' limit of "
+            f"{schema.MAX_HEADER_BYTES:,}: save fewer or larger tensors (or keep long values out of extra=)"
+        )
     return struct.pack("<Q", len(text)) + text
 
 

@@ -159,6 +159,8 @@ def check_writable(header: dict[str, Any], where: str) -> None:
     unsummed = {k: {"checksum": "sha256:" + "0" * 64, **v} for k, v in header["tensors"].items()}
     probe = dict(header, tensors=unsummed)
     try:
+        if schema.json_depth(probe) > schema.MAX_JSON_DEPTH:  # (what loads_json refuses on read)
+            raise CheckpointError(f"{where}: a value is nested deeper than {schema.MAX_JSON_DEPTH} levels")
         validate_header(probe, where)
     except CheckpointError as e:
         problem = str(e).removeprefix(f"{where}: invalid header: ").removeprefix(f"{where}: ")
