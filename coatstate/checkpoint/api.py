@@ -208,7 +208,7 @@ def save(
             sd, shapes, names, model_sd, prepare=torch.Tensor.detach, checksums=False
         )
         header["optimizer"]["class"] = kind
-        validate.check_writable(header, url)
+        encoding.check_writable(header, url)
         return rank_commit.save(url, tensors, header, encoding.metadata, blocking)
     params = getattr(optimizer_or_state_dict, "param_groups", [])
     sharded = (
@@ -252,7 +252,7 @@ def _write(url, sd, shapes, names, kind, model_sd, compress, shard_size, extra=N
     storage.check_directory(url)
     tensors, header = encoding.flatten(sd, shapes, names, model_sd, extra=extra)
     header["optimizer"]["class"] = kind
-    validate.check_writable(header, url)
+    encoding.check_writable(header, url)
     stored = encoding.encode_zstd(tensors, header) if compress == "zstd" else tensors
     try:
         previous = shards.write(url, stored, header, shard_size, encoding.metadata)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from coatstate import __version__
-from coatstate.checkpoint import container
+from coatstate.checkpoint import container, validate
 from coatstate.checkpoint import extra as run_state
 from coatstate.formats import schema
 from coatstate.formats.optimizer_state import CODES, EXPONENTS, FP4_NAMES, format_option, moment_of
@@ -215,6 +215,25 @@ def flatten(
         for key, digest in schema.tensor_checksums(tensors).items():
             header["tensors"][key]["checksum"] = digest
     return tensors, header
+
+
+def check_writable(header: dict[str, Any], where: str) -> None:
+    """Refuse, before anything is written, a header that `validate_header` would refuse on read:
+    the writer checks exactly what the reader enforces, so no save succeeds into a file that no
+    reader opens. Checksums not computed yet (a per-rank save adds its own) stand in as zeros."""
+    unsummed = {k: {"checksum": "sha256:" + "0" * 64, **v} for k, v in header["tensors"].items()}
+    probe = dict(header, tensors=unsummed)
+    try:
+        if schema.json_depth(probe) > schema.MAX_JSON_DEPTH:  # (what loads_json refuses on read)
+            raise CheckpointError(f"{where}: a value is nested deeper than {schema.MAX_JSON_DEPTH} levels")
+        validate.validate_header(probe, where)
+    except CheckpointError as e:
+        problem = str(e).removeprefix(f"{where}: invalid header: ").removeprefix(f"{where}: ")
+        raise CheckpointError(
+            f"{where}: not saved: a reader would refuse this state ({problem}). Save the optimizer "
+            "itself rather than its state dict (the header then names its class, whose own values "
+            "are kept as they are), or fix the value named"
+        ) from None
 
 
 def encode_zstd(tensors: dict[str, torch.Tensor], header: dict[str, Any]) -> dict[str, torch.Tensor]:

@@ -152,25 +152,6 @@ def validate_header(header: Any, where: str) -> dict[str, Any]:
     return header
 
 
-def check_writable(header: dict[str, Any], where: str) -> None:
-    """Refuse, before anything is written, a header that `validate_header` would refuse on read:
-    the writer checks exactly what the reader enforces, so no save succeeds into a file that no
-    reader opens. Checksums not computed yet (a per-rank save adds its own) stand in as zeros."""
-    unsummed = {k: {"checksum": "sha256:" + "0" * 64, **v} for k, v in header["tensors"].items()}
-    probe = dict(header, tensors=unsummed)
-    try:
-        if schema.json_depth(probe) > schema.MAX_JSON_DEPTH:  # (what loads_json refuses on read)
-            raise CheckpointError(f"{where}: a value is nested deeper than {schema.MAX_JSON_DEPTH} levels")
-        validate_header(probe, where)
-    except CheckpointError as e:
-        problem = str(e).removeprefix(f"{where}: invalid header: ").removeprefix(f"{where}: ")
-        raise CheckpointError(
-            f"{where}: not saved: a reader would refuse this state ({problem}). Save the optimizer "
-            "itself rather than its state dict (the header then names its class, whose own values "
-            "are kept as they are), or fix the value named"
-        ) from None
-
-
 def _check_params(params: dict, group_of: dict, group_sizes: list, fail) -> None:
     """Each params entry: its group, name, shape and compressed moments' formats."""
     for key, info in params.items():
