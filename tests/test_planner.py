@@ -42,6 +42,7 @@ def _saved_bytes(model: nn.Module, batch: int, seq: int, vocab: int, compress: b
     return ctx.stats.activation_bytes_held
 
 
+@pytest.mark.slow
 def test_gpt2_medium_shape_predictions_within_5_percent():
     """GPT-2-medium blocks (d=1024, 16 heads) with 3 of its 24 layers and a vocabulary of 8192
     instead of 50304, to keep CI time down (CompressedAdamW's CPU step on the 51M-element
