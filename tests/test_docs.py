@@ -79,6 +79,7 @@ def _run_block(doc: str, line: int, code: str) -> None:
 )
 def test_python_block_runs(doc, line, code, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path))  # the quick start writes under ~
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the CPU path, on any machine
     _run_block(doc, line, code)
 
@@ -211,3 +212,24 @@ def test_architecture_names_every_module():
     assert not missing, f"docs/ARCHITECTURE.md's tree does not name {missing}: add a line for each"
     gone = sorted(p for p in tree if p.endswith(".py") and not (ROOT / p).exists())
     assert not gone, f"docs/ARCHITECTURE.md names modules that are not there: {gone}"
+
+
+def test_generated_tables_are_the_json_s():
+    """The tables between <!-- table:NAME --> markers of the README and docs pages are what
+    benchmarks/readme_tables.py makes of benchmarks/results/*.json today (rerun
+    `python benchmarks/report.py` after a new result), and the README holds no dated prose."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from readme_tables import DOCS_WITH_TABLES, marked_blocks, tables
+
+    generated = tables()
+    for page in DOCS_WITH_TABLES:
+        for name, block in marked_blocks((ROOT / page).read_text()).items():
+            assert block == generated[name] + "\n", f"{page}'s table {name} is stale: run benchmarks/report.py"
+    readme = (ROOT / "README.md").read_text()
+    assert set(marked_blocks(readme)) == {"accuracy-summary", "headline"}
+    prose = re.sub(r"<!-- table:([\w-]+) -->.*?<!-- /table:\1 -->", "", readme, flags=re.S)
+    assert not re.search(r"20\d\d-\d\d-\d\d", prose), "a date in the README's prose: it belongs in docs/"
+    assert "not understood" not in readme and "not re-run" not in readme
+    assert len(readme.splitlines()) <= 150 and len((ROOT / "CHANGELOG.md").read_text().splitlines()) <= 120
