@@ -226,7 +226,8 @@ def test_generated_tables_are_the_json_s():
     generated = tables()
     for page in DOCS_WITH_TABLES:
         for name, block in marked_blocks((ROOT / page).read_text()).items():
-            assert block == generated[name] + "\n", f"{page}'s table {name} is stale: run benchmarks/report.py"
+            stale = f"{page}'s table {name} is stale: run benchmarks/report.py"
+            assert block == generated[name] + "\n", stale
     readme = (ROOT / "README.md").read_text()
     assert set(marked_blocks(readme)) == {"accuracy-summary", "headline"}
     prose = re.sub(r"<!-- table:([\w-]+) -->.*?<!-- /table:\1 -->", "", readme, flags=re.S)

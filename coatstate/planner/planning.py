@@ -132,7 +132,8 @@ def resolve_model(
         if params and not (layers or hidden) and not any((heads, kv_heads, ffn, vocab)):
             shape, name = shape_for_params(arch, params, max_seq=max_seq, loss_chunks=loss_chunks)
             return spec_from_shape(
-                shape, f"{name}'s shape ({shape.layers} layers x {shape.hidden}), nearest to {params / 1e9:g}B"
+                shape,
+                f"{name}'s shape ({shape.layers} layers x {shape.hidden}), nearest to {params / 1e9:g}B",
             )
         if not (layers and hidden):
             missing = " and ".join(f"--{k}" for k, v in (("layers", layers), ("hidden", hidden)) if not v)
