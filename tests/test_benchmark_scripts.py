@@ -7,7 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # every test runs a script in a fresh interpreter (imports, compiles)
 
 
 def _run(*args: str) -> str:
