@@ -23,8 +23,11 @@ compressed); it stops at --max-batch or when the setup's share of --max-minutes 
 
 Each setup runs in a process of its own (an out-of-memory error or a compile cache must not
 decide the next setup's numbers), with a time limit from --max-minutes: the setups share it
-(bf16 half a share), a setup over its share is killed and keeps what it measured. JSON (the
-common `meta` header) goes to --out after every setup; a table is printed at the end.
+(half a share for bf16 and for a setup the planner says does not fit); a setup over its share
+is killed and keeps what it measured, and so does one running when this script gets SIGTERM.
+JSON (the common `meta` header) goes to --out after every setup; a table is printed at the end.
+Memory: "activations" is what a forward allocates and holds until backward, "peak" is
+torch.cuda.max_memory_allocated over the timed steps, both in GB of 1e9 bytes (the planner's).
 
     python benchmarks/one_gpu.py --models 13b --max-minutes 8 --setups coatstate,4bit
     python benchmarks/one_gpu.py --smoke        # CPU, 2 layers x 64: every setup, out-of-memory simulated
@@ -61,8 +64,14 @@ LEGEND = (
     "CompiledActivations + CompressedAdamW(master_bits=24);\n+ release: gradient_release=True; "
     "+ 4-bit: exp_avg e2m1, exp_avg_sq ue3m1_sqrt"
 )
-WEIGHT = {"bf16": 0.5, "coatstate": 1.0, "release": 1.0, "4bit": 1.0}
-"""Shares of the time budget: the baseline is eager and expected to stop at batch 1."""
+
+
+def weight(the_plan, setup: str) -> float:
+    """A setup's share of the time budget: half for one expected to stop at batch 1 (the eager
+    baseline, or any the planner says does not fit), which needs no batch search."""
+    return 0.5 if setup == "bf16" or the_plan.max_batch(variants()[setup]) == 0 else 1.0
+
+
 PAPER = {  # COAT (Xi et al. 2024) Table 7 and its text: one 80 GB GPU, context 2048
     "7b": "COAT Table 7, one 80 GB GPU, Llama-2-7B, seq 2048: BF16 and TE out of memory; COAT 79.3 GB "
     "peak (optimizer 13.1 GB, activations 8.1 GB), 5,906 tokens/s",
@@ -104,6 +113,14 @@ def predicted(the_plan, setup: str, batch: int) -> dict:
     return the_plan.breakdown(variants()[setup], batch, 1, "none")
 
 
+class Stopped(Exception):
+    """SIGTERM (e.g. from `timeout`): the running setup is killed and what was measured is written."""
+
+
+def _stop(signum, frame) -> None:
+    raise Stopped(f"signal {signum}")
+
+
 def run_child(setup: str, cfg: LlamaConfig, args, guess: int, budget_s: float, limit_s: float) -> dict:
     """One setup in its own process, killed (its whole process group: inductor's compile workers
     too) after limit_s; what it wrote to its part file before then is kept."""
@@ -132,14 +149,19 @@ def run_child(setup: str, cfg: LlamaConfig, args, guess: int, budget_s: float, l
             rc = proc.wait(timeout=limit_s)
             status = "ok" if rc == 0 else f"exit status {rc}"
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
             status = f"killed at its time limit of {limit_s:.0f} s"
+        except Stopped:  # recorded below, then raised again by run_model
+            status = "killed: this run was stopped (SIGTERM)"
+        finally:
+            if proc.poll() is None:  # its own session: a stopped parent must not leave it on the GPU
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
         try:
             res = json.loads(part.read_text())
         except (OSError, ValueError):
             res = {}
     res["status"] = status
+    res["stopped"] = status.startswith("killed: this run")
     res["wall_s"] = time.perf_counter() - t0
     res["budget_s"], res["limit_s"] = budget_s, limit_s
     return res
@@ -148,6 +170,7 @@ def run_child(setup: str, cfg: LlamaConfig, args, guess: int, budget_s: float, l
 def add_predictions(res: dict, the_plan, setup: str) -> None:
     """The planner's peak (and its parts) beside every measured batch, and its largest batch."""
     res["predicted_max_batch"] = the_plan.max_batch(variants()[setup])
+    res["predicted_batch1"] = predicted(the_plan, setup, 1)  # (also beside an out-of-memory error)
     for r in [res.get("batch1"), *(p for p in res.get("probes", []) if p.get("fits"))]:
         if r is None:
             continue
@@ -177,7 +200,7 @@ def run_model(name: str, args, t_end: float, doc: dict, write) -> None:
     while todo:
         setup = todo.pop(0)
         left = t_end - time.perf_counter()
-        share = left * WEIGHT[setup] / sum(WEIGHT[s] for s in [setup, *todo])
+        share = left * weight(the_plan, setup) / sum(weight(the_plan, s) for s in [setup, *todo])
         if share < args.min_setup_s:
             entry["setups"][setup] = {"status": f"skipped: {left:.0f} s of --max-minutes left"}
             print(f"{setup:10s} skipped: time budget spent", flush=True)
@@ -190,6 +213,8 @@ def run_model(name: str, args, t_end: float, doc: dict, write) -> None:
         if res["status"] != "ok":
             print(f"{setup:10s} {res['status']}", flush=True)
         write()
+        if res["stopped"]:
+            raise Stopped("SIGTERM")
 
 
 def _gb(b) -> str:
@@ -201,8 +226,16 @@ def _column(res: dict) -> list[str]:
     b1, big = res.get("batch1"), res.get("largest")
     if b1 is None:
         oom = res.get("oom")
-        why = f"OOM b1: {oom['phase']}" if oom else res.get("status", "no result")
-        return [why[:40]] + [""] * 10
+        why = "out of memory at batch 1" if oom else res.get("status", "no result")
+        plan = res.get("predicted_batch1", {}).get("peak")
+        return [
+            why[:30],
+            "",
+            "",
+            f"- ({_gb(plan)})",
+            "",
+            f"- (plan {res.get('predicted_max_batch', '-')})",
+        ] + [""] * 5
 
     def peak(r):
         plan = _gb(r["predicted"]["peak"])
@@ -227,7 +260,7 @@ def _column(res: dict) -> list[str]:
         peak(big),
         speed(big),
         "yes" if b1["finite"] and big["finite"] else "NO",
-        res.get("status", ""),
+        res.get("status", "")[:30],
     ]
 
 
@@ -258,6 +291,14 @@ def table(entry: dict, memory: dict | None) -> str:
     lines.append(
         "GB = 1e9 bytes of allocated memory (torch.cuda.max_memory_allocated); planner = coatstate.planner"
     )
+    for n in names:  # in full, what the columns cut short
+        res = entry["setups"][n]
+        oom = res.get("oom")
+        if oom:
+            held = f", {oom['allocated_bytes'] / GB:.1f} GB allocated" if "allocated_bytes" in oom else ""
+            lines.append(f"{LABELS[n]}: out of memory at batch {oom['batch']} in {oom['phase']}{held}")
+        if res.get("status", "ok") != "ok":
+            lines.append(f"{LABELS[n]}: {res['status']}")
     if entry.get("paper"):
         lines.append(entry["paper"])
     return "\n".join(lines)
@@ -314,8 +355,13 @@ def main(argv=None) -> dict:
             doc["meta"].update(machine=memory["gpu"], memory_cap=memory)
         out.write_text(json.dumps(doc, indent=1, default=str) + "\n")
 
-    for name in args.models:
-        run_model(name, args, t_end, doc, write)
+    signal.signal(signal.SIGTERM, _stop)
+    try:
+        for name in args.models:
+            run_model(name, args, t_end, doc, write)
+            write()
+    except Stopped:
+        doc["meta"]["stopped"] = "SIGTERM before the end: the setups not listed did not run"
         write()
     for name, entry in doc["models"].items():
         c = entry["config"]
