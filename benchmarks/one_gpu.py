@@ -203,6 +203,7 @@ def run_model(name: str, args, t_end: float, doc: dict, write) -> None:
         share = left * weight(the_plan, setup) / sum(weight(the_plan, s) for s in [setup, *todo])
         if share < args.min_setup_s:
             entry["setups"][setup] = {"status": f"skipped: {left:.0f} s of --max-minutes left"}
+            add_predictions(entry["setups"][setup], the_plan, setup)
             print(f"{setup:10s} skipped: time budget spent", flush=True)
             continue
         guess = max(2, the_plan.max_batch(variants()[setup]))
@@ -291,6 +292,14 @@ def table(entry: dict, memory: dict | None) -> str:
     lines.append(
         "GB = 1e9 bytes of allocated memory (torch.cuda.max_memory_allocated); planner = coatstate.planner"
     )
+    for n in names:  # the cap is the allocator's to keep: say so if it did not
+        cap = (memory or {}).get("cap_bytes")
+        runs = [entry["setups"][n].get("batch1"), *entry["setups"][n].get("probes", [])]
+        over = [r["peak_reserved_bytes"] for r in runs if r and cap and r.get("peak_reserved_bytes", 0) > cap]
+        if over:
+            lines.append(
+                f"WARNING {LABELS[n]}: reserved {max(over) / GB:.2f} GB, above the {cap / GB:.0f} GB cap"
+            )
     for n in names:  # in full, what the columns cut short
         res = entry["setups"][n]
         oom = res.get("oom")

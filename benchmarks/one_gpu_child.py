@@ -47,8 +47,13 @@ FOUR_BIT = dict(exp_avg_format="e2m1", exp_avg_sq_format="ue3m1_sqrt")
 OPT = dict(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
 
 
-def is_oom(e: BaseException) -> bool:  # cuBLAS failing to get its workspace is an OOM too
-    return isinstance(e, torch.cuda.OutOfMemoryError) or "ALLOC_FAILED" in str(e)
+def is_oom(e: BaseException) -> bool:
+    """cuBLAS failing to get its workspace is an OOM too, and so is an OOM that dynamo or inductor
+    wraps in its own error while compiling a new batch size."""
+    text = str(e)
+    return (
+        isinstance(e, torch.cuda.OutOfMemoryError) or "ALLOC_FAILED" in text or "CUDA out of memory" in text
+    )
 
 
 def free_memory(cuda: bool) -> None:

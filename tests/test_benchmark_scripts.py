@@ -316,6 +316,10 @@ def test_one_gpu_smoke_runs_every_setup_and_its_out_of_memory_recovery(tmp_path)
     assert states["release"]["moment_bytes"] == states["coatstate"]["moment_bytes"]
     assert states["4bit"]["moment_bytes"] < states["release"]["moment_bytes"]
     assert "peak GB b1 (planner, error)" in stdout and "wrote" in stdout
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from report_one_gpu import section_one_gpu  # docs/benchmarks.md's section reads the same JSON
+
+    assert section_one_gpu(data, out).count("\n| ") == 2 + 4  # header, rule, a row per setup
 
 
 def test_one_gpu_records_the_phase_of_an_out_of_memory_error_at_batch_1(tmp_path):
