@@ -318,7 +318,7 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--models", default="7b", help="comma-separated, of 7b, 13b")
     p.add_argument("--setups", default=",".join(SETUPS), help=f"comma-separated, of {list(SETUPS)}")
     p.add_argument("--max-minutes", type=float, default=8.0, help="for all models and setups of this run")
-    p.add_argument("--min-setup-s", type=float, default=40.0, help="skip a setup with less time than this")
+    p.add_argument("--min-setup-s", type=float, default=30.0, help="skip a setup with less time than this")
     p.add_argument(
         "--cap-gb", type=float, default=80.0, help="memory cap (1e9 bytes) on larger GPUs; 0: none"
     )
