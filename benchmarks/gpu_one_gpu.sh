@@ -12,6 +12,7 @@
 # planner says fits (4-bit moments) first, so that it gets the compile and the batch search; the
 # others (bf16, and the 8-bit recipes the planner puts over 80 GB) say where they run out.
 set -u
+cd "$(dirname "$0")/.."  # the repository root: the install and the paths below are relative to it
 WHICH=${1:-all}
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
