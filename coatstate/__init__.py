@@ -10,8 +10,6 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from coatstate._moved import install_moved_module_finder
-
 __version__ = "0.2.0"
 
 _EXPORTS = {
@@ -31,21 +29,6 @@ _EXPORTS = {
     "CheckpointError": "coatstate.checkpoint",
     "FP8Format": "coatstate.formats",
 }
-# names this namespace exported before 0.2, and where they live now
-_MOVED = {
-    "Granularity": "coatstate.activations",
-    "OpKind": "coatstate.activations",
-    "read_header": "coatstate.checkpoint",
-    "read_state_dict": "coatstate.checkpoint",
-    "GroupQuantized": "coatstate.formats",
-    "quantize": "coatstate.formats",
-    "dequantize": "coatstate.formats",
-    "compress_adamw_state_dict": "coatstate.optim",
-    "to_adamw_state_dict": "coatstate.optim",
-    "optimizer_state_bytes": "coatstate.optim",
-    "fp8_fallbacks": "coatstate.nn",
-}
-
 _SUBPACKAGES = frozenset({"optim", "activations", "nn", "checkpoint", "planner", "formats", "kernels", "cli"})
 
 __all__ = [
@@ -67,9 +50,6 @@ __all__ = [
     "save",
 ]
 
-install_moved_module_finder()
-
-
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
@@ -77,15 +57,13 @@ def __getattr__(name: str) -> Any:
         return value
     if name in _SUBPACKAGES:
         return importlib.import_module(f"coatstate.{name}")
-    if name in _MOVED:
-        raise AttributeError(
-            f"coatstate.{name} moved in 0.2: use `from {_MOVED[name]} import {name}` (CHANGELOG.md)"
-        )
     raise AttributeError(f"module 'coatstate' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+    # the public names and subpackages, not this module's own imports (importlib, Any)
+    dunders = {n for n in globals() if n.startswith("__") and n.endswith("__")}
+    return sorted(set(__all__) | _SUBPACKAGES | dunders)
 
 
 if TYPE_CHECKING:

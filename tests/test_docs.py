@@ -25,7 +25,6 @@ from coatstate.formats import schema
 
 import coatstate
 import coatstate.checkpoint
-from coatstate._moved import MOVED_MODULES
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -140,23 +139,12 @@ def test_every_coatstate_name_in_the_docs_resolves(name):
         raise AssertionError(f"{name}, mentioned in {where}, does not resolve: {e}") from e
 
 
-@pytest.mark.parametrize("name", sorted(coatstate._MOVED))
-def test_a_name_moved_in_0_2_says_where_it_went_and_is_there(name):
-    moved = rf"coatstate\.{name} moved in 0\.2: use `from (\S+) import {name}`"
-    with pytest.raises(AttributeError, match=moved) as e:
-        getattr(coatstate, name)
-    home = re.search(r"`from (\S+) import", str(e.value)).group(1)
-    assert hasattr(importlib.import_module(home), name), f"{home} has no {name}; the error sends users there"
-
-
-@pytest.mark.parametrize("old", sorted(MOVED_MODULES))
-def test_a_module_moved_in_0_2_says_where_it_went_and_that_imports(old):
-    with pytest.raises(ImportError, match=rf"{re.escape(old)} moved in coatstate 0\.2: import from") as e:
-        importlib.import_module(old)
-    homes = re.findall(r"coatstate(?:\.\w+)+", str(e.value).split("import from", 1)[1])
-    assert homes, str(e.value)
-    for home in homes:
-        importlib.import_module(home)
+def test_dir_shows_the_public_names_subpackages_and_dunders_only():
+    listed = set(dir(coatstate))
+    public = set(coatstate.__all__) | set(coatstate._SUBPACKAGES)
+    assert public <= listed
+    extra = {n for n in listed - public if not (n.startswith("__") and n.endswith("__"))}
+    assert not extra, f"dir(coatstate) lists non-public names: {sorted(extra)}"
 
 
 PUBLIC_DOCSTRINGS = {  # name -> the sections its help() must show
