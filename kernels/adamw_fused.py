@@ -45,7 +45,7 @@ a 4-bit second moment), the local tensor's first element in its global tensor (m
 ROUNDING_STREAM = tl.constexpr(_ROUNDING_STREAM)
 # The launch: small programs (one warp over two groups) with registers capped so that more warps
 # stay resident per SM and hide the step's memory latency. The fastest or tied launch for every
-# moment format in whole_state_step.py's sweep on the H200 (docs/benchmarks.md); benchmarks set
+# moment format in whole_state_step.py's sweep on the GPU (docs/benchmarks.md); benchmarks set
 # others to compare.
 GROUPS_PER_PROGRAM = 2
 NUM_WARPS = 1
@@ -53,7 +53,7 @@ MAX_REGISTERS = 64
 """registers a thread may use (Triton's maxnreg; None: ptxas decides)"""
 INTERPRETER_GROUPS_PER_PROGRAM: int | None = 128
 """groups per program under Triton's CPU interpreter (tests), where each program costs host time,
-so one program covers most test tensors (CHANGELOG has the timings); None launches
+so one program covers most test tensors; None launches
 GROUPS_PER_PROGRAM there too (the tests of the default launch)"""
 
 
@@ -180,7 +180,7 @@ def _count_nonfinite(m, v, row_ptr, nonfinite_ptr, t, SUM_FIRST: tl.constexpr):
     to count (a sum with a NaN or an Inf term is NaN or Inf, whatever the signs; a finite sum that
     overflows only sends the program to a count that finds nothing). That skips a compare and a
     select an element for FP8 moments; where a moment is 4-bit it costs registers, so the launch
-    does not take it there (CHANGELOG has the counts)."""
+    does not take it there."""
     s = m + v
     if SUM_FIRST:
         total = tl.sum(tl.sum(s, axis=1), axis=0)

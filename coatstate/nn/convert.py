@@ -14,8 +14,8 @@ from coatstate.nn.module import FP8Linear
 logger = logging.getLogger("coatstate")
 
 DEFAULT_MIN_FEATURES = 1536
-"""convert_to_fp8 keeps narrower layers: on an H200 (benchmarks/results/fp8_width.json) FP8Linear
-was slower at every width below this and first faster at it"""
+"""convert_to_fp8 keeps narrower layers: the width at which FP8Linear first ran faster than
+nn.Linear on the GPU (benchmarks/fp8_width.py; docs/performance.md has the sweep)"""
 
 
 def convert_to_fp8(
@@ -40,9 +40,7 @@ def convert_to_fp8(
         config (`FP8LinearConfig`, *optional*): how the converted layers compute.
         min_features (`int`, *optional*, defaults to 1536): keep layers with fewer in or out
             features than this as nn.Linear (one log line lists them): FP8's casts cost more than
-            its faster GEMM on narrow layers. On an H200 a compiled transformer MLP ran 0.78-0.94x
-            as fast with FP8 below width 1536 and 1.12x at it (`benchmarks/fp8_width.py`; at 2048
-            it measured 0.85x, while the 1B Llama at width 2048 trained faster with FP8). None
+            its faster GEMM on narrow layers (docs/performance.md has the measured sweep). None
             converts every width, e.g. for FP8's memory on a narrow model.
 
     Returns:
