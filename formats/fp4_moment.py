@@ -26,7 +26,7 @@ import enum
 import torch
 
 from .fp4 import CODEBOOKS, decode_levels, encode_groups, pack, unpack
-from .master_weights import hash32
+from .rounding_hash import hash32
 
 
 class FP4Format(str, enum.Enum):
@@ -71,7 +71,7 @@ def _groups(x2d: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 ROUNDING_STREAM = 0x2545F491
-"""master_weights.hash32's stream of the second moment's stochastic rounding (master rounding
+"""rounding_hash.hash32's stream of the second moment's stochastic rounding (master rounding
 uses stream 0 of the same seed and step)."""
 
 

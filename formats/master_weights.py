@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from .rounding_hash import hash32
+
 MASTER_BITS = (16, 24, 32)
 """The master-weight modes (None: the parameter is its own master)."""
 CORRECTION_DTYPES = {32: torch.int16, 24: torch.int8}
@@ -98,26 +100,9 @@ def join24(w: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return w.float() + c.float() * correction_scale(w)
 
 
-def hash32(seed: int, step: int, offsets: torch.Tensor, stream: int = 0) -> torch.Tensor:
-    """32 random bits (int64) per element offset: a murmur3-style hash of (seed, step, offset),
-    spelled out in 32-bit wrapping arithmetic so that the kernel gets the same bits. `stream`
-    keeps two uses of one (seed, step) independent (master rounding: 0)."""
-    key = (seed * 0x9E3779B1 + step * 0x632BE5AB + stream) & _MASK32
-    key = _mix32(torch.tensor(key, dtype=torch.int64))
-    return _mix32(((offsets.to(torch.int64) * 0x85EBCA77) & _MASK32) ^ key)
-
-
 def random_bits(seed: int, step: int, offsets: torch.Tensor) -> torch.Tensor:
     """16 random bits (int64) per element offset, for master_bits=16's rounding."""
     return hash32(seed, step, offsets) & 0xFFFF
-
-
-def _mix32(h: torch.Tensor) -> torch.Tensor:
-    h = h ^ (h >> 16)
-    h = (h * 0x85EBCA6B) & _MASK32
-    h = h ^ (h >> 13)
-    h = (h * 0xC2B2AE35) & _MASK32
-    return h ^ (h >> 16)
 
 
 def stochastic_round_bf16(x: torch.Tensor, seed: int, step: int, first_element: int = 0) -> torch.Tensor:

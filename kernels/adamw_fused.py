@@ -238,7 +238,7 @@ def _to_bf16(p):
 
 @triton.jit
 def _mix32(h):
-    """murmur3's finalizer on uint32 (wrapping), as formats.master_weights._mix32."""
+    """murmur3's finalizer on uint32 (wrapping), as formats.rounding_hash._mix32."""
     h = h ^ (h >> 16)
     h = (h * 0x85EBCA6B).to(tl.uint32)
     h = h ^ (h >> 13)
@@ -265,7 +265,7 @@ def _load_master(p_raw, c_ptrs, mask, MASTER: tl.constexpr):
 
 @triton.jit
 def _hash32(seed, step, offs, STREAM: tl.constexpr):
-    """32 random bits (uint32) per element offset, as formats.master_weights.hash32 (`seed` here
+    """32 random bits (uint32) per element offset, as formats.rounding_hash.hash32 (`seed` here
     is already times 0x9E3779B1: the launch's meta holds it so)."""
     key = (seed + (step.to(tl.int32).to(tl.uint32) * 0x632BE5AB).to(tl.uint32)).to(tl.uint32)
     key = _mix32((key + STREAM).to(tl.uint32))

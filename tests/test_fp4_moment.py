@@ -204,7 +204,7 @@ def test_rounding_bits_share_one_hash_a_pair_and_round_up_as_often_as_they_shoul
     step hashes once a pair); as the offset 64 r + 32 they round a 22-bit fraction f up with
     probability f / 2**22 to within 2**-17, and on average over f to within 2**-20."""
     from coatstate.formats.fp4_moment import ROUNDING_STREAM, rounding_bits
-    from coatstate.formats.master_weights import hash32
+    from coatstate.formats.rounding_hash import hash32
 
     first, rows, cols = 2**32 - 40, 4, 64  # a run of offsets across 2**32
     bits = rounding_bits(5, 9, first, rows, cols).flatten()
