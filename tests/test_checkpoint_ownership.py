@@ -195,3 +195,21 @@ def test_a_save_leaves_another_checkpoints_temp_file_alone(tmp_path, layout):
     assert other.read_bytes() == b"another save, still writing"
     assert ck.read(shard).optimizer["state"][0]["step"].item() == 0.5
     assert ck.read(url).optimizer["state"][0]["step"].item() == 2.0
+
+
+def test_a_per_rank_read_rereads_when_a_newer_save_removes_its_version(tmp_path, monkeypatch):
+    from coatstate.checkpoint import dcp
+
+    url = tmp_path / "ck"
+    ck.save(_state(1.0), url, distributed="per_rank")
+    real, raced = dcp.read_flat, []
+
+    def racing(path, fail):
+        if not raced:
+            raced.append(path)
+            ck.save(_state(2.0), url, distributed="per_rank")  # commits, then removes `path`
+        return real(path, fail)
+
+    monkeypatch.setattr(dcp, "read_flat", racing)
+    assert ck.read(url).optimizer["state"][0]["step"].item() == 2.0
+    assert not os.path.exists(raced[0])

@@ -40,6 +40,8 @@ HEADER_KEY = "coatstate.header"
 VERSION = re.compile(r"(\d{8})-[0-9a-f]{12}")
 """A version directory's name: a counter (the order of saves) and a random id (two saves that
 picked the same counter at once still write apart)."""
+READ_ATTEMPTS = 4
+"""Reads of `latest(url)` again when a newer save removed the version being read."""
 _async_groups: dict[int, Any] = {}
 
 
@@ -252,17 +254,23 @@ def read(url: str | os.PathLike) -> tuple[dict[str, Any], dict[str, torch.Tensor
     """(header, whole tensors) of a per-rank checkpoint; None for a DCP checkpoint saved otherwise
     (dcp.read_dcp reads those). No torch.distributed needed."""
     url = os.fspath(url)
-    path = latest(url)
-    _, header = _head(path, url)
-    if header is None:
-        return None
 
     def fail(problem: str):
         raise CheckpointError(f"{url}: {problem}")
 
-    stored = dcp.read_flat(path, fail)
-    stored.pop(HEADER_KEY, None)
-    return header, stored
+    for _ in range(READ_ATTEMPTS):
+        path = latest(url)
+        try:
+            _, header = _head(path, url)
+            if header is None:
+                return None
+            stored = dcp.read_flat(path, fail)
+            stored.pop(HEADER_KEY, None)
+            return header, stored
+        except (CheckpointError, FileNotFoundError):
+            if latest(url) == path:
+                raise  # not a newer save that removed this version mid-read
+    fail(f"newer saves removed the version being read {READ_ATTEMPTS} times; retry")
 
 
 def _cut_like(p: torch.Tensor, shape: list[int]) -> bool:
