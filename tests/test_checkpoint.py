@@ -558,7 +558,7 @@ def test_the_documented_signatures_are_the_real_ones():
     doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "CHECKPOINT.md")).read()
     block = doc.split("```python\n", 1)[1].split("```", 1)[0]
     calls = re.findall(r"^(coatstate(?:\.\w+)+)\((.*?)\)\s*(?:#|$)", block.replace(",\n", ", "), re.M)
-    assert len(calls) == 6, calls
+    assert len(calls) == 7, calls
     for dotted, args in calls:
         obj = coatstate
         for part in dotted.split(".")[1:]:
