@@ -200,17 +200,16 @@ def _single_process_quiet(no_dist: bool):
 
 
 # ------------------------------------------------------------------------------------ reading
-class _Reader:
-    """DCP's FileSystemReader with the metadata read through dcp.py (never unpickled freely)."""
+def _reader(path: str, metadata: Any):
+    """DCP's FileSystemReader of `path` that uses `metadata`, read and checked by dcp.py: its own
+    read_metadata would unpickle .metadata freely."""
+    from torch.distributed.checkpoint import FileSystemReader
 
-    def __new__(cls, path: str, metadata: Any):
-        from torch.distributed.checkpoint import FileSystemReader
+    class CheckedReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            return metadata
 
-        class Reader(FileSystemReader):
-            def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-                return metadata
-
-        return Reader(path)
+    return CheckedReader(path)
 
 
 def _head(path: str, url: str) -> tuple[Any, dict[str, Any] | None]:
@@ -329,7 +328,7 @@ def read_local(url: str, optimizer, model=None) -> tuple[dict[str, Any], dict[st
     model_sd = model.state_dict() if model is not None else {}
     targets = {key: _target(key, info, params, model_sd) for key, info in header["tensors"].items()}
     with _single_process_quiet(_dist() is None), _ranks_failed(url, "load"):
-        dcp_api.load(targets, storage_reader=_Reader(path, metadata), no_dist=_dist() is None)
+        dcp_api.load(targets, storage_reader=_reader(path, metadata), no_dist=_dist() is None)
     return header, targets
 
 
