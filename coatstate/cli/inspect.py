@@ -22,6 +22,7 @@ from coatstate.cli.common import (
 VERIFIED = "all verified"
 NOT_VERIFIED = "not verified (--verify reads and checks every tensor)"
 PT_CHECKSUMS = "none, as a torch .pt file holds no checksums (torch.load read it with weights_only=True)"
+DCP_CHECKSUMS = "none, as torch.distributed.checkpoint stores no checksums (--verify reads every tensor)"
 """What `inspect` says of checksums for a .pt, with or without --verify (there is nothing to check)."""
 
 
@@ -84,10 +85,6 @@ def _first_step(url: str, header: dict[str, Any]) -> float | None:
         if not (isinstance(ref, dict) and "$tensor" in ref):
             continue
         key, file_url = ref["$tensor"], url
-        if header.get("per_rank") is not None:  # a per-rank root: the rows of rank 0's file
-            from coatstate.checkpoint import rank_read
-
-            return float(rank_read.read_tensor(url, header, key).reshape(-1)[0])
         for shard in header.get("shards") or []:
             if key in shard["tensors"]:  # (read()'s rule: no symlink out of the directory)
                 file_url = storage.sibling_inside(url, shard["file"], "shard")
@@ -258,10 +255,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
     url = args.file
     if os.path.isdir(url):
-        raise checkpoint_error(
-            f"{url}: is a directory; inspect reads a .safetensors or .pt file (convert a "
-            "torch.distributed.checkpoint directory to .safetensors first)"
-        )
+        return _inspect_per_rank(args)
     head = storage.read_bytes(url, length=4)
     if _is_pt(url, head):  # a torch.save file: read it (weights_only) and describe it
         ckpt = checkpoint.read(url)
@@ -293,6 +287,29 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         )
     else:
         _print_summary(url, s, checksums, args.all)
+    return 0
+
+
+def _inspect_per_rank(args: argparse.Namespace) -> int:
+    """A per-rank checkpoint (a DCP directory that coatstate saved): its header, read without
+    unpickling; --verify also reads every tensor."""
+    from coatstate.checkpoint import api as checkpoint
+    from coatstate.checkpoint import per_rank
+
+    url = args.file
+    header = per_rank.read_header(url)
+    if header is None:
+        raise checkpoint_error(
+            f"{url}: a torch.distributed.checkpoint directory that coatstate did not save; inspect reads "
+            "coatstate's own (distributed='per_rank'): convert this one to .safetensors first"
+        )
+    step = _first_step_from(checkpoint.read(url).optimizer) if args.verify else None
+    s = summarize(header, file_bytes=per_rank.stored_bytes(url), step=step)
+    s["rank_files"] = sum(n.endswith(".distcp") for n in os.listdir(per_rank.latest(url)))
+    if args.json:
+        print(json.dumps({**s, "checksums_verified": False, "checksums": DCP_CHECKSUMS}, indent=1))
+    else:
+        _print_summary(url, s, DCP_CHECKSUMS, args.all)
     return 0
 
 
