@@ -530,13 +530,9 @@ def test_c_a_hostile_extra_is_refused(tmp_path, edit, problem):
         ck.read(str(path))
 
 
-# ------------------------------------- 3 and 11: sharded roots (the per-rank/shard machinery)
-# Both live in checkpoint/shards.py and ownership.py, which the torch.distributed.checkpoint
-# redesign replaces; strict: these fail loudly once that branch fixes them, so the mark goes too.
-_DCP_BRANCH = pytest.mark.xfail(reason="fixed by the DCP redesign branch", strict=True)
-
-
-@_DCP_BRANCH
+# ------------------------------------------------------------ 3 and 11: sharded roots
+# Fixed by design: a save removes only the shards of the root it replaced and matches no file by
+# its name (checkpoint/shards.py).
 def test_3_a_renamed_sharded_root_keeps_its_shards_after_the_next_save(tmp_path):
     ckpt, best = tmp_path / "ck.safetensors", tmp_path / "best.safetensors"
     ck.save(_state(1.0, shape=(64, 64)), str(ckpt), shard_size=20_000)
@@ -547,7 +543,6 @@ def test_3_a_renamed_sharded_root_keeps_its_shards_after_the_next_save(tmp_path)
     assert ck.read(str(best)).optimizer["state"][0]["step"].item() == 1.0  # its shards are still there
 
 
-@_DCP_BRANCH
 def test_11_a_save_keeps_another_checkpoints_temp_file(tmp_path):
     # the temp file of a save in flight to ck-20240101-00001-of-00001.safetensors, a name that looks
     # like a shard of ck.safetensors
