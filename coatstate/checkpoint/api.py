@@ -149,8 +149,9 @@ def save(
             and raises (at exit: logs, and exits with status 1) what it raised.
         distributed (`str`, *optional*, defaults to `"gathered"`): `"gathered"` all-gathers DTensor
             (FSDP2) states and rank 0 writes one file (every rank calls save; DDP: rank 0 only);
-            `"per_rank"`: every rank writes its own rows to its own file and rank 0 the root at
-            `url` (the commit point); loads at any world size; no zstd, no shard_size.
+            `"per_rank"`: every rank writes its own rows through torch.distributed.checkpoint
+            into a new version under `url` (a local or shared directory), committed by its
+            `.metadata`; loads at any world size; no zstd, no shard_size, no extra.
         extra (`Mapping[str, Any]`, *optional*): the rest of the run's state, in the same file:
             scheduler state dicts, the step, the data position, RNG states (`torch.get_rng_state()`);
             values are None, bool, int, float, str, lists, tuples, dicts and tensors (stored as

@@ -83,7 +83,7 @@ def sibling_url(url: str | Location, name: str) -> Location:
 
 
 def sibling_inside(root: str | Location, name: str, what: str) -> Location:
-    """Where file `name` next to `root` (a shard, a rank file) is read from: a local one by its
+    """Where file `name` next to `root` (a shard) is read from: a local one by its
     real path, which must be in the root's directory (a symlink out of it is refused before
     anything is opened); other filesystems have no symlinks, so their sibling URL."""
     root = locate(root)

@@ -96,8 +96,8 @@ def _first_step(url: str, header: dict[str, Any]) -> float | None:
 
 
 def check_sizes(url: str, header: dict[str, Any]) -> None:
-    """Without --verify too: every tensor's data offsets lie inside the file, and every shard or
-    rank file the root names has the size the root records (a truncated file is an error)."""
+    """Without --verify too: every tensor's data offsets lie inside the file, and every shard
+    the root names has the size the root records (a truncated file is an error)."""
     from coatstate.checkpoint import container, storage
 
     _, start, st_header = container.read_head(url, url)
@@ -105,9 +105,7 @@ def check_sizes(url: str, header: dict[str, Any]) -> None:
     for key in st_header:
         if key != "__metadata__":
             container.tensor_span(st_header, key, data_bytes, url)
-    kinds = [("shard", s) for s in header.get("shards") or []]
-    kinds += [("rank file", f) for f in (header.get("per_rank") or {}).get("files", [])]
-    for what, part in kinds:
+    for what, part in [("shard", s) for s in header.get("shards") or []]:
         try:
             size = storage.file_size(storage.sibling_inside(url, part["file"], what))
         except FileNotFoundError:
@@ -172,7 +170,7 @@ def summarize(header: dict[str, Any], *, file_bytes: int, step: float | None) ->
         "file_bytes": file_bytes,
         "compression": header.get("compression"),
         "shards": len(header.get("shards") or []) or None,
-        "rank_files": len((header.get("per_rank") or {}).get("files", [])) or None,
+        "rank_files": None,  # a per-rank checkpoint's .distcp files (set by _inspect_per_rank)
         "extra": sorted(header.get("extra") or {}) or None,  # save(..., extra=)'s keys
         "state_bytes_per_param": state_raw / elements if elements else None,
         "ratio_vs_fp32_adamw": state_raw / fp32_adamw if fp32_adamw else None,
