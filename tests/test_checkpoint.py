@@ -20,7 +20,7 @@ from conftest import requires_cuda
 from safetensors import safe_open
 
 from coatstate.checkpoint import api as ck
-from coatstate.checkpoint import container, encoding, storage
+from coatstate.checkpoint import container, encoding
 from coatstate.optim import CompressedAdamW
 
 
@@ -240,6 +240,9 @@ def test_size_is_at_most_0_28_of_torch_adamw(tmp_path):
 _CHILD = textwrap.dedent("""
     import sys, torch
     from coatstate import checkpoint as ck
+    sys.path.insert(0, sys.argv[3])
+    import pause_mid_write
+    pause_mid_write.install(sys.argv[2])  # every write stops halfway and says so in this file
     torch.manual_seed(1)
     sd = {"state": {0: {"step": torch.tensor(9.0), "exp_avg": torch.randn(512, 512),
                         "exp_avg_sq": torch.rand(512, 512)}},
@@ -252,8 +255,7 @@ def test_sigkill_mid_save_keeps_the_previous_checkpoint(compressed_file, tmp_pat
     path, sd, _ = compressed_file
     before = open(path, "rb").read()
     marker = tmp_path / "halfway"
-    env = {**os.environ, storage.TEST_PAUSE_ENV: str(marker)}
-    child = subprocess.Popen([sys.executable, "-c", _CHILD, path], env=env)
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, path, str(marker), os.path.dirname(__file__)])
     try:
         deadline = time.monotonic() + 120
         while not marker.exists():

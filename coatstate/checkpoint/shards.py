@@ -94,7 +94,7 @@ def write(url: str, stored: dict, header: dict, shard_size: int | None, metadata
     total = sum(t.numel() * t.element_size() for t in stored.values())
     if shard_size is None or total <= shard_size:
         previous = _current_root(url)
-        storage.atomic_write(url, lambda f: container.write_safetensors(f, stored, metadata(header)), total)
+        storage.atomic_write(url, lambda f: container.write_safetensors(f, stored, metadata(header)))
         storage.remove_quietly(url, _owned_shards(url, previous))
         return
     stem, save_id = _stem(url), uuid.uuid4().hex[:8]
@@ -115,11 +115,7 @@ def write(url: str, stored: dict, header: dict, shard_size: int | None, metadata
                 box["sha256"] = hashing.h.hexdigest()
 
             written.append(name)
-            storage.atomic_write(
-                storage.sibling_url(url, name),
-                write_shard,
-                sum(t.numel() * t.element_size() for t in part.values()),
-            )
+            storage.atomic_write(storage.sibling_url(url, name), write_shard)
             shards.append({"file": name, "sha256": box["sha256"], "bytes": box["bytes"], "tensors": keys})
         header["shards"] = shards
         meta = metadata(header)

@@ -139,7 +139,7 @@ def _write_pt(obj: Any, url: str) -> None:
     buf = io.BytesIO()
     torch.save(obj, buf)
     view = buf.getbuffer()
-    storage.atomic_write(url, lambda f: f.write(view), len(view))
+    storage.atomic_write(url, lambda f: f.write(view))
 
 
 def _converted(what: str, src: str, fn, *args, **kwargs):
