@@ -254,9 +254,7 @@ def print_phases(rows: list[dict]) -> None:
     timed = [r for r in rows if "phases_s" in r]
     if not timed:
         return
-    print(
-        f"\nwhere rank 0's time goes, median s per save ({', '.join(n for n, *_ in PHASES)}; the rest of"
-    )
+    print(f"\nwhere rank 0's time goes, median s per save ({', '.join(n for n, *_ in PHASES)}; the rest of")
     print("'total' is waiting: for the background write, the device-to-host")
     print("copies, the other ranks, ...)")
     for r in timed:

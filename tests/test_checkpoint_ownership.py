@@ -18,7 +18,7 @@ import torch
 from coatstate.formats.schema import CheckpointError
 
 from coatstate.checkpoint import api as ck
-from coatstate.checkpoint import container, encoding, shards
+from coatstate.checkpoint import container, encoding
 
 SHARD = 8_000
 """Bytes per shard: the states below make two or three shards."""

@@ -531,8 +531,8 @@ _WRITER = textwrap.dedent("""
         ck.save(_state(float(sys.argv[2]), step=float(j)), sys.argv[1], shard_size=8_000)
 """)
 _PAUSED_WRITER = (  # _WRITER whose every write stops halfway and says so in file argv[4]
-    "import sys\nsys.path.insert(0, sys.argv[3])\nimport pause_mid_write\npause_mid_write.install(sys.argv[4])\n"
-    + _WRITER
+    "import sys\nsys.path.insert(0, sys.argv[3])\n"
+    "import pause_mid_write\npause_mid_write.install(sys.argv[4])\n" + _WRITER
 )
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -576,9 +576,10 @@ def test_concurrent_sharded_saves_leave_a_complete_checkpoint(tmp_path):
     assert final["step"].item() == 24.0 and final["exp_avg"][0, 0].item() in (1.0, 2.0, 3.0)  # some last save
     # a save killed between its shards leaves the checkpoint whole; its shards stay (issue 48: no
     # save removes files by name pattern, which once deleted other checkpoints' files)
-    child = subprocess.Popen([sys.executable, "-c", _PAUSED_WRITER, url, "9", HERE, str(tmp_path / "halfway")])
+    halfway = tmp_path / "halfway"
+    child = subprocess.Popen([sys.executable, "-c", _PAUSED_WRITER, url, "9", HERE, str(halfway)])
     deadline = time.monotonic() + 120
-    while not (tmp_path / "halfway").exists():
+    while not halfway.exists():
         assert child.poll() is None and time.monotonic() < deadline
         time.sleep(0.05)
     os.kill(child.pid, signal.SIGKILL)
