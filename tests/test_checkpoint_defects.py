@@ -136,11 +136,12 @@ def _stepped(make):
     return model, opt
 
 
+@pytest.mark.parametrize("distributed", ["gathered", "per_rank"])
 @pytest.mark.parametrize("make", [torch.optim.Adafactor, _ThreeBetas], ids=["adafactor", "three_betas"])
-def test_2_what_save_writes_read_and_load_open(make, tmp_path):
+def test_2_what_save_writes_read_and_load_open(make, distributed, tmp_path):
     url = str(tmp_path / "o.safetensors")
     model, opt = _stepped(make)
-    ck.save(opt, url, model=model)
+    ck.save(opt, url, model=model, distributed=distributed)
     got = ck.read(url)
     assert got.optimizer["param_groups"][0] == {k: v for k, v in opt.state_dict()["param_groups"][0].items()}
     fresh = make(model.parameters())
@@ -149,11 +150,13 @@ def test_2_what_save_writes_read_and_load_open(make, tmp_path):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_2_a_state_dict_the_reader_would_refuse_is_refused_before_writing(tmp_path):
+@pytest.mark.parametrize("distributed", ["gathered", "per_rank"])
+def test_2_a_state_dict_the_reader_would_refuse_is_refused_before_writing(tmp_path, distributed):
     url = tmp_path / "sd.safetensors"
     _, opt = _stepped(torch.optim.Adafactor)
     with pytest.raises(CheckpointError, match=r"not saved: a reader would refuse.*eps") as e:
-        ck.save(opt.state_dict(), url)  # (no class recorded: read as AdamW's, whose eps is a number)
+        # (no class recorded: read as AdamW's, whose eps is a number)
+        ck.save(opt.state_dict(), url, distributed=distributed)
     assert str(url) in str(e.value) and "Save the optimizer itself" in str(e.value)
     assert not url.exists()
 
