@@ -21,8 +21,7 @@ rounds, on every rank:
 "blocked" is the caller's time in the call (what the training loop waits for); "total" includes the
 background write until committed. Times are the slowest rank's (a barrier before, a max after).
 GB/s = bytes of the checkpoint / total. For blocking and async saves rank 0 also records where
-its time goes (PHASES: staging, its rank file, the root, and the removal of the replaced files,
-which runs after the commit: outside `total`, as DCP's directories are removed outside its).
+its time goes (PHASES: DCP's save or async_save call, and the removal of the replaced version).
 Prints a table (median and min-max over rounds) and writes JSON to --out. Needs no network (the
 process group runs on 127.0.0.1).
 """
@@ -83,10 +82,9 @@ def _slowest(seconds: float) -> float:
 
 
 PHASES = (  # (name, module, function): where a per-rank save's time goes (wall s per save)
-    ("stage", "coatstate.checkpoint.rank_commit", "_snapshot"),  # queue copies (waits: in `other`)
-    ("rank_file", "coatstate.checkpoint.rank_files", "write_rank_file"),  # hash + write + fsync
-    ("root", "coatstate.checkpoint.rank_commit", "_commit"),  # the root (the commit)
-    ("cleanup", "coatstate.checkpoint.rank_cleanup", "after_commit"),  # old files, after the commit
+    ("dcp_save", "torch.distributed.checkpoint", "save"),  # plan + rank files + .metadata (the commit)
+    ("dcp_async", "torch.distributed.checkpoint", "async_save"),  # staging (the write: in `other`)
+    ("prune", "coatstate.checkpoint.per_rank", "_prune"),  # the replaced version, after the commit
 )
 _phase_s: dict[str, float] = {}
 
@@ -193,11 +191,11 @@ def _round(opt, model, fresh, args, url: str, rank: int, index: int, results: di
 
 def _sizes(url: str, rank: int) -> tuple[int, int]:
     """(bytes of the whole per-rank checkpoint, bytes of this rank's file)."""
-    from coatstate.checkpoint import read_header
+    from coatstate.checkpoint import latest
 
-    files = read_header(url)["per_rank"]["files"]
-    mine = sum(f["bytes"] for f in files if f["rank"] == rank)
-    return os.path.getsize(url) + sum(f["bytes"] for f in files), mine
+    version = latest(url)
+    sizes = {n: os.path.getsize(os.path.join(version, n)) for n in os.listdir(version)}
+    return sum(sizes.values()), sizes.get(f"__{rank}_0.distcp", 0)
 
 
 def _worker(rank: int, world_size: int, port: int, args, out: str) -> None:
@@ -211,7 +209,7 @@ def _worker(rank: int, world_size: int, port: int, args, out: str) -> None:
     opt, model, numel = stepped_optimizer(args.device, args.vocab, args.scale, mesh, not args.no_model)
     fresh, _, _ = stepped_optimizer(args.device, args.vocab, args.scale, mesh, False)  # loaded into
     _time_phases()
-    url = os.path.join(args.dir, "ckpt.safetensors")
+    url = os.path.join(args.dir, "ckpt")
     # warm-up, not measured: imports, thread pools, the first files, pinned buffers, DCP's planner
     coatstate.save(opt, url, model=model or None, distributed="per_rank")
     coatstate.save(opt, url, model=model or None, distributed="per_rank", blocking=False).wait()
@@ -256,10 +254,8 @@ def print_phases(rows: list[dict]) -> None:
     timed = [r for r in rows if "phases_s" in r]
     if not timed:
         return
-    print(
-        f"\nwhere rank 0's time goes, median s per save ({', '.join(n for n, *_ in PHASES)}; 'cleanup' runs"
-    )
-    print("after the commit, outside 'total'; the rest of 'total' is waiting: for the device-to-host")
+    print(f"\nwhere rank 0's time goes, median s per save ({', '.join(n for n, *_ in PHASES)}; the rest of")
+    print("'total' is waiting: for the background write, the device-to-host")
     print("copies, the other ranks, ...)")
     for r in timed:
         cells = "  ".join(f"{n} {r['phases_s'][n]:.3f}" for n, *_ in PHASES)

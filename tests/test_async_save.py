@@ -134,7 +134,7 @@ if fail:
     coatstate.save(o, url, model=m)  # the previous checkpoint, which must survive
     shutil.copy(url, url + ".before")
 
-    def broken(f, tensors, metadata, before_each=None):
+    def broken(f, tensors, metadata):
         f.write(b"partial")
         raise OSError("disk full (injected)")
 

@@ -136,11 +136,12 @@ def _stepped(make):
     return model, opt
 
 
+@pytest.mark.parametrize("distributed", ["gathered", "per_rank"])
 @pytest.mark.parametrize("make", [torch.optim.Adafactor, _ThreeBetas], ids=["adafactor", "three_betas"])
-def test_2_what_save_writes_read_and_load_open(make, tmp_path):
+def test_2_what_save_writes_read_and_load_open(make, distributed, tmp_path):
     url = str(tmp_path / "o.safetensors")
     model, opt = _stepped(make)
-    ck.save(opt, url, model=model)
+    ck.save(opt, url, model=model, distributed=distributed)
     got = ck.read(url)
     assert got.optimizer["param_groups"][0] == {k: v for k, v in opt.state_dict()["param_groups"][0].items()}
     fresh = make(model.parameters())
@@ -149,11 +150,13 @@ def test_2_what_save_writes_read_and_load_open(make, tmp_path):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_2_a_state_dict_the_reader_would_refuse_is_refused_before_writing(tmp_path):
+@pytest.mark.parametrize("distributed", ["gathered", "per_rank"])
+def test_2_a_state_dict_the_reader_would_refuse_is_refused_before_writing(tmp_path, distributed):
     url = tmp_path / "sd.safetensors"
     _, opt = _stepped(torch.optim.Adafactor)
     with pytest.raises(CheckpointError, match=r"not saved: a reader would refuse.*eps") as e:
-        ck.save(opt.state_dict(), url)  # (no class recorded: read as AdamW's, whose eps is a number)
+        # (no class recorded: read as AdamW's, whose eps is a number)
+        ck.save(opt.state_dict(), url, distributed=distributed)
     assert str(url) in str(e.value) and "Save the optimizer itself" in str(e.value)
     assert not url.exists()
 
@@ -530,13 +533,9 @@ def test_c_a_hostile_extra_is_refused(tmp_path, edit, problem):
         ck.read(str(path))
 
 
-# ------------------------------------- 3 and 11: sharded roots (the per-rank/shard machinery)
-# Both live in checkpoint/shards.py and ownership.py, which the torch.distributed.checkpoint
-# redesign replaces; strict: these fail loudly once that branch fixes them, so the mark goes too.
-_DCP_BRANCH = pytest.mark.xfail(reason="fixed by the DCP redesign branch", strict=True)
-
-
-@_DCP_BRANCH
+# ------------------------------------------------------------ 3 and 11: sharded roots
+# Fixed by design: a save removes only the shards of the root it replaced and matches no file by
+# its name (checkpoint/shards.py).
 def test_3_a_renamed_sharded_root_keeps_its_shards_after_the_next_save(tmp_path):
     ckpt, best = tmp_path / "ck.safetensors", tmp_path / "best.safetensors"
     ck.save(_state(1.0, shape=(64, 64)), str(ckpt), shard_size=20_000)
@@ -547,7 +546,6 @@ def test_3_a_renamed_sharded_root_keeps_its_shards_after_the_next_save(tmp_path)
     assert ck.read(str(best)).optimizer["state"][0]["step"].item() == 1.0  # its shards are still there
 
 
-@_DCP_BRANCH
 def test_11_a_save_keeps_another_checkpoints_temp_file(tmp_path):
     # the temp file of a save in flight to ck-20240101-00001-of-00001.safetensors, a name that looks
     # like a shard of ck.safetensors

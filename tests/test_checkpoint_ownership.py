@@ -1,8 +1,9 @@
 """Which files a save removes: one rule on every filesystem (local, memory://, s3 through moto).
 
-A save removes only files whose name has its stem and whose own metadata names the save id it
-replaces (or its own); a root that names another checkpoint's files, copied or crafted, never
-makes a save delete them. Concurrent sharded saves leave only the winning root's files.
+A save removes only the shards of the root it replaces: names with its stem and that root's save
+id, whose own metadata names the same id. Nothing is found by a name pattern, so a root that
+names another checkpoint's files (copied or crafted), a renamed root, and another save's temp
+files never lose anything (issue 48's defects 3 and 11).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from coatstate.formats.schema import CheckpointError
 
 from coatstate.checkpoint import api as ck
-from coatstate.checkpoint import container, encoding, shards
+from coatstate.checkpoint import container, encoding
 
 SHARD = 8_000
 """Bytes per shard: the states below make two or three shards."""
@@ -130,41 +131,85 @@ def test_the_same_rule_on_s3(s3_directory):
     _ownership_rule(f"{s3_directory}/{uuid.uuid4().hex}")
 
 
-def test_concurrent_sharded_saves_leave_only_the_winners_shards(tmp_path, monkeypatch):
-    """W1 commits A; while W1's cleanup runs (its root read done), W2 saves B in full. Then only
-    B's root and shards remain: A's shards go with B's cleanup, not with some later save."""
+def test_concurrent_sharded_saves_lose_nothing(tmp_path):
+    """Saves racing to one URL: the last commit wins and its root loads; a loser's shards may stay
+    (nothing removes files by pattern), but no save removes a shard the current root names."""
     url = str(tmp_path / "c.safetensors")
-    real, w2_done, w1_paused = shards._root_shards, threading.Event(), threading.Event()
-
-    def slow_first_cleanup(root_url):
-        found = real(root_url)
-        if threading.current_thread().name == "W1" and found and not w1_paused.is_set():
-            w1_paused.set()  # W1 has committed and is reading the root in its cleanup
-            assert w2_done.wait(30)
-        return found
-
-    monkeypatch.setattr(shards, "_root_shards", slow_first_cleanup)
     errors = []
 
-    def saving(value: float, after: threading.Event | None, done: threading.Event | None):
+    def saving(value: float):
         try:
-            if after is not None:
-                assert after.wait(30)
-            ck.save(_state(value), url, shard_size=SHARD)
+            for i in range(4):
+                ck.save(_state(value + i), url, shard_size=SHARD)
         except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
             errors.append(e)
-        finally:
-            if done is not None:
-                done.set()
 
-    w1 = threading.Thread(target=saving, args=(1.0, None, None), name="W1")
-    w2 = threading.Thread(target=saving, args=(2.0, w1_paused, w2_done), name="W2")
-    w1.start()
-    w2.start()
-    w1.join(60)
-    w2.join(60)
+    threads = [threading.Thread(target=saving, args=(v,)) for v in (10.0, 20.0)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
     assert not errors, errors
-    assert w1_paused.is_set()
+    assert ck.read(url).optimizer["state"][0]["step"].item() in (13.0, 23.0)
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]  # no temp file
+
+
+# ------------------------------------------ issue 48, defects 3 and 11: gone by design
+def test_a_renamed_sharded_root_keeps_its_shards(tmp_path):
+    """Defect 3: after `mv ck.safetensors best.safetensors` the next save to ck.safetensors used
+    to delete every ck-* shard its new root did not name, best's included."""
+    ckpt, best = tmp_path / "ck.safetensors", tmp_path / "best.safetensors"
+    ck.save(_state(1.0), ckpt, shard_size=SHARD)
+    os.rename(ckpt, best)
+    ck.save(_state(2.0), ckpt, shard_size=SHARD)
+    ck.save(_state(3.0), ckpt, shard_size=SHARD)
+    assert ck.read(best).optimizer["state"][0]["step"].item() == 1.0
+    assert ck.read(ckpt).optimizer["state"][0]["step"].item() == 3.0
+
+
+def test_a_renamed_per_rank_checkpoint_loads_and_survives_the_next_save(tmp_path):
+    """Defect 3, per-rank: a per-rank checkpoint is one directory, so a rename takes every file."""
+    ckpt, best = tmp_path / "ck", tmp_path / "best"
+    ck.save(_state(1.0), ckpt, distributed="per_rank")
+    os.rename(ckpt, best)
+    assert ck.read(best).optimizer["state"][0]["step"].item() == 1.0  # at once
+    ck.save(_state(2.0), ckpt, distributed="per_rank")
+    ck.save(_state(3.0), ckpt, distributed="per_rank")
+    assert ck.read(best).optimizer["state"][0]["step"].item() == 1.0
+    assert ck.read(ckpt).optimizer["state"][0]["step"].item() == 3.0
+
+
+@pytest.mark.parametrize("layout", ["single", "sharded", "per_rank"])
+def test_a_save_leaves_another_checkpoints_temp_file_alone(tmp_path, layout):
+    """Defect 11: a save of ck.safetensors took `.ck-20240101-00001-of-00001.safetensors.tmp-*`
+    (the temp file of a save of ck-20240101-00001-of-00001.safetensors, whose name looks like a
+    shard of ck) for its own and deleted it mid-write."""
+    other = tmp_path / ".ck-20240101-00001-of-00001.safetensors.tmp-0123456789ab"
+    other.write_bytes(b"another save, still writing")
+    shard = tmp_path / "ck-20240101-00001-of-00001.safetensors"  # and a finished one of that name
+    ck.save(_state(0.5), shard)
+    options = {"sharded": {"shard_size": SHARD}, "per_rank": {"distributed": "per_rank"}}.get(layout, {})
+    url = tmp_path / ("ck" if layout == "per_rank" else "ck.safetensors")
+    for value in (1.0, 2.0):
+        ck.save(_state(value), url, **options)
+    assert other.read_bytes() == b"another save, still writing"
+    assert ck.read(shard).optimizer["state"][0]["step"].item() == 0.5
     assert ck.read(url).optimizer["state"][0]["step"].item() == 2.0
-    _assert_only_the_root_and_its_files(str(tmp_path), url)
-    assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]  # no marker, no temp file
+
+
+def test_a_per_rank_read_rereads_when_a_newer_save_removes_its_version(tmp_path, monkeypatch):
+    from coatstate.checkpoint import dcp
+
+    url = tmp_path / "ck"
+    ck.save(_state(1.0), url, distributed="per_rank")
+    real, raced = dcp.read_flat, []
+
+    def racing(path, fail):
+        if not raced:
+            raced.append(path)
+            ck.save(_state(2.0), url, distributed="per_rank")  # commits, then removes `path`
+        return real(path, fail)
+
+    monkeypatch.setattr(dcp, "read_flat", racing)
+    assert ck.read(url).optimizer["state"][0]["step"].item() == 2.0
+    assert not os.path.exists(raced[0])

@@ -147,7 +147,7 @@ def test_checkpoint_problems_exit_1(tmp_path, capsys):
     assert main(["inspect", str(tmp_path / "junk.safetensors")]) == 1
     assert main(["convert", str(tmp_path), str(tmp_path / "x.safetensors")]) == 1
     err = capsys.readouterr().err
-    assert "no checkpoint at" in err and "too short" in err and "pickle" in err
+    assert "no checkpoint at" in err and "too short" in err and "without .metadata" in err
 
 
 def test_python_dash_m_entry_point(adamw_pt):
@@ -179,16 +179,12 @@ def _contents(url: str) -> bytes:
 
 
 @pytest.mark.parametrize("kind", ["local", "memory"])
-@pytest.mark.parametrize("layout", ["per_rank", "sharded"])
-def test_convert_refuses_a_file_its_source_reads(kind, layout, tmp_path, capsys):
+def test_convert_refuses_a_file_its_source_reads(kind, tmp_path, capsys):
+    """(A per-rank checkpoint is a DCP directory: the DCP rules of refuse_input_as_output.)"""
     model, opt = _trained_compressed()
     root = f"{_directory(kind, tmp_path)}/ckpt.safetensors"
-    if layout == "per_rank":
-        ck.save(opt, root, model=model, distributed="per_rank")
-        names = [f["file"] for f in ck.read_header(root)["per_rank"]["files"]]
-    else:
-        ck.save(opt, root, model=model, shard_size=2048)
-        names = [s["file"] for s in ck.read_header(root)["shards"]]
+    ck.save(opt, root, model=model, shard_size=2048)
+    names = [s["file"] for s in ck.read_header(root)["shards"]]
     files = [root] + [root.rsplit("/", 1)[0] + "/" + n for n in names]
     before = {f: _contents(f) for f in files}
     capsys.readouterr()
@@ -198,8 +194,7 @@ def test_convert_refuses_a_file_its_source_reads(kind, layout, tmp_path, capsys)
         for force in ([], ["--force"]):  # --force never makes an input writable
             assert main(["convert", root, dst, "--to", "adamw", *force]) == 2, dst
             err = capsys.readouterr().err
-            what = "a rank file" if layout == "per_rank" else "a shard"
-            assert f"is {what} of SRC" in err and "never overwrites its input" in err, err
+            assert "is a shard of SRC" in err and "never overwrites its input" in err, err
             assert err.count("\n") == 1
     assert {f: _contents(f) for f in files} == before
     ck.read_state_dict(root)  # still whole
@@ -315,7 +310,7 @@ def test_inspect_says_why_a_pt_has_no_checksums(adamw_pt, capsys):
     assert report["checksums_verified"] is False and "holds no checksums" in report["checksums"]
 
 
-@pytest.mark.parametrize("command", ["inspect", "convert", "clean", "plan"])
+@pytest.mark.parametrize("command", ["inspect", "convert", "plan"])
 def test_each_help_says_what_the_command_prints(command, capsys):
     assert main([command, "--help"]) == 0
     description = capsys.readouterr().out.split("positional arguments")[0]

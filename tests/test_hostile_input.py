@@ -25,7 +25,6 @@ import torch
 from coatstate.formats.schema import CheckpointError
 
 from coatstate import checkpoint as ck
-from coatstate.checkpoint import storage
 from coatstate.cli import main as cli
 from coatstate.optim import CompressedAdamW
 
@@ -531,6 +530,10 @@ _WRITER = textwrap.dedent("""
     for j in range(25):  # writer w's states are filled with w, its steps count its saves
         ck.save(_state(float(sys.argv[2]), step=float(j)), sys.argv[1], shard_size=8_000)
 """)
+_PAUSED_WRITER = (  # _WRITER whose every write stops halfway and says so in file argv[4]
+    "import sys\nsys.path.insert(0, sys.argv[3])\n"
+    "import pause_mid_write\npause_mid_write.install(sys.argv[4])\n" + _WRITER
+)
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -571,19 +574,22 @@ def test_concurrent_sharded_saves_leave_a_complete_checkpoint(tmp_path):
     assert all(w.returncode == 0 for w in writers)
     final = ck.read(url).optimizer["state"][0]
     assert final["step"].item() == 24.0 and final["exp_avg"][0, 0].item() in (1.0, 2.0, 3.0)  # some last save
-    # a save killed between its shards leaves orphans and a stale lock; the next save removes them
-    env = {**os.environ, storage.TEST_PAUSE_ENV: str(tmp_path / "halfway")}
-    child = subprocess.Popen([sys.executable, "-c", _WRITER, url, "9", HERE], env=env)
+    # a save killed between its shards leaves the checkpoint whole; its shards stay (issue 48: no
+    # save removes files by name pattern, which once deleted other checkpoints' files)
+    halfway = tmp_path / "halfway"
+    child = subprocess.Popen([sys.executable, "-c", _PAUSED_WRITER, url, "9", HERE, str(halfway)])
     deadline = time.monotonic() + 120
-    while not (tmp_path / "halfway").exists():
+    while not halfway.exists():
         assert child.poll() is None and time.monotonic() < deadline
         time.sleep(0.05)
     os.kill(child.pid, signal.SIGKILL)
     child.wait()
+    assert ck.read(url).optimizer["state"][0]["step"].item() == 24.0
     ck.save(_state(0.0), url, shard_size=8_000)
     root = {s["file"] for s in ck.read_header(url)["shards"]}
     left = {n for n in os.listdir(tmp_path) if n.startswith("c") or n.startswith(".c")} - {"c.safetensors"}
-    assert left == root, f"orphans left: {sorted(left - root)}"
+    assert root <= left and ck.read(url).optimizer["state"][0]["step"].item() == 0.0
     print(
-        f"concurrent sharded saves: 3 writers x 25 saves, {reads} reads meanwhile, none failed; orphans gone"
+        f"concurrent sharded saves: 3 writers x 25 saves, {reads} reads meanwhile, none failed; "
+        f"{len(left - root)} orphans of losing or killed saves left (docs/CHECKPOINT.md)"
     )

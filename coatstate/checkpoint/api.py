@@ -20,9 +20,7 @@ from coatstate.checkpoint import (
     background,
     container,
     encoding,
-    rank_cleanup,
-    rank_commit,
-    rank_read,
+    per_rank,
     shards,
     storage,
     validate,
@@ -151,8 +149,9 @@ def save(
             and raises (at exit: logs, and exits with status 1) what it raised.
         distributed (`str`, *optional*, defaults to `"gathered"`): `"gathered"` all-gathers DTensor
             (FSDP2) states and rank 0 writes one file (every rank calls save; DDP: rank 0 only);
-            `"per_rank"`: every rank writes its own rows to its own file and rank 0 the root at
-            `url` (the commit point); loads at any world size; no zstd, no shard_size.
+            `"per_rank"`: every rank writes its own rows through torch.distributed.checkpoint
+            into a new version under `url` (a local or shared directory), committed by its
+            `.metadata`; loads at any world size; no zstd, no shard_size, no extra.
         extra (`Mapping[str, Any]`, *optional*): the rest of the run's state, in the same file:
             scheduler state dicts, the step, the data position, RNG states (`torch.get_rng_state()`);
             values are None, bool, int, float, str, lists, tuples, dicts and tensors (stored as
@@ -197,7 +196,7 @@ def save(
             "extra= is not available with distributed='per_rank' yet: save the run state with "
             "distributed='gathered', or in a file of its own from rank 0"
         )
-    url = os.fspath(url)  # resolved by the rank that writes (_write, rank_commit._start)
+    url = os.fspath(url)  # resolved by the rank that writes (_write, per_rank.save)
     # every save waits for the one in flight (whose failure is raised here, before anything else):
     # two saves of one process never race for a file, nor for the per-rank pinned buffers
     background.wait_for_saves()
@@ -209,7 +208,7 @@ def save(
         )
         header["optimizer"]["class"] = kind
         encoding.check_writable(header, url)
-        return rank_commit.save(url, tensors, header, encoding.metadata, blocking)
+        return per_rank.save(url, tensors, header, blocking)
     params = getattr(optimizer_or_state_dict, "param_groups", [])
     sharded = (
         dtensors.has_dtensors(sd)
@@ -255,13 +254,11 @@ def _write(url, sd, shapes, names, kind, model_sd, compress, shard_size, extra=N
     encoding.check_writable(header, url)
     stored = encoding.encode_zstd(tensors, header) if compress == "zstd" else tensors
     try:
-        previous = shards.write(url, stored, header, shard_size, encoding.metadata)
+        shards.write(url, stored, header, shard_size, encoding.metadata)
     except CheckpointError as e:  # (the container's own checks do not know the file's name)
         if str(e).startswith(url):
             raise
         raise CheckpointError(f"{url}: {e}") from None
-    if previous is not None and rank_read.is_per_rank(previous):  # its rank files are orphans now
-        rank_cleanup.after_commit(url, None, previous)
 
 
 # ----------------------------------------------------------------------------------- reading
@@ -288,6 +285,9 @@ def read_header(url: str | os.PathLike) -> dict[str, Any]:
 
 
 def _read_dcp(path: str) -> Checkpoint:
+    found = per_rank.read(path)  # (header, tensors) of a coatstate per-rank checkpoint
+    if found is not None:
+        return _assemble(path, *found, False)
     optimizer, model, names = read_dcp(path)
     validate.check_state_dict(optimizer, path)
     model_shapes = {n: list(t.shape) for n, t in (model or {}).items() if isinstance(t, torch.Tensor)}
@@ -304,8 +304,6 @@ def _read_dcp(path: str) -> Checkpoint:
 def _read_safetensors(url: str, data: bytes, verify: bool) -> Checkpoint:
     _, st_header = container.parse_header(data, url)
     header = container.coatstate_header(st_header, url)
-    if rank_read.is_per_rank(header):  # checked block by block as it is read
-        return _assemble(url, header, rank_read.read_all(url, header, verify), False)
     stored = shards.read(url, header, verify) if header.get("shards") else container.load_tensors(data, url)
     return _assemble(url, header, stored, verify)
 
@@ -396,26 +394,14 @@ def read_state_dict(url: str | os.PathLike) -> dict[str, Any]:
 def _read_for(optimizer: torch.optim.Optimizer, url: str, model) -> Checkpoint:
     """What load() needs from `url`. A per-rank checkpoint loaded into DTensor parameters: only
     this rank's rows of their states (and of DTensor model entries), as DTensors; else read()."""
-    if (
-        not any(dtensors.is_dtensor(p) for g in optimizer.param_groups for p in g["params"])
-        or os.path.isdir(url)
-        or os.path.splitext(url)[1].lower() in PT_EXTENSIONS
-    ):
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if not os.path.isdir(url) or not any(dtensors.is_dtensor(p) for p in params):
         return read(url)
-    for _ in range(READ_ATTEMPTS):
-        try:
-            header = read_header(url)
-        except CheckpointError:
-            return read(url)  # (a zip without a .pt extension; or raised again, by read)
-        compressed = any(info.get("compressed") for info in header["params"].values())
-        if not rank_read.is_per_rank(header) or (compressed and not isinstance(optimizer, CompressedAdamW)):
-            return read(url)  # a plain optimizer decompresses whole tensors
-        try:
-            return _assemble(url, header, rank_read.read_local(url, header, optimizer, model), False)
-        except shards.ShardMissing:
-            if read_header(url) == header:
-                raise
-    raise CheckpointError(f"{url}: the checkpoint was replaced {READ_ATTEMPTS} times while being read; retry")
+    header = per_rank.read_header(url)
+    compressed = header is not None and any(info.get("compressed") for info in header["params"].values())
+    if header is None or (compressed and not isinstance(optimizer, CompressedAdamW)):
+        return read(url)  # a plain optimizer decompresses whole tensors
+    return _assemble(url, *per_rank.read_local(url, optimizer, model), False)
 
 
 def _header_of(url: storage.Location) -> dict[str, Any] | None:
@@ -565,7 +551,7 @@ def load(
     if model is not None:
         try:
             if local_model:
-                rank_read.load_model(model, ckpt.model)
+                per_rank.load_model(model, ckpt.model)
             elif any(dtensors.is_dtensor(t) for t in model.state_dict().values()):
                 dtensors.load_model_state_dict(model, ckpt.model)
             else:

@@ -63,32 +63,12 @@ class SaveHandle:
             raise RuntimeError(f"coatstate: the background save to {self.url} failed: {error}") from error
 
 
-_cleanups: list[threading.Thread] = []
-
-
-def after(work: Callable[[], None]) -> None:
-    """Run `work` (which never raises: a removal of files no checkpoint names) on its own thread,
-    so that a save returns at its commit; removing a replaced checkpoint's files takes about as
-    long as writing a fifth of them (the kernel drops their cached pages). The next save, and
-    interpreter exit, wait for it."""
-    thread = threading.Thread(target=work, name="coatstate cleanup", daemon=True)
-    with _lock:
-        _cleanups[:] = [t for t in _cleanups if t.is_alive()]
-        _cleanups.append(thread)
-    thread.start()
-
-
 def wait_for_saves() -> None:
-    """Wait for every background save of this process, and the removal of the files the saves
-    replaced; raise the first failure."""
+    """Wait for every background save of this process; raise the first failure."""
     with _lock:
         pending = list(_in_flight)
     for handle in pending:
         handle.wait()
-    with _lock:
-        cleanups = list(_cleanups)
-    for thread in cleanups:
-        thread.join()
 
 
 def snapshot(obj: Any) -> tuple[Any, torch.cuda.Event | None]:

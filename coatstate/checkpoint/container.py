@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, BinaryIO
 
 import torch
@@ -61,17 +61,13 @@ def write_safetensors(
     f: BinaryIO,
     tensors: Mapping[str, torch.Tensor],
     metadata: Mapping[str, str],
-    before_each: Callable[[str, memoryview], None] | None = None,
 ) -> int:
-    """Stream a safetensors file into `f`; returns the bytes written. Tensors must be on the CPU.
-    `before_each(key, bytes)` runs before each tensor's bytes are written (in file order)."""
+    """Stream a safetensors file into `f`; returns the bytes written. Tensors must be on the CPU."""
     head = safetensors_header(tensors, metadata)
     f.write(head)
     written = len(head)
-    for key, t in _entries(tensors):
+    for _, t in _entries(tensors):
         view = schema.tensor_bytes(t)
-        if before_each is not None:
-            before_each(key, view)
         f.write(view)
         written += len(view)
     return written

@@ -320,36 +320,52 @@ def _lists(node: Any, fail) -> Any:
     return node
 
 
-def _read(path: str, fail) -> dict[str, Any]:
-    data = storage.read_bytes(os.path.join(path, ".metadata"))
-    metadata = _read_dcp_metadata(data, path)
+def read_metadata(path: str, fail) -> Any:
+    """The DCP Metadata of directory `path`, through the restricted unpickler (not yet checked)."""
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        fail("a directory without .metadata is not a complete torch.distributed.checkpoint")
+    from fsspec.implementations.local import LocalFileSystem
+
+    local = os.path.join(path, ".metadata")  # (a local path: no URL to resolve again)
+    return _read_dcp_metadata(storage.read_bytes(storage.Location(local, LocalFileSystem(), local)), path)
+
+
+def read_flat(path: str, fail) -> dict[str, Any]:
+    """{key: whole tensor or value} of every entry, the metadata checked first."""
+    return _read_items(path, fail)[0]
+
+
+def _read_items(path: str, fail) -> tuple[dict[str, Any], dict]:
+    metadata = read_metadata(path, fail)
     files = _Files(path, fail)
     try:
         items, paths = _validated(metadata, files, fail)
-        sd = _Node()
+        flat = {}
         for fqn, tensor, infos in items:
             if tensor is None:
-                value = _load_slice(files, infos[0], f"value {fqn!r}", fail)
-            else:
-                dtype, size, chunks = tensor
-                value = torch.empty(size, dtype=dtype)  # every element is written: the chunks tile it
-                for c, info in zip(chunks, infos, strict=True):
-                    where = f"tensor {fqn!r} chunk at {list(c.offsets)}"
-                    t = _load_slice(files, info, where, fail)
-                    if (
-                        not isinstance(t, torch.Tensor)
-                        or t.dtype != dtype
-                        or tuple(t.shape) != tuple(c.sizes)
-                    ):
-                        got = (
-                            f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-                        )
-                        fail(f"{where}: holds {got}, expected {dtype} {list(c.sizes)}")
-                    value[tuple(slice(o, o + s) for o, s in zip(c.offsets, c.sizes, strict=True))] = t
-            _set_path(sd, tuple(paths.get(fqn, (fqn,))), value, fail)
-        return _lists(sd, fail)
+                flat[fqn] = _load_slice(files, infos[0], f"value {fqn!r}", fail)
+                continue
+            dtype, size, chunks = tensor
+            value = torch.empty(size, dtype=dtype)  # every element is written: the chunks tile it
+            for c, info in zip(chunks, infos, strict=True):
+                where = f"tensor {fqn!r} chunk at {list(c.offsets)}"
+                t = _load_slice(files, info, where, fail)
+                if not isinstance(t, torch.Tensor) or t.dtype != dtype or tuple(t.shape) != tuple(c.sizes):
+                    got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                    fail(f"{where}: holds {got}, expected {dtype} {list(c.sizes)}")
+                value[tuple(slice(o, o + s) for o, s in zip(c.offsets, c.sizes, strict=True))] = t
+            flat[fqn] = value
+        return flat, paths
     finally:
         files.close()
+
+
+def _read(path: str, fail) -> dict[str, Any]:
+    flat, paths = _read_items(path, fail)
+    sd = _Node()
+    for fqn, value in flat.items():
+        _set_path(sd, tuple(paths.get(fqn, (fqn,))), value, fail)
+    return _lists(sd, fail)
 
 
 def read_dcp(path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None, dict[int, str]]:

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import io
 import os
 import stat
-import time
 import uuid
 from collections.abc import Callable, Iterable
 from typing import Any, BinaryIO
@@ -15,11 +13,6 @@ from typing import Any, BinaryIO
 import fsspec
 
 from coatstate.formats.schema import CheckpointError
-
-TEST_PAUSE_ENV = "COATSTATE_TEST_PAUSE_MID_WRITE"
-"""Test-only hook: when set to a path, every write pauses for 60 s after writing half of the
-temporary file, after creating that path (so a test can SIGKILL the writer at a known point)."""
-
 
 NAME_MAX = 255
 """Bytes in one file name on Linux, macOS and Windows file systems."""
@@ -83,7 +76,7 @@ def sibling_url(url: str | Location, name: str) -> Location:
 
 
 def sibling_inside(root: str | Location, name: str, what: str) -> Location:
-    """Where file `name` next to `root` (a shard, a rank file) is read from: a local one by its
+    """Where file `name` next to `root` (a shard) is read from: a local one by its
     real path, which must be in the root's directory (a symlink out of it is refused before
     anything is opened); other filesystems have no symlinks, so their sibling URL."""
     root = locate(root)
@@ -183,33 +176,6 @@ def file_size(url: str) -> int:
     return int(fs.size(path))
 
 
-def _pause_for_tests(f: BinaryIO) -> None:
-    marker = os.environ.get(TEST_PAUSE_ENV)
-    if marker:
-        f.flush()
-        with open(marker, "w") as m:
-            m.write(str(os.getpid()))
-        time.sleep(60)
-
-
-class _HalfwayHook(io.RawIOBase):
-    """Wraps a file; calls the test hook once half of `total` bytes went through."""
-
-    def __init__(self, f: BinaryIO, total: int):
-        self.f, self.total, self.seen, self.fired = f, total, 0, False
-
-    def write(self, b) -> int:  # type: ignore[override]
-        n = self.f.write(b) or len(memoryview(b))
-        self.seen += n
-        if not self.fired and self.seen * 2 >= self.total:
-            self.fired = True
-            _pause_for_tests(self.f)
-        return n
-
-    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:  # (rank files rewrite their header)
-        return self.f.seek(offset, whence)
-
-
 def check_directory(url: str) -> None:
     """Make the directory of `url` and its parents where missing (as save_pretrained does), on
     any fsspec filesystem; raises OSError when a parent is a file or cannot be made."""
@@ -238,7 +204,7 @@ def _existing_directory(path: str, url: str) -> str:
     return directory
 
 
-def atomic_write(url: str, write: Callable[[BinaryIO], Any], total_hint: int = 0) -> None:
+def atomic_write(url: str, write: Callable[[BinaryIO], Any]) -> None:
     """Write `url` so that readers see the old object or the complete new one, never a mix.
 
     Local: temp file in the same directory, fsync, os.replace, fsync of the directory (POSIX
@@ -249,14 +215,13 @@ def atomic_write(url: str, write: Callable[[BinaryIO], Any], total_hint: int = 0
     """
     fs, path = url_to_fs(url)
     tmp = sibling(fs, path, temp_name(os.path.basename(path)))
-    hooked = (lambda f: _HalfwayHook(f, total_hint)) if os.environ.get(TEST_PAUSE_ENV) else (lambda f: f)
     try:
         if is_local(fs):
-            _write_local(tmp, path, _existing_directory(path, url), lambda f: write(hooked(f)))
+            _write_local(tmp, path, _existing_directory(path, url), write)
             return
         try:
             with fs.open(tmp, "wb") as f:
-                write(hooked(f))
+                write(f)
             move_literal(fs, tmp, path)
         except BaseException:
             with contextlib.suppress(Exception):

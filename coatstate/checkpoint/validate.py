@@ -18,7 +18,6 @@ from typing import Any
 import torch
 
 from coatstate.checkpoint import extra as run_state
-from coatstate.checkpoint.layout import num_rows, rank_file_pattern, stem_of
 from coatstate.formats import schema
 from coatstate.formats.defaults import MAX_GROUP_SIZE
 from coatstate.formats.group import group_layout
@@ -105,11 +104,12 @@ def validate_header(header: Any, where: str) -> dict[str, Any]:
         fail(f"library_version must be a string or null; got {header.get('library_version')!r:.40}")
     if header.get("created_unix") is not None and not _is_num(header["created_unix"]):
         fail(f"created_unix must be a number or null; got {header.get('created_unix')!r:.40}")
-    if header.get("checksum", schema.CHECKSUM_ALGORITHM) != schema.CHECKSUM_ALGORITHM:
-        fail(f"checksum must be {schema.CHECKSUM_ALGORITHM!r}")
+    if header.get("checksum", schema.CHECKSUM_ALGORITHM) not in (schema.CHECKSUM_ALGORITHM, None):
+        fail(f"checksum must be {schema.CHECKSUM_ALGORITHM!r} (or null in a per-rank checkpoint)")
     if header.get("compression") not in (None, "zstd"):
         fail(f"compression must be null or 'zstd'; got {header.get('compression')!r:.40}")
-    tensors = _tensors(header["tensors"], fail)
+    # a per-rank (DCP) header has checksum null: DCP stores no tensor checksums
+    tensors = _tensors(header["tensors"], fail, header.get("checksum") is not None)
     referenced: dict[str, str] = {}
 
     def ref(key: str, expected: str, what: str):
@@ -147,8 +147,11 @@ def validate_header(header: Any, where: str) -> dict[str, Any]:
         fail(f"tensors {unreferenced[:3]} are listed but no state, param group or model entry names them")
     if header.get("shards") is not None:
         _shards(header["shards"], tensors, fail)
-    if header.get("per_rank") is not None:  # checked here, so no reader walks an unchecked index
-        check_index(header, where)
+    if header.get("per_rank") is not None:
+        fail(
+            "per_rank: a per-rank root of coatstate 0.2, whose rank files this version no longer reads; "
+            "convert it to one file with coatstate 0.2 (`coatstate convert ROOT ONE.safetensors`)"
+        )
     return header
 
 
@@ -222,7 +225,7 @@ def _contains_ref(v: Any) -> bool:
     return isinstance(v, dict) and any(_contains_ref(x) for x in v.values())
 
 
-def _tensors(infos: dict, fail) -> dict[str, _Tensor]:
+def _tensors(infos: dict, fail, checksums: bool) -> dict[str, _Tensor]:
     out = {}
     for key, info in infos.items():
         if not isinstance(info, dict):
@@ -230,7 +233,9 @@ def _tensors(infos: dict, fail) -> dict[str, _Tensor]:
         if info.get("dtype") not in schema.DTYPES or not _shape(info.get("shape")):
             fail(f"tensors[{key!r:.80}] needs a dtype of {sorted(schema.DTYPES)} and a shape")
         digest = info.get("checksum")
-        if not (isinstance(digest, str) and digest.startswith("sha256:") and _HEX64.fullmatch(digest[7:])):
+        if checksums and not (
+            isinstance(digest, str) and digest.startswith("sha256:") and _HEX64.fullmatch(digest[7:])
+        ):
             fail(f"tensors[{key!r:.80}].checksum must be 'sha256:' and 64 hex digits")
         if info.get("encoding") not in (None, "zstd"):
             fail(f"tensors[{key!r:.80}].encoding must be absent or 'zstd'")
@@ -412,68 +417,6 @@ def _shards(shards: Any, tensors: Mapping[str, Any], fail) -> None:
             owner[k] = i
     if set(owner) != set(tensors):
         fail(f"tensors {sorted(set(tensors) - set(owner))[:3]} are in no shard")
-
-
-def _is_nonnegative(v: Any) -> bool:
-    return _is_int(v) and v >= 0
-
-
-def check_index(header: dict[str, Any], where: str) -> dict[str, Any]:
-    """The root's per-rank index against the header: files, splits that tile every tensor."""
-
-    def fail(problem: str):
-        raise CheckpointError(f"{where}: invalid header: per_rank.{problem}")
-
-    index = header["per_rank"]
-    if header.get("format_version") != schema.PER_RANK_FORMAT_VERSION:
-        fail(f"belongs to format version {schema.PER_RANK_FORMAT_VERSION} roots only")
-    if not isinstance(index, dict) or header.get("shards") is not None or header.get("compression"):
-        fail("must be an object, in a root without shards or compression")
-    if not (_is_int(index.get("world_size")) and index["world_size"] >= 1) or not isinstance(
-        index.get("save_id"), str
-    ):
-        fail("needs a save_id and a positive world_size")
-    pattern = rank_file_pattern(stem_of(where))
-    files = index.get("files")
-    if not isinstance(files, list):
-        fail("files must be a list")
-    ranks = set()
-    for i, f in enumerate(files):
-        name = f.get("file") if isinstance(f, dict) else None
-        m = pattern.fullmatch(name) if isinstance(name, str) else None
-        if not m or m.group(1) or m.group(4) or m.group(2) != index["save_id"]:
-            fail(f"files[{i}] must name a rank file of this save next to the root")
-        if not (
-            _is_nonnegative(f.get("bytes"))
-            and _is_nonnegative(f.get("rank"))
-            and isinstance(f.get("manifest_sha256"), str)
-        ):
-            fail(f"files[{i}] needs bytes, rank and manifest_sha256")
-        # the name is rank_file_name's: one file per rank, each listed once
-        if int(m.group(3)) != f["rank"] or f["rank"] in ranks or f["rank"] >= index["world_size"]:
-            fail(f"files[{i}] must be the only file of its rank, a rank below world_size, in its name")
-        ranks.add(f["rank"])
-    splits, tensor_splits = index.get("splits"), index.get("tensor_splits")
-    if not isinstance(splits, list) or not isinstance(tensor_splits, dict):
-        fail("splits must be a list and tensor_splits an object")
-    if set(tensor_splits) != set(header["tensors"]):
-        fail("tensor_splits must name exactly the header's tensors")
-    for key, s in tensor_splits.items():
-        if header["tensors"][key].get("encoding") is not None:  # (zstd may not even be installed)
-            fail(f"tensor_splits[{key!r:.80}]: a tensor read by row ranges cannot be encoded")
-        if not (_is_nonnegative(s) and s < len(splits) and isinstance(splits[s], list)):
-            fail(f"tensor_splits[{key!r:.80}] must index splits")
-        end = 0
-        for piece in splits[s]:
-            if not (isinstance(piece, list) and len(piece) == 3 and all(_is_nonnegative(x) for x in piece)):
-                fail(f"splits[{s}] must hold [file, start, stop] triples")
-            if piece[0] >= len(files) or piece[1] != end or piece[2] <= piece[1]:
-                fail(f"splits[{s}] must tile rows 0.. in order, each piece in a listed file")
-            end = piece[2]
-        rows = num_rows(header["tensors"][key]["shape"])
-        if end != rows:
-            fail(f"splits[{s}] covers {end} rows; tensor {key!r:.80} has {rows}")
-    return index
 
 
 # ---------------------------------------------------------------------- plain state dicts

@@ -1,4 +1,4 @@
-"""The `coatstate` command: inspect, convert, clean and plan (coatstate.cli.main builds the parser)."""
+"""The `coatstate` command: inspect, convert and plan (coatstate.cli.main builds the parser)."""
 
 from coatstate.cli.main import main
 

@@ -48,11 +48,10 @@ def human_bytes(n: int) -> str:
 
 
 def stored_bytes(url: str, header: dict[str, Any]) -> int:
-    """Bytes of a checkpoint: its root plus every shard or rank file the root names."""
+    """Bytes of a checkpoint file: the file plus every shard its header names."""
     from coatstate.checkpoint import storage
 
-    parts = (header.get("shards") or []) + (header.get("per_rank") or {}).get("files", [])
-    return storage.file_size(url) + sum(s["bytes"] for s in parts)
+    return storage.file_size(url) + sum(s["bytes"] for s in header.get("shards") or [])
 
 
 def int_in(low: int, high: int) -> Callable[[str], int]:

@@ -1,9 +1,9 @@
 """`coatstate convert SRC DST`: torch AdamW states <-> compressed (FP8) states, between a .pt, a
-.safetensors checkpoint (one file, sharded or per-rank) and a torch.distributed.checkpoint
-directory; master weights split or joined on the way (--master-bits).
+.safetensors checkpoint (one file or sharded) and a torch.distributed.checkpoint directory
+(per-rank checkpoints included); master weights split or joined on the way (--master-bits).
 
 Never writes over its input: DST is refused when it is SRC or a file SRC is read from (a shard,
-a rank file, anything inside a DCP directory), on every filesystem; an existing DST is replaced
+anything inside a DCP directory), on every filesystem; an existing DST is replaced
 only with --force.
 """
 
@@ -139,7 +139,7 @@ def _write_pt(obj: Any, url: str) -> None:
     buf = io.BytesIO()
     torch.save(obj, buf)
     view = buf.getbuffer()
-    storage.atomic_write(url, lambda f: f.write(view), len(view))
+    storage.atomic_write(url, lambda f: f.write(view))
 
 
 def _converted(what: str, src: str, fn, *args, **kwargs):
@@ -162,7 +162,7 @@ def _size_of(url: str) -> int:
 
 
 def _header(src: str) -> dict[str, Any] | None:
-    """SRC's coatstate header (which names its shards or rank files), or None for a .pt file or
+    """SRC's coatstate header (which names its shards), or None for a .pt file or
     a DCP directory; reads the header only."""
     from coatstate.checkpoint import api as checkpoint
     from coatstate.checkpoint import storage
@@ -246,8 +246,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
         if model is not None:
             print("coatstate: note: the model state dict in SRC is not written to a .pt DST", file=sys.stderr)
         _write_pt(sd, args.dst)
-    per_rank = isinstance(ckpt.header.get("per_rank"), dict)  # its rank files count too
-    src_size = stored_bytes(args.src, ckpt.header) if per_rank else _size_of(args.src)
+    if os.path.isdir(args.src):  # a DCP directory: the files of the version read
+        from coatstate.checkpoint import per_rank
+
+        src_size = per_rank.stored_bytes(args.src)
+    else:
+        src_size = stored_bytes(args.src, ckpt.header)  # (a sharded root's shards count too)
     dst_size = _size_of(args.dst)
     ratio, seconds = dst_size / max(src_size, 1), time.perf_counter() - t0
     print(

@@ -22,6 +22,7 @@ from coatstate.cli.common import (
 VERIFIED = "all verified"
 NOT_VERIFIED = "not verified (--verify reads and checks every tensor)"
 PT_CHECKSUMS = "none, as a torch .pt file holds no checksums (torch.load read it with weights_only=True)"
+DCP_CHECKSUMS = "none, as torch.distributed.checkpoint stores no checksums (--verify reads every tensor)"
 """What `inspect` says of checksums for a .pt, with or without --verify (there is nothing to check)."""
 
 
@@ -84,10 +85,6 @@ def _first_step(url: str, header: dict[str, Any]) -> float | None:
         if not (isinstance(ref, dict) and "$tensor" in ref):
             continue
         key, file_url = ref["$tensor"], url
-        if header.get("per_rank") is not None:  # a per-rank root: the rows of rank 0's file
-            from coatstate.checkpoint import rank_read
-
-            return float(rank_read.read_tensor(url, header, key).reshape(-1)[0])
         for shard in header.get("shards") or []:
             if key in shard["tensors"]:  # (read()'s rule: no symlink out of the directory)
                 file_url = storage.sibling_inside(url, shard["file"], "shard")
@@ -99,8 +96,8 @@ def _first_step(url: str, header: dict[str, Any]) -> float | None:
 
 
 def check_sizes(url: str, header: dict[str, Any]) -> None:
-    """Without --verify too: every tensor's data offsets lie inside the file, and every shard or
-    rank file the root names has the size the root records (a truncated file is an error)."""
+    """Without --verify too: every tensor's data offsets lie inside the file, and every shard
+    the root names has the size the root records (a truncated file is an error)."""
     from coatstate.checkpoint import container, storage
 
     _, start, st_header = container.read_head(url, url)
@@ -108,9 +105,7 @@ def check_sizes(url: str, header: dict[str, Any]) -> None:
     for key in st_header:
         if key != "__metadata__":
             container.tensor_span(st_header, key, data_bytes, url)
-    kinds = [("shard", s) for s in header.get("shards") or []]
-    kinds += [("rank file", f) for f in (header.get("per_rank") or {}).get("files", [])]
-    for what, part in kinds:
+    for what, part in [("shard", s) for s in header.get("shards") or []]:
         try:
             size = storage.file_size(storage.sibling_inside(url, part["file"], what))
         except FileNotFoundError:
@@ -175,7 +170,7 @@ def summarize(header: dict[str, Any], *, file_bytes: int, step: float | None) ->
         "file_bytes": file_bytes,
         "compression": header.get("compression"),
         "shards": len(header.get("shards") or []) or None,
-        "rank_files": len((header.get("per_rank") or {}).get("files", [])) or None,
+        "rank_files": None,  # a per-rank checkpoint's .distcp files (set by _inspect_per_rank)
         "extra": sorted(header.get("extra") or {}) or None,  # save(..., extra=)'s keys
         "state_bytes_per_param": state_raw / elements if elements else None,
         "ratio_vs_fp32_adamw": state_raw / fp32_adamw if fp32_adamw else None,
@@ -258,10 +253,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
     url = args.file
     if os.path.isdir(url):
-        raise checkpoint_error(
-            f"{url}: is a directory; inspect reads a .safetensors or .pt file (convert a "
-            "torch.distributed.checkpoint directory to .safetensors first)"
-        )
+        return _inspect_per_rank(args)
     head = storage.read_bytes(url, length=4)
     if _is_pt(url, head):  # a torch.save file: read it (weights_only) and describe it
         ckpt = checkpoint.read(url)
@@ -293,6 +285,29 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         )
     else:
         _print_summary(url, s, checksums, args.all)
+    return 0
+
+
+def _inspect_per_rank(args: argparse.Namespace) -> int:
+    """A per-rank checkpoint (a DCP directory that coatstate saved): its header, read without
+    unpickling; --verify also reads every tensor."""
+    from coatstate.checkpoint import api as checkpoint
+    from coatstate.checkpoint import per_rank
+
+    url = args.file
+    header = per_rank.read_header(url)
+    if header is None:
+        raise checkpoint_error(
+            f"{url}: a torch.distributed.checkpoint directory that coatstate did not save; inspect reads "
+            "coatstate's own (distributed='per_rank'): convert this one to .safetensors first"
+        )
+    step = _first_step_from(checkpoint.read(url).optimizer) if args.verify else None
+    s = summarize(header, file_bytes=per_rank.stored_bytes(url), step=step)
+    s["rank_files"] = sum(n.endswith(".distcp") for n in os.listdir(per_rank.latest(url)))
+    if args.json:
+        print(json.dumps({**s, "checksums_verified": False, "checksums": DCP_CHECKSUMS}, indent=1))
+    else:
+        _print_summary(url, s, DCP_CHECKSUMS, args.all)
     return 0
 
 

@@ -53,20 +53,16 @@ def _inside_existing(directory: str, path: str) -> bool:
 
 def input_files(src: str, header: dict[str, Any] | None) -> list[tuple[str, str]]:
     """(what, url) of every file reading src reads: src itself and, for a coatstate root, each
-    shard and rank file its header names."""
+    shard its header names."""
     from coatstate.checkpoint import storage
 
     files = [(f"the same file as SRC {src}", src)]
     if not isinstance(header, dict):
         return files
     shards = header.get("shards")
-    per_rank = header.get("per_rank")
-    named = [("a shard", s) for s in shards if isinstance(s, dict)] if isinstance(shards, list) else []
-    if isinstance(per_rank, dict) and isinstance(per_rank.get("files"), list):
-        named += [("a rank file", f) for f in per_rank["files"] if isinstance(f, dict)]
-    for what, entry in named:
-        if isinstance(entry.get("file"), str):
-            files.append((f"{what} of SRC ({entry['file']})", storage.sibling_url(src, entry["file"])))
+    for entry in shards if isinstance(shards, list) else []:
+        if isinstance(entry, dict) and isinstance(entry.get("file"), str):
+            files.append((f"a shard of SRC ({entry['file']})", storage.sibling_url(src, entry["file"])))
     return files
 
 

@@ -1,5 +1,5 @@
 """The `coatstate` command: the parser and the dispatch to one module per command (`inspect`,
-`convert`, `clean`, `plan`; helpers they share in coatstate.cli.common).
+`convert`, `plan`; helpers they share in coatstate.cli.common).
 
 Exit codes: 0 success, 1 a checkpoint problem (unreadable, corrupt, mismatched: one line on
 stderr naming the file), 2 a usage error (one line). Nothing heavy is imported at module level:
@@ -14,7 +14,6 @@ import os
 import sys
 import warnings
 
-from coatstate.cli.clean import add_clean_parser
 from coatstate.cli.common import UsageError, printable
 from coatstate.cli.convert import add_convert_parser
 from coatstate.cli.inspect import add_inspect_parser
@@ -38,17 +37,15 @@ def _parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="coatstate",
         description="coatstate checkpoints and memory: `inspect` what a checkpoint holds, `convert` between "
-        "torch AdamW and compressed (FP8) optimizer states, `clean` what killed saves left next to a "
-        "checkpoint, `plan` a training job's memory per GPU.",
+        "torch AdamW and compressed (FP8) optimizer states, `plan` a training job's memory per GPU.",
         epilog="Exit codes: 0 ok, 1 a checkpoint problem (one line on stderr), 2 a usage error.",
     )
     p.add_argument(
         "--version", action="version", version=f"coatstate {__version__}", help="print the version"
     )
-    sub = p.add_subparsers(dest="command", required=True, metavar="{inspect,convert,clean,plan}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{inspect,convert,plan}")
     add_inspect_parser(sub)
     add_convert_parser(sub)
-    add_clean_parser(sub)
     add_plan_parser(sub)
     return p
 
