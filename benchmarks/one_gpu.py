@@ -85,9 +85,12 @@ def variants():
 
     return {
         "bf16": Variant("torch AdamW + BF16", "adamw", "none"),
-        "coatstate": Variant("coatstate", "compressed", "fp8", master_bits=24),
-        "release": Variant("release", "compressed", "fp8", master_bits=24, gradient_release=True),
-        "4bit": Variant("4bit", "compressed", "fp8", master_bits=24, gradient_release=True, moments="4bit"),
+        # 'compiled': FP8Linear in blocks compiled with CompiledActivations, as the child trains
+        "coatstate": Variant("coatstate", "compressed", "compiled", master_bits=24),
+        "release": Variant("release", "compressed", "compiled", master_bits=24, gradient_release=True),
+        "4bit": Variant(
+            "4bit", "compressed", "compiled", master_bits=24, gradient_release=True, moments="4bit"
+        ),
     }
 
 

@@ -9,12 +9,23 @@ Per GPU, for one variant, micro-batch B and N GPUs:
   (grads)         with gradient release, only the largest parameter's gradient
   optimizer       torch AdamW: fp32 m and v; CompressedAdamW: its moment_formats on the GLOBAL
                   shape and formats.group.storage_bytes of the shard
-  activations     saved for backward (ActivationStats' accounting), from the trace
+  activations     saved for backward (ActivationStats' accounting; for CompiledActivations the
+                  bytes the compiled blocks hold), from the trace
   transient       the rest of the step's peak: autocast weight copies, logits and loss, gradients
                   of activations, unpacked activations in backward (from the trace), and with
                   FSDP2 the unsharded parameters of the root module plus three layers' worth of
                   unsharded parameters/gradients (current + prefetched layer, reduce-scatter input)
-  peak            the sum
+  peak            params + master + optimizer + the larger of
+                    grads                                  (the end of backward: activations freed)
+                    activations + transient + 1 gradient   (backward's peak, near its start)
+                  Gradients and saved activations do not coexist: backward frees a layer's saved
+                  tensors as it makes that layer's gradients, so all gradients exist only once
+                  the activations are gone, and at backward's peak (the loss and the last layers)
+                  only the first gradients do: one parameter's, the largest (a language model's
+                  head, the first to get its gradient). Measured on an H200 (docs/benchmarks.md,
+                  one GPU): Llama-2-7B at batch 1 peaks at the end of backward, at 5 at its start.
+                  With grads_kept (zero_grad(set_to_none=False): gradients allocated through the
+                  whole step) and no release, the sum.
 """
 
 from __future__ import annotations
@@ -90,7 +101,8 @@ class Variant:
     optimizer: str
     """'adamw' (torch, fp32 moments) or 'compressed' (CompressedAdamW)."""
     activations: str
-    """Trace kind: 'none', 'compressed' (compress_activations) or 'fp8' (+ FP8 linear layers)."""
+    """Trace kind: 'none', 'compressed' (compress_activations), 'fp8' (+ FP8 linear layers) or
+    'compiled' (FP8 linear layers in blocks compiled with CompiledActivations)."""
     master_bits: int | str | None = "auto"
     """CompressedAdamW's master_bits for bf16 parameters, with its meaning and default ("auto":
     24; None: no master); the master column holds its correction (2, 1 or 0 bytes per
@@ -182,7 +194,12 @@ class Plan:
             "activations": saved,
             "transient": max(peak_act - saved, 0) + fsdp,  # the fitted peak can dip below the saved bytes
         }
-        out["peak"] = sum(out.values())
+        static = out["params"] + out["master"] + out["optimizer"]
+        if s.get("grads_kept") and not v.gradient_release:  # zero_grad(set_to_none=False)
+            out["peak"] = static + out["grads"] + out["activations"] + out["transient"]
+            return out
+        backward = largest * pb + out["activations"] + out["transient"]
+        out["peak"] = static + max(out["grads"], backward)
         return out
 
     def _options(self, v: Variant) -> dict[str, Any]:

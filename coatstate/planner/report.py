@@ -29,10 +29,11 @@ PARTS = {  # a short label's parts, in order, with what each stands for in the l
     "+A": "compress_activations (saved activations in FP8)",
     "+R": "gradient release (each gradient freed once its parameter steps)",
     "+4b": "4-bit moments (e2m1 / ue3m1_sqrt)",
-    "+F8": "FP8 linear layers (convert_to_fp8). acts is larger than C+A's: each FP8 linear layer "
-    "keeps its own FP8 copy of its input, where compress_activations alone shares one copy between "
-    "the ops that save a tensor and recomputes the activation function's output. FP8 linear layers "
-    "buy matmul speed, not memory.",
+    "+F8": "FP8 linear layers (convert_to_fp8). With +A, acts is larger than C+A's: each FP8 linear "
+    "layer keeps its own FP8 copy of its input, where compress_activations alone shares one copy "
+    "between the ops that save a tensor and recomputes the activation function's output.",
+    "+CA": "CompiledActivations (each block torch.compile'd; inductor's partitioner picks what is "
+    "saved, held in FP8 where the policy says, the rest recomputed in backward)",
 }
 
 
@@ -46,8 +47,10 @@ def label_parts(v: Variant) -> list[str]:
         parts.append("+R")
     if v.moments == "4bit":
         parts.append("+4b")
-    if v.activations == "fp8":
+    if v.activations in ("fp8", "compiled"):
         parts.append("+F8")
+    if v.activations == "compiled":
+        parts.append("+CA")
     if v.master_bits not in ("auto", 24):
         parts.append(f"+m{v.master_bits}")
     return parts
@@ -192,7 +195,9 @@ def legend(plan: Plan) -> list[str]:
     points = ", ".join(map(str, next(iter(plan.activations.values())).trace_points))
     text = [
         f"Columns: GB (1e9 bytes) per GPU; optim = optimizer states, acts = saved activations, trans "
-        f"= the step's transient memory; free = share of {s_mem(plan)} left at the peak (! under "
+        f"= the step's transient memory; peak = params + master + optim + the larger of grads (end "
+        f"of backward) and acts + trans + one gradient (backward's peak): gradients and saved "
+        f"activations do not coexist; free = share of {s_mem(plan)} left at the peak (! under "
         f"{100 * MARGIN:g}%); min GPUs = fewest GPUs that hold the job at this micro-batch (FSDP2 "
         f"when more than one); max batch = largest micro-batch on {_gpus(plan.setup['gpus'])}; "
         f"{NONE} = does not fit. Activations from a CPU trace at (batch, seq) = {points}, scaled "

@@ -15,6 +15,10 @@ trace is tested against). Two things are measured per run:
   per layer and outside the layers, and the extra bytes alive at the step's peak (autocast's
   weight copies, the loss's logits, gradients of activations, unpacked activations in backward).
 
+The 'compiled' kind compiles each traced block with CompiledActivations' partitioner instead of
+entering compress_activations (coatstate.planner.compiled_trace); there the live bytes at the end
+of forward are the saved activations.
+
 Each quantity q is fitted as q = a + b*B*S from runs at (B, S) = (b, s) and (2b, s), and
 per-layer quantities are multiplied by the model's layer count; the transient is fitted at every
 sampled moment of the step and the largest line taken (PeakFit), since the peak moves. The fit
@@ -43,6 +47,12 @@ from torch.utils._pytree import tree_flatten
 
 from coatstate.activations.hooks import compress_activations
 from coatstate.activations.policy import KEEP_ALL, ActivationPolicy
+from coatstate.planner import compiled_trace
+
+
+KINDS = ("none", "compressed", "fp8", "compiled")
+"""Trace kinds: nothing compressed; compress_activations; the same with FP8 linear layers; FP8
+linear layers in blocks compiled with CompiledActivations (coatstate.planner.compiled_trace)."""
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -63,6 +73,37 @@ class LiveBytes(TorchDispatchMode):
         self.pause_codes: set = set()  # code objects of functions whose temporaries are left out
         self.samples: list[int] = []  # the live bytes at every sample of the peak, in order
         self._unsampled = False  # storages were added while paused and the peak has not seen them
+        self.deferred: set[int] = set()  # pointwise outputs inside a compiled graph (compiled_trace)
+
+    def __enter__(self):
+        compiled_trace.FUSED.trackers.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        compiled_trace.FUSED.trackers.remove(self)
+        return super().__exit__(*exc)
+
+    def _add(self, key: int, st) -> None:
+        self.deferred.discard(key)
+        if key not in self.live:
+            self.live[key] = (StorageWeakRef(st), st.nbytes())
+            self.current += st.nbytes()
+
+    def materialize(self, tensors) -> None:
+        """A compiled graph returned `tensors`: those of its fused intermediates are buffers."""
+        self.sweep()
+        for t in tree_flatten(tensors)[0]:
+            if isinstance(t, torch.Tensor) and storage_key(t) in self.deferred:
+                self._add(storage_key(t), t.untyped_storage())
+        self.deferred.clear()
+        self.peak = max(self.peak, self.current)
+        self.samples.append(self.current)
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # dynamo skips compiling (runs eagerly) under a dispatch mode that does not say this: the
+        # 'compiled' trace needs its blocks compiled, and the mode to see their graphs' ops
+        return True
 
     def _paused(self) -> bool:
         f = sys._getframe(2)
@@ -84,6 +125,15 @@ class LiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         new = []
+        if compiled_trace.FUSED.depth and torch.Tag.reduction not in func.tags:
+            if torch.Tag.pointwise in func.tags:  # fused into its consumer: a buffer only if read
+                for t in tree_flatten(out)[0]:  # by an extern kernel or returned (materialize)
+                    if isinstance(t, torch.Tensor) and storage_key(t) not in self.live:
+                        self.deferred.add(storage_key(t))
+                return out
+            for t in tree_flatten((args, kwargs))[0]:  # an extern kernel reads buffers
+                if isinstance(t, torch.Tensor) and storage_key(t) in self.deferred:
+                    new.append((storage_key(t), t.untyped_storage()))
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 st = t.untyped_storage()
@@ -99,9 +149,7 @@ class LiveBytes(TorchDispatchMode):
             return out
         self.sweep()
         for key, st in new:
-            if key not in self.live:
-                self.live[key] = (StorageWeakRef(st), st.nbytes())
-                self.current += st.nbytes()
+            self._add(key, st)
         if self.pause_codes and self._paused():
             self._unsampled = True
         else:
@@ -221,14 +269,21 @@ class RunBytes:
     sampled, in order (`transient` is the largest)."""
 
 
-def _run(model, layers: nn.ModuleList, idx, *, compress: bool, autocast: bool, vocab: int) -> RunBytes:
+def _run(model, layers: nn.ModuleList, idx, *, kind: str, autocast: bool, vocab: int) -> RunBytes:
     for p in model.parameters():  # allocated beforehand, as with zero_grad(set_to_none=False)
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     static = {storage_key(t) for t in (*model.parameters(), *model.buffers(), idx)}
     static |= {storage_key(p.grad) for p in model.parameters()}
-    ctx = compress_activations() if compress else compress_activations(**KEEP_ALL)
     tracker = LiveBytes(static)
+    if kind == "compiled":
+        # No hooks: the compiled blocks hold what their partitioned graphs save (compiled_trace),
+        # and the eager rest of the model what autograd saves. What is held at the end of forward
+        # is the saved activations, as the benchmarks measure them on the GPU.
+        ctx, held = contextlib.nullcontext(), tracker.sweep
+    else:
+        ctx = compress_activations() if kind != "none" else compress_activations(**KEEP_ALL)
+        held = lambda: ctx.stats.activation_bytes_held  # noqa: E731
     # On CPU, pack/unpack run as chains of float32 torch ops whose temporaries are several times
     # the tensor; on CUDA one Triton kernel writes codes or the unpacked tensor directly. The
     # temporaries are left out of the peak (found by the hooks' frames on the stack: wrapping the
@@ -243,13 +298,13 @@ def _run(model, layers: nn.ModuleList, idx, *, compress: bool, autocast: bool, v
     # entering the next: by then the caller has dropped the layer's input (x = layer(x)), which
     # a snapshot at the layer's own exit would still count.
     marks: list[tuple[int, int]] = []
-    mark = lambda *_: marks.append((ctx.stats.activation_bytes_held, tracker.sweep()))  # noqa: E731
+    mark = lambda *_: marks.append((held(), tracker.sweep()))  # noqa: E731
     hooks = [m.register_forward_pre_hook(mark) for m in layers]
     try:
         with tracker:
             with ctx, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 loss = call_loss(model, idx % vocab)
-            saved_end, live_end = ctx.stats.activation_bytes_held, tracker.sweep()
+            saved_end, live_end = held(), tracker.sweep()
             forward_marks = list(marks)  # backward may re-run layers (activation checkpointing)
             loss.backward()
             del loss
@@ -406,8 +461,10 @@ def trace(
     """Fitted activation models per kind for the full `layers`.
 
     Kinds: 'none' (nothing compressed), 'compressed' (compress_activations' default policy),
-    'fp8' (the same, with nn.Linear layers swapped by `fp8_convert`). build(k) returns the model
-    with k repeated layers on CPU, or on the meta device (then materialized with placeholders).
+    'fp8' (the same, with nn.Linear layers swapped by `fp8_convert`), 'compiled' (FP8 linear
+    layers, each repeated block compiled with CompiledActivations: compiled_trace). build(k)
+    returns the model with k repeated layers on CPU, or on the meta device (then materialized
+    with placeholders).
     real=False traces fake tensors (no values, no memory), and falls back to real ones with a
     warning for a model whose forward needs values (`.item()`, data-dependent shapes);
     real=True computes every op. `progress(text)` is told each stage.
@@ -416,9 +473,9 @@ def trace(
 
     k = min(max(2, trace_layers), layers)
     b, s = trace_shape(seq, hidden, ActivationPolicy().min_numel)
-    kinds = sorted(set(kinds), key=("none", "compressed", "fp8").index)
-    if "fp8" in kinds and fp8_convert is None:
-        raise ValueError("the 'fp8' trace needs fp8_convert (coatstate.nn.FP8Linear)")
+    kinds = sorted(set(kinds), key=KINDS.index)
+    if {"fp8", "compiled"} & set(kinds) and fp8_convert is None:
+        raise ValueError("the 'fp8' and 'compiled' traces need fp8_convert (coatstate.nn.FP8Linear)")
     args = (build, k, layers, ((b, s), (2 * b, s)), vocab, autocast, dtype, kinds, fp8_convert, progress)
     if real:
         return _trace(*args, fake=False)
@@ -441,16 +498,20 @@ def _trace(build, k, layers, points, vocab, autocast, dtype, kinds, fp8_convert,
     for kind in kinds:
         if progress:
             progress(f"tracing {k} of {layers} layers ({kind}) at batch {b} and {2 * b} x seq {s}")
-        if model is None or kind == "fp8":
+        if model is None or kind in ("fp8", "compiled"):
             model = _prepare(build, k, dtype, fake)
-        if kind == "fp8":
+        if kind in ("fp8", "compiled"):
             model = fp8_convert(model)
+        if kind == "compiled":
+            partitioner = compiled_trace.CompiledActivations()
+            compiled_trace.use_fp8_gemm(model)
+            compiled_trace.compile_blocks(find_layers(model)[2], partitioner)
         _, _, blocks = find_layers(model)
         runs = []
         for batch, n in points:
             torch.manual_seed(0)
             idx = torch.randint(0, vocab, (batch, n))
-            runs.append(_run(model, blocks, idx, compress=kind != "none", autocast=autocast, vocab=vocab))
+            runs.append(_run(model, blocks, idx, kind=kind, autocast=autocast, vocab=vocab))
         tokens = (b * s, 2 * b * s)
         fits = {
             f.name: TokenFit.fit(*(getattr(r, f.name) for r in runs), *tokens)
@@ -461,6 +522,8 @@ def _trace(build, k, layers, points, vocab, autocast, dtype, kinds, fp8_convert,
             fits["transient"] = PeakFit.fit(runs[0].moments, runs[1].moments, *tokens)
         out[kind] = ActivationModel(layers, trace_points=points, **fits)
         model.zero_grad(set_to_none=True)
+        if kind == "compiled":
+            compiled_trace.check_partitioned(partitioner, len(points))
     return out
 
 
