@@ -18,6 +18,7 @@ from coatstate.formats.master_weights import CORRECTION_DTYPES
 from coatstate.formats.optimizer_state import MASTER_CORRECTION, MOMENTS
 from coatstate.kernels.runtime import triton_usable
 from coatstate.optim.external_writes import ExternalWrites
+from coatstate.optim.momentum_step import master_in, master_out
 from coatstate.optim.moments import global_shape, master_mode, moment_formats, optimizer_state_bytes, why_uncompressed
 from coatstate.optim.options import MOMENTS_WITH_OPTIONS, check_group, settle_group
 from coatstate.optim.release import GradientRelease
@@ -286,8 +287,11 @@ class CompressedOptimizer(torch.optim.Optimizer):
                 if inv_scale is not None:
                     g = g * inv_scale.to(g.device)
                 step = int(state["step"].item())
-                bad = self._update(local_tensor(p), g, local_state(state), group, p, step, fused)
+                local = local_state(state)
+                bad = self._update(local_tensor(p), g, local, group, p, step, fused)
                 self._record_nonfinite(p, bad, step)
+                for key, value in local.items():  # a moment the update created
+                    state.setdefault(key, value)
                 if is_dtensor(p):
                     wrap_state(state, p)
         self._external_writes.record(masters)
@@ -301,13 +305,18 @@ class CompressedOptimizer(torch.optim.Optimizer):
         came out NaN/Inf."""
         raise NotImplementedError
 
-    def _master_options(self, group: dict, p: torch.Tensor) -> dict[str, Any]:
-        """The keywords of coatstate.optim.momentum_step's update for p's master weight."""
-        return {
-            "master_bits": master_mode(group, p),
-            "seed": self._rounding_seed(group, p),
-            "first_element": first_element(p),
-        }
+    def _apply(self, twin, kernel, param, grad, state, group, p, step, fused, **hyper) -> int:
+        """One parameter's update through `twin` (coatstate.optim.momentum_step: float32 math on the
+        master weight) or, on the fused path, `kernel` (float32 parameters and gradients without a
+        master: the other cases take the twin), with the parameter's one moment format."""
+        fmt = self._formats(group, p)[self.MOMENTS[0]]
+        bits = master_mode(group, p)
+        if fused and kernel is not None and bits is None and param.dtype == grad.dtype == torch.float32:
+            return kernel(param, grad, state, fmt, **hyper)
+        x = master_in(param, state, bits)
+        bad = twin(x, grad if grad.dtype == torch.float32 else grad.float(), state, fmt, **hyper)
+        master_out(param, x, state, bits, self._rounding_seed(group, p), step, first_element(p))
+        return bad
 
     # ---- state dicts -----------------------------------------------------------------------
 

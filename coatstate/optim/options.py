@@ -182,9 +182,14 @@ def check_arguments(lr, betas, eps, weight_decay, unsupported_mode, group_size, 
             "CompressedAdamW does not support capturable=True or differentiable=True: its "
             "states are requantized in place each step; use torch.optim.AdamW for those modes"
         )
+    check_format_arguments(group_size, dict(zip(("exp_avg_format", "exp_avg_sq_format"), formats, strict=True)))
+
+
+def check_format_arguments(group_size: Any, formats: dict[str, Any]) -> None:
+    """The constructor's group_size and format options ({option: value}), every optimizer's."""
     if isinstance(group_size, bool) or not (isinstance(group_size, int) and 0 < group_size <= MAX_GROUP_SIZE):
         raise ValueError(f"group_size must be an int from 1 to {MAX_GROUP_SIZE}; got {group_size!r}")
-    for name, value in zip(("exp_avg_format", "exp_avg_sq_format"), formats, strict=True):
+    for name, value in formats.items():
         try:
             parse_format(value)
         except ValueError as e:

@@ -16,6 +16,7 @@ from coatstate.formats.optimizer_state import (
     CODES,
     DEFAULT_GROUP_SIZE,
     EXPONENTS,
+    ALL_MOMENTS,
     MASTER_CORRECTION,
     MOMENTS,
     SCALES,
@@ -49,10 +50,16 @@ state dict of an older torch)."""
 
 
 def loaded_state(
-    groups: list[dict[str, Any]], state_dict: Any, convert: Callable[[dict, torch.Tensor, dict], dict]
+    groups: list[dict[str, Any]],
+    state_dict: Any,
+    convert: Callable[[dict, torch.Tensor, dict], dict],
+    torch_defaults: dict[str, Any] = TORCH_GROUP_DEFAULTS,
+    check: Callable[[int, dict], None] = check_group,
 ) -> tuple[list[dict[str, Any]], dict[Any, Any]]:
-    """(param groups, state) that CompressedAdamW.load_state_dict installs for `state_dict`, given
-    the optimizer's current `groups`; every value checked, ValueError before anything changes.
+    """(param groups, state) that a compressed optimizer's load_state_dict installs for
+    `state_dict`, given the optimizer's current `groups`; every value checked (`check`, per
+    group), ValueError before anything changes. Keys the loaded groups lack get `torch_defaults`
+    (the reference's __setstate__ defaults), then the optimizer's own values.
 
     `convert(saved, p, group)` puts one parameter's saved state into the group's format.
     """
@@ -75,17 +82,18 @@ def loaded_state(
             )
         id_to_param.update(zip(saved["params"], mine["params"], strict=True))
         merged = copy.deepcopy({k: v for k, v in saved.items() if k != "params"})  # as torch: no aliasing
-        for key, default in TORCH_GROUP_DEFAULTS.items():
+        for key, default in torch_defaults.items():
             merged.setdefault(key, default)
-        for key in ("lr", "betas", "eps", "weight_decay"):
-            merged.setdefault(key, mine[key])
-        for key, default in FORMAT_DEFAULTS.items():
-            merged.setdefault(key, mine.get(key, default))
-        merged["capturable"] = merged["differentiable"] = False  # CompressedAdamW runs neither mode
+        for key, value in mine.items():  # hyperparameters, then coatstate's options
+            if key not in ("params", "param_names"):
+                merged.setdefault(key, value)
+        for key in ("capturable", "differentiable"):  # coatstate's optimizers run neither mode
+            if key in merged:
+                merged[key] = False
         if "param_names" in mine and "param_names" not in merged:
             merged["param_names"] = mine["param_names"]
         merged["params"] = mine["params"]
-        check_group(gi, merged)
+        check(gi, merged)
         new_groups.append(merged)
     group_of = {id(p): g for g in new_groups for p in g["params"]}
     new_state: dict[Any, Any] = {}
@@ -115,21 +123,32 @@ def _saved_format(src: dict, name: str, fmt: MomentFormat | None) -> MomentForma
     return fmt
 
 
-def convert_param_state(saved: dict, p: torch.Tensor, group: dict) -> dict:
-    """One parameter's saved state, in this group's format for `p`, on p's device."""
+def convert_param_state(
+    saved: dict,
+    p: torch.Tensor,
+    group: dict,
+    moments: tuple[str, ...] = MOMENTS,
+    required: tuple[str, ...] = ("step", "exp_avg", "exp_avg_sq"),
+    reference: str = "AdamW",
+) -> dict:
+    """One parameter's saved state, in this group's format for `p`, on p's device. `moments`: the
+    optimizer's; `required`: what a saved state must hold (a `step` not required starts at 0)."""
     if not isinstance(saved, dict):
         raise TypeError(f"a parameter's state must be a dict; got {type(saved).__name__}")
-    missing = [k for k in ("step", "exp_avg", "exp_avg_sq") if k not in saved and k + CODES not in saved]
+    missing = [k for k in required if k not in saved and k + CODES not in saved]
+    foreign = [k for k in ALL_MOMENTS if k not in moments and (k in saved or k + CODES in saved)]
     if missing:
         raise ValueError(
-            f"it has keys {sorted(map(str, saved))[:6]} but lacks AdamW's {missing}: is it another "
+            f"it has keys {sorted(map(str, saved))[:6]} but lacks {reference}'s {missing}: is it another "
             "optimizer's state?"
         )
+    if foreign:
+        raise ValueError(f"it holds {foreign}, which {reference} does not keep: is it another optimizer's state?")
     for key, value in saved.items():
-        if isinstance(key, str) and key.startswith(MOMENTS) and not isinstance(value, torch.Tensor):
+        if isinstance(key, str) and key.startswith(moments) and not isinstance(value, torch.Tensor):
             raise TypeError(f"state {key!r} must be a tensor; got {type(value).__name__}")
     local = local_tensor(p)
-    formats = moment_formats(group, global_shape(p))
+    formats = moment_formats(group, global_shape(p), moments)
     saved_group_size = group.get("group_size", DEFAULT_GROUP_SIZE)
     out: dict[str, Any] = {}
     for key, value in saved.items():
@@ -139,7 +158,7 @@ def convert_param_state(saved: dict, p: torch.Tensor, group: dict) -> dict:
             out["step"] = (
                 step.detach().to(dtype=torch.float32, device=local.device if on_device else "cpu").clone()
             )
-    for name in MOMENTS:
+    for name in moments:
         if name not in saved and name + CODES not in saved:
             continue
         src = {
@@ -177,10 +196,12 @@ def convert_param_state(saved: dict, p: torch.Tensor, group: dict) -> dict:
                 value = read_moment(src, name, saved_group_size, saved_format, tuple(local.shape))
                 write_moment(out, name, value.float(), formats[name])
     _convert_master_correction(saved, out, p, group, local)
+    if "step" not in out and "step" not in required:  # (torch's SGD and Muon count no steps)
+        out["step"] = torch.tensor(0.0)
     if "step" not in out:
         raise ValueError("parameter state has no 'step'")
     if is_dtensor(p):
-        if any(is_compressed(out, name) for name in MOMENTS):
+        if any(is_compressed(out, name) for name in moments):
             check_compressible(p, f"of global shape {tuple(p.shape)}")
         wrap_state(out, p)
     return out
