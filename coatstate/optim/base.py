@@ -51,6 +51,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._fused_cache: dict = {}
         """fused launches with on-device non-finite counters (`.params`, `.nonfinite`)"""
         self._twin_nonfinite: dict = {}
+        self._pending_nonfinite: list = []
+        """(parameter, on-device count, step) of fused steps not read yet"""
         self._external_writes = ExternalWrites()
         self._index_params()
         # the note's stack level: the user's line that built the optimizer (through its __init__)
@@ -140,6 +142,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         kept element by element, as torch's optimizers keep it, and its group's other values keep
         their precision.
         """
+        self._read_pending_nonfinite()
         found = []
         for plan in self._fused_cache.values():
             counts = plan.nonfinite.tolist()
@@ -152,10 +155,24 @@ class CompressedOptimizer(torch.optim.Optimizer):
             for p, (count, steps, last) in found
         ]
 
-    def _record_nonfinite(self, p: torch.Tensor, bad: int, step: int) -> None:
+    def _record_nonfinite(self, p: torch.Tensor, bad: int | torch.Tensor, step: int) -> None:
+        """Count a step's non-finite moment values; a fused kernel's count (a device tensor) is
+        read later, at nonfinite_parameters() or once 1024 wait, not synchronised every step."""
+        if isinstance(bad, torch.Tensor):
+            self._pending_nonfinite.append((p, bad, step))
+            if len(self._pending_nonfinite) >= 1024:
+                self._read_pending_nonfinite()
+            return
         if bad:
             count, steps, _ = self._twin_nonfinite.get(p, (0, 0, 0))
             self._twin_nonfinite[p] = (count + bad, steps + 1, step)
+
+    def _read_pending_nonfinite(self) -> None:
+        pending, self._pending_nonfinite = self._pending_nonfinite, []
+        if pending:
+            counts = torch.stack([bad.cpu() for _, bad, _ in pending]).tolist()
+            for (p, _, step), count in zip(pending, counts, strict=True):
+                self._record_nonfinite(p, int(count), step)
 
     # ---- parameters ------------------------------------------------------------------------
 
@@ -312,7 +329,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
         fmt = self._formats(group, p)[self.MOMENTS[0]]
         bits = master_mode(group, p)
         if fused and kernel is not None and bits is None and param.dtype == grad.dtype == torch.float32:
-            return kernel(param, grad, state, fmt, **hyper)
+            from coatstate.kernels.momentum_fused import launchable
+
+            if launchable(fmt):
+                return kernel(param, grad, state, fmt, **hyper)
         x = master_in(param, state, bits)
         bad = twin(x, grad if grad.dtype == torch.float32 else grad.float(), state, fmt, **hyper)
         master_out(param, x, state, bits, self._rounding_seed(group, p), step, first_element(p))
@@ -351,6 +371,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self.state.update(new_state)
         self._forget_launches()
         self._twin_nonfinite.clear()
+        self._pending_nonfinite.clear()
         self._external_writes.forget()
         self._index_params()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():

@@ -113,7 +113,7 @@ class CompressedLion(CompressedOptimizer):
     def _update(self, param, grad, state, group, p, step, fused) -> int:
         kernel = None
         if fused:
-            from coatstate.kernels.momentum_launch import lion_fused
+            from coatstate.kernels.momentum_fused import lion_fused
 
             kernel = lion_fused
         return self._apply(

@@ -139,10 +139,11 @@ class CompressedMuon(CompressedOptimizer):
 
     def _update(self, param, grad, state, group, p, step, fused) -> int:
         accumulate = muon_momentum
-        if fused and grad.dtype == torch.float32 and grad.is_contiguous():
-            from coatstate.kernels.momentum_launch import muon_accumulate_fused
+        if fused and grad.dtype == torch.float32:
+            from coatstate.kernels.momentum_fused import launchable, muon_accumulate_fused
 
-            accumulate = muon_accumulate_fused
+            if launchable(self._formats(group, p)[MOMENTUM]):
+                accumulate = muon_accumulate_fused
         twin = functools.partial(muon_step, accumulate=accumulate)
         return self._apply(
             twin, None, param, grad, state, group, p, step, fused,

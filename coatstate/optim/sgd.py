@@ -123,7 +123,7 @@ class CompressedSGD(CompressedOptimizer):
     def _update(self, param, grad, state, group, p, step, fused) -> int:
         kernel = None
         if fused and group["momentum"] != 0:
-            from coatstate.kernels.momentum_launch import sgd_fused
+            from coatstate.kernels.momentum_fused import sgd_fused
 
             kernel = sgd_fused
         return self._apply(
