@@ -7,7 +7,12 @@ from coatstate.optim.master_convert import join_master, split_master
 from coatstate.optim.moments import optimizer_state_bytes
 from coatstate.optim.muon import CompressedMuon
 from coatstate.optim.sgd import CompressedSGD
-from coatstate.optim.state_dict import compress_adamw_state_dict, to_adamw_state_dict
+from coatstate.optim.state_dict import (
+    compress_adamw_state_dict,
+    compress_state_dict,
+    to_adamw_state_dict,
+    to_reference_state_dict,
+)
 
 __all__ = [
     "CompressedAdamW",
@@ -16,8 +21,10 @@ __all__ = [
     "CompressedOptimizer",
     "CompressedSGD",
     "compress_adamw_state_dict",
+    "compress_state_dict",
     "join_master",
     "optimizer_state_bytes",
     "split_master",
     "to_adamw_state_dict",
+    "to_reference_state_dict",
 ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -21,7 +21,9 @@ from coatstate.formats.optimizer_state import (
     MOMENTS,
     SCALES,
     MomentFormat,
+    MOMENTUM,
     check_moment_format,
+    expand_option,
     format_option,
     init_moment,
     is_compressed,
@@ -30,6 +32,8 @@ from coatstate.formats.optimizer_state import (
     resolve_expand,
     write_moment,
 )
+from coatstate.formats.defaults import LION_DEFAULTS, MOMENTUM_DEFAULTS, OPTIMIZER_DEFAULTS
+from coatstate.formats.optimizer_schema import kind_of
 from coatstate.optim.moments import FORMAT_DEFAULTS, global_shape, master_mode, moment_formats
 from coatstate.optim.options import check_group
 
@@ -217,24 +221,48 @@ def _local_part(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return value
 
 
-def _format_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    unknown = set(kwargs) - set(FORMAT_DEFAULTS)
+def _format_kwargs(kwargs: dict[str, Any], defaults: Mapping[str, Any] = FORMAT_DEFAULTS) -> dict[str, Any]:
+    unknown = set(kwargs) - set(defaults)
     if unknown:
-        raise TypeError(f"unknown format option(s) {sorted(unknown)}; allowed: {sorted(FORMAT_DEFAULTS)}")
-    options = {**FORMAT_DEFAULTS, **kwargs}
-    if options["master_bits"] == "auto":  # a torch AdamW state names no parameter dtypes to decide from
+        raise TypeError(f"unknown format option(s) {sorted(unknown)}; allowed: {sorted(defaults)}")
+    options = {**defaults, **kwargs}
+    if options["master_bits"] == "auto":  # a torch state names no parameter dtypes to decide from
         options["master_bits"] = None
-    for moment in ("exp_avg", "exp_avg_sq"):  # one spelling, "auto" resolved: state dicts hold bools
-        fmt = parse_format(options[moment + "_format"])
-        options[moment + "_format"] = fmt.value
-        options[moment + "_expand"] = resolve_expand(fmt, options[moment + "_expand"])
-        check_moment_format(moment, fmt, options[moment + "_expand"])
+    for moment in OPTION_MOMENTS:  # one spelling, "auto" resolved: state dicts hold bools
+        if format_option(moment) not in options:
+            continue
+        fmt = parse_format(options[format_option(moment)])
+        options[format_option(moment)] = fmt.value
+        options[expand_option(moment)] = resolve_expand(fmt, options[expand_option(moment)])
+        check_moment_format(moment, fmt, options[expand_option(moment)])
     return options
+
+
+OPTION_MOMENTS = ("exp_avg", "exp_avg_sq", MOMENTUM)
+"""the moments with a format option of their own, any optimizer's"""
+OPTION_TABLES = {"AdamW": OPTIMIZER_DEFAULTS, "SGD": MOMENTUM_DEFAULTS, "Muon": MOMENTUM_DEFAULTS, "Lion": LION_DEFAULTS}
+"""each reference's compressed class's own options (formats.defaults)"""
 
 
 def compress_adamw_state_dict(state_dict: dict[str, Any], **format_options: Any) -> dict[str, Any]:
     """A torch.optim.AdamW state dict -> a CompressedAdamW one (format options as its constructor's)."""
-    options = _format_kwargs(format_options)
+    return compress_state_dict(state_dict, "AdamW", **format_options)
+
+
+def compress_state_dict(state_dict: dict[str, Any], reference: str | None = None, **format_options: Any) -> dict:
+    """A reference optimizer's state dict -> its compressed class's ("AdamW", "SGD", "Muon" or
+    "Lion"; None: recognised from the param groups' keys); format options as that class's
+    constructor takes them (options of the other classes are left out)."""
+    if reference not in (None, *OPTION_TABLES):
+        raise ValueError(f"reference must be one of {sorted(OPTION_TABLES)} or None; got {reference!r}")
+    table = OPTION_TABLES.get(reference)
+    if reference is None:
+        kind = kind_of(None, (state_dict.get("param_groups") or [{}])[0])
+        reference = kind.reference if kind is not None else _reference_of_moments(state_dict)
+        table = OPTION_TABLES[reference]
+        format_options = {k: v for k, v in format_options.items() if k in table}
+    options = _format_kwargs(format_options, table)
+    moments = kind_of(reference).moments
     groups, state = [], {}
     for saved in state_dict["param_groups"]:
         group = {**saved, **options}
@@ -243,13 +271,11 @@ def compress_adamw_state_dict(state_dict: dict[str, Any], **format_options: Any)
             if pid not in state_dict["state"]:
                 continue
             s = state_dict["state"][pid]
-            formats = moment_formats(group, s["exp_avg"].shape)
-            out = {
-                "step": s["step"].clone()
-                if isinstance(s["step"], torch.Tensor)
-                else torch.tensor(float(s["step"]))
-            }
-            for name in MOMENTS:
+            shape = next((s[m].shape for m in moments if m in s), None)
+            step = s.get("step", 0.0)
+            out = {"step": step.clone() if isinstance(step, torch.Tensor) else torch.tensor(float(step))}
+            formats = moment_formats(group, shape, moments) if shape is not None else {}
+            for name in moments:
                 if name in s:
                     init_moment(out, name, s[name], formats[name])
                     write_moment(out, name, s[name].float(), formats[name])
@@ -257,25 +283,40 @@ def compress_adamw_state_dict(state_dict: dict[str, Any], **format_options: Any)
     return {"state": state, "param_groups": groups}
 
 
-def to_adamw_state_dict(state_dict: dict[str, Any], shapes: dict[Any, Any] | None = None) -> dict[str, Any]:
-    """A CompressedAdamW state dict -> one torch.optim.AdamW loads (moments decompressed to fp32).
-    4-bit moments' packed codes do not record their parameter's shape: pass `shapes` ({param id:
-    shape}; a checkpoint's header lists them) for those."""
+def _reference_of_moments(state_dict: dict[str, Any]) -> str:
+    """The reference whose moments a state dict holds, for groups whose keys mark none (AdamW's,
+    as before there were others, when it holds none either)."""
+    names = {k for s in state_dict.get("state", {}).values() if isinstance(s, dict) for k in s}
+    if MOMENTUM in names:
+        return "SGD"
+    return "Lion" if "exp_avg" in names and "exp_avg_sq" not in names else "AdamW"
+
+
+def to_reference_state_dict(state_dict: dict[str, Any], shapes: dict[Any, Any] | None = None) -> dict[str, Any]:
+    """A compressed optimizer's state dict -> one its torch reference loads (torch.optim.AdamW,
+    SGD, Muon; Lion's plain float32 form): moments decompressed to fp32, coatstate's options
+    left out. 4-bit moments' packed codes do not record their parameter's shape: pass `shapes`
+    ({param id: shape}; a checkpoint's header lists them) for those."""
     groups, state = [], {}
     for saved in state_dict["param_groups"]:
-        groups.append({k: v for k, v in saved.items() if k not in FORMAT_DEFAULTS})
+        groups.append({k: v for k, v in saved.items() if k not in _ALL_OPTIONS})
         g = saved.get("group_size", DEFAULT_GROUP_SIZE)
         for pid in saved["params"]:
             if pid not in state_dict["state"]:
                 continue
             s = state_dict["state"][pid]
-            out = {"step": s["step"]}
-            for name in MOMENTS:
+            out = {"step": s["step"]} if "step" in s else {}
+            for name in ALL_MOMENTS:
                 if name in s or name + CODES in s:
                     fmt, shape = _four_bit(s, name, saved, g, shapes, pid)
                     out[name] = read_moment(s, name, g, fmt, shape).float().clone()
             state[pid] = out
     return {"state": state, "param_groups": groups}
+
+
+to_adamw_state_dict = to_reference_state_dict
+"""A CompressedAdamW state dict -> one torch.optim.AdamW loads (to_reference_state_dict)."""
+_ALL_OPTIONS = frozenset(OPTIMIZER_DEFAULTS) | frozenset(MOMENTUM_DEFAULTS)
 
 
 def _four_bit(s: dict, name: str, group: dict, group_size: int, shapes, pid) -> tuple:
