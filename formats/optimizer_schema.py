@@ -42,20 +42,41 @@ _ADAMW_RULES = {"lr": "lr", "eps": "number", "weight_decay": "number", "betas": 
 KINDS = (
     OptimizerKind("AdamW", "CompressedAdamW", MOMENTS, _ADAMW_RULES, frozenset({"betas", "eps"})),
     OptimizerKind(
-        "SGD", "CompressedSGD", (MOMENTUM,),
-        {"lr": "lr", "momentum": "number", "dampening": "real", "weight_decay": "number_or_tensor",
-         "nesterov": "bool", "maximize": "bool", **_TORCH_FLAGS},
+        "SGD",
+        "CompressedSGD",
+        (MOMENTUM,),
+        {
+            "lr": "lr",
+            "momentum": "number",
+            "dampening": "real",
+            "weight_decay": "number_or_tensor",
+            "nesterov": "bool",
+            "maximize": "bool",
+            **_TORCH_FLAGS,
+        },
         frozenset({"momentum", "dampening"}),
     ),  # fmt: skip
     OptimizerKind(
-        "Muon", "CompressedMuon", (MOMENTUM,),
-        {"lr": "lr", "momentum": "number", "weight_decay": "number", "eps": "number", "nesterov": "bool",
-         "ns_coefficients": "three_numbers", "ns_steps": "ns_steps", "adjust_lr_fn": "adjust_lr_fn",
-         "fused": "flag"},
+        "Muon",
+        "CompressedMuon",
+        (MOMENTUM,),
+        {
+            "lr": "lr",
+            "momentum": "number",
+            "weight_decay": "number",
+            "eps": "number",
+            "nesterov": "bool",
+            "ns_coefficients": "three_numbers",
+            "ns_steps": "ns_steps",
+            "adjust_lr_fn": "adjust_lr_fn",
+            "fused": "flag",
+        },
         frozenset({"ns_steps", "ns_coefficients"}),
     ),  # fmt: skip
     OptimizerKind(
-        "Lion", "CompressedLion", ("exp_avg",),
+        "Lion",
+        "CompressedLion",
+        ("exp_avg",),
         {"lr": "lr", "betas": "betas_closed", "weight_decay": "number", "maximize": "bool", "fused": "flag"},
         frozenset({"betas"}),
     ),  # fmt: skip
@@ -95,9 +116,18 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
         lambda v: isinstance(v, (tuple, list)) and len(v) == 2 and all(_number(x) and 0 <= x <= 1 for x in v),
         "two numbers in [0, 1]",
     ),
-    "three_numbers": (lambda v: isinstance(v, (tuple, list)) and len(v) == 3 and all(map(_number, v)), "three numbers"),
-    "ns_steps": (lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 100, "an int from 0 to 99"),
-    "adjust_lr_fn": (lambda v: v in (None, "original", "match_rms_adamw"), "null, 'original' or 'match_rms_adamw'"),
+    "three_numbers": (
+        lambda v: isinstance(v, (tuple, list)) and len(v) == 3 and all(map(_number, v)),
+        "three numbers",
+    ),
+    "ns_steps": (
+        lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 100,
+        "an int from 0 to 99",
+    ),
+    "adjust_lr_fn": (
+        lambda v: v in (None, "original", "match_rms_adamw"),
+        "null, 'original' or 'match_rms_adamw'",
+    ),
 }
 
 

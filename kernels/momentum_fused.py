@@ -46,9 +46,23 @@ def _lerp(a, b, w, w_minus_1):
 
 
 @triton.jit
-def _load_momentum(m_ptr, s_ptr, e_ptr, offs, mask, poffs, pmask, gid, gmask, FIRST: tl.constexpr,
-                   COMPRESSED: tl.constexpr, FP4: tl.constexpr, EXPAND: tl.constexpr, IS_E4M3: tl.constexpr,
-                   GROUP: tl.constexpr):  # fmt: skip
+def _load_momentum(
+    m_ptr,
+    s_ptr,
+    e_ptr,
+    offs,
+    mask,
+    poffs,
+    pmask,
+    gid,
+    gmask,
+    FIRST: tl.constexpr,
+    COMPRESSED: tl.constexpr,
+    FP4: tl.constexpr,
+    EXPAND: tl.constexpr,
+    IS_E4M3: tl.constexpr,
+    GROUP: tl.constexpr,
+):
     if FIRST:  # (SGD's first step: the buffer is the gradient; no codes to read)
         return tl.zeros(offs.shape, tl.float32)
     elif not COMPRESSED:
@@ -60,26 +74,88 @@ def _load_momentum(m_ptr, s_ptr, e_ptr, offs, mask, poffs, pmask, gid, gmask, FI
 
 
 @triton.jit
-def _store_momentum(m, m_ptr, s_ptr, e_ptr, offs, mask, poffs, pmask, gid, gmask, COMPRESSED: tl.constexpr,
-                    FP4: tl.constexpr, EXPAND: tl.constexpr, FP8_MAX: tl.constexpr, MBITS: tl.constexpr,
-                    EMIN: tl.constexpr, LOG2_MAX: tl.constexpr, K_NUMERATOR: tl.constexpr,
-                    IS_E4M3: tl.constexpr, GROUP: tl.constexpr):  # fmt: skip
+def _store_momentum(
+    m,
+    m_ptr,
+    s_ptr,
+    e_ptr,
+    offs,
+    mask,
+    poffs,
+    pmask,
+    gid,
+    gmask,
+    COMPRESSED: tl.constexpr,
+    FP4: tl.constexpr,
+    EXPAND: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MBITS: tl.constexpr,
+    EMIN: tl.constexpr,
+    LOG2_MAX: tl.constexpr,
+    K_NUMERATOR: tl.constexpr,
+    IS_E4M3: tl.constexpr,
+    GROUP: tl.constexpr,
+):
     if not COMPRESSED:
         tl.store(m_ptr + offs, m, mask=mask)
     elif FP4 > 0:  # (the encoder wants exact zeros off the mask)
-        encode_store4(tl.where(mask, m, 0.0), m_ptr + poffs, pmask, s_ptr + gid, gmask, GROUP, FP4, False, 0, False)
+        encode_store4(
+            tl.where(mask, m, 0.0), m_ptr + poffs, pmask, s_ptr + gid, gmask, GROUP, FP4, False, 0, False
+        )
     else:
-        encode_store(m, m_ptr + offs, s_ptr + gid, e_ptr + gid, mask, gmask, EXPAND, FP8_MAX, MBITS, EMIN,
-                     LOG2_MAX, K_NUMERATOR, IS_E4M3)  # fmt: skip
+        encode_store(
+            m,
+            m_ptr + offs,
+            s_ptr + gid,
+            e_ptr + gid,
+            mask,
+            gmask,
+            EXPAND,
+            FP8_MAX,
+            MBITS,
+            EMIN,
+            LOG2_MAX,
+            K_NUMERATOR,
+            IS_E4M3,
+        )
 
 
 @triton.jit
-def _momentum_kernel(p_ptr, g_ptr, u_ptr, m_ptr, s_ptr, e_ptr, nonfinite_ptr, n_groups, cols, groups_per_row,
-                     h0, h1, h2, h3, h4, h5, KIND: tl.constexpr, FIRST: tl.constexpr, NESTEROV: tl.constexpr,
-                     MAXIMIZE: tl.constexpr, HAS_WD: tl.constexpr, COMPRESSED: tl.constexpr, FP4: tl.constexpr,
-                     EXPAND: tl.constexpr, FP8_MAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr,
-                     LOG2_MAX: tl.constexpr, K_NUMERATOR: tl.constexpr, IS_E4M3: tl.constexpr,
-                     GROUP: tl.constexpr, GPP: tl.constexpr, EVEN: tl.constexpr):  # fmt: skip
+def _momentum_kernel(
+    p_ptr,
+    g_ptr,
+    u_ptr,
+    m_ptr,
+    s_ptr,
+    e_ptr,
+    nonfinite_ptr,
+    n_groups,
+    cols,
+    groups_per_row,
+    h0,
+    h1,
+    h2,
+    h3,
+    h4,
+    h5,
+    KIND: tl.constexpr,
+    FIRST: tl.constexpr,
+    NESTEROV: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    HAS_WD: tl.constexpr,
+    COMPRESSED: tl.constexpr,
+    FP4: tl.constexpr,
+    EXPAND: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MBITS: tl.constexpr,
+    EMIN: tl.constexpr,
+    LOG2_MAX: tl.constexpr,
+    K_NUMERATOR: tl.constexpr,
+    IS_E4M3: tl.constexpr,
+    GROUP: tl.constexpr,
+    GPP: tl.constexpr,
+    EVEN: tl.constexpr,
+):
     """h0..h5 per KIND (the launchers' `_hyper`): SGD (-lr, momentum, 1 - dampening,
     weight_decay); LION (-lr, 1 - lr * weight_decay, b1, 1 - b1, b2, 1 - b2); MUON (w, w - 1 for
     w = 1 - momentum, then for w = momentum)."""
@@ -93,8 +169,23 @@ def _momentum_kernel(p_ptr, g_ptr, u_ptr, m_ptr, s_ptr, e_ptr, nonfinite_ptr, n_
     g = tl.load(g_ptr + offs, mask=mask, other=0.0)
     if MAXIMIZE:
         g = -g
-    m = _load_momentum(m_ptr, s_ptr, e_ptr, offs, mask, poffs, pmask, gid, gmask, FIRST, COMPRESSED, FP4, EXPAND,
-                       IS_E4M3, GROUP)  # fmt: skip
+    m = _load_momentum(
+        m_ptr,
+        s_ptr,
+        e_ptr,
+        offs,
+        mask,
+        poffs,
+        pmask,
+        gid,
+        gmask,
+        FIRST,
+        COMPRESSED,
+        FP4,
+        EXPAND,
+        IS_E4M3,
+        GROUP,
+    )
     if KIND == 0:  # SGD
         p = tl.load(p_ptr + offs, mask=mask, other=0.0)
         if HAS_WD:
@@ -120,8 +211,28 @@ def _momentum_kernel(p_ptr, g_ptr, u_ptr, m_ptr, s_ptr, e_ptr, nonfinite_ptr, n_
             tl.store(u_ptr + offs, _lerp(g, m, h2, h3), mask=mask)
         else:
             tl.store(u_ptr + offs, m, mask=mask)
-    _store_momentum(m, m_ptr, s_ptr, e_ptr, offs, mask, poffs, pmask, gid, gmask, COMPRESSED, FP4, EXPAND,
-                    FP8_MAX, MBITS, EMIN, LOG2_MAX, K_NUMERATOR, IS_E4M3, GROUP)  # fmt: skip
+    _store_momentum(
+        m,
+        m_ptr,
+        s_ptr,
+        e_ptr,
+        offs,
+        mask,
+        poffs,
+        pmask,
+        gid,
+        gmask,
+        COMPRESSED,
+        FP4,
+        EXPAND,
+        FP8_MAX,
+        MBITS,
+        EMIN,
+        LOG2_MAX,
+        K_NUMERATOR,
+        IS_E4M3,
+        GROUP,
+    )
     bad = tl.sum(tl.sum(((m - m != 0) & mask).to(tl.int32), axis=1), axis=0)
     if bad > 0:  # rare: a NaN/Inf gradient, reported by nonfinite_parameters()
         tl.atomic_add(nonfinite_ptr, bad)
@@ -134,8 +245,17 @@ def launchable(fmt: MomentFormat | None) -> bool:
     return g >= 2 and g & (g - 1) == 0 and (fmt is None or fmt.bits == 8 or g >= 4)
 
 
-def _launch(kind: int, param: torch.Tensor, grad: torch.Tensor, state: dict, name: str, fmt: MomentFormat | None,
-            hyper: tuple, update: torch.Tensor | None = None, **flags) -> torch.Tensor:  # fmt: skip
+def _launch(
+    kind: int,
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    state: dict,
+    name: str,
+    fmt: MomentFormat | None,
+    hyper: tuple,
+    update: torch.Tensor | None = None,
+    **flags,
+) -> torch.Tensor:
     """Run the kernel on one parameter; creates the momentum on its first step (SGD's from the
     gradient, the others' from zeros). Returns the count of non-finite momentum values (a
     one-element tensor, never synchronised here)."""
@@ -151,18 +271,37 @@ def _launch(kind: int, param: torch.Tensor, grad: torch.Tensor, state: dict, nam
         m = m.view(torch.uint8) if fmt.bits == 8 else m
         exps = state.get(name + EXPONENTS, scales)
     four = fmt is not None and isinstance(fmt.fmt, FP4Format)
-    constants = fp8_constants(fmt.fmt if fmt is not None and not four else FP8Format.E4M3)  # (unused if not FP8)
+    constants = fp8_constants(
+        fmt.fmt if fmt is not None and not four else FP8Format.E4M3
+    )  # (unused if not FP8)
     nonfinite = torch.zeros(1, dtype=torch.int32, device=grad.device)
     n_groups = rows * groups
     gpp = INTERPRETER_GROUPS_PER_PROGRAM if interpreting() else GROUPS_PER_PROGRAM
     if n_groups and grad.numel():
         _momentum_kernel[(triton.cdiv(n_groups, gpp),)](
-            param, grad, update if update is not None else grad, m, scales, exps, nonfinite, n_groups, cols, groups,
-            *hyper, *(0.0,) * (6 - len(hyper)), KIND=kind, FIRST=first and kind == SGD, COMPRESSED=fmt is not None,
-            FP4=E2M1 if four else 0, EXPAND=bool(fmt is not None and fmt.expand), GROUP=group_size, GPP=gpp,
-            EVEN=not four and cols % group_size == 0, **{"NESTEROV": False, "MAXIMIZE": False, "HAS_WD": False, **flags},
+            param,
+            grad,
+            update if update is not None else grad,
+            m,
+            scales,
+            exps,
+            nonfinite,
+            n_groups,
+            cols,
+            groups,
+            *hyper,
+            *(0.0,) * (6 - len(hyper)),
+            KIND=kind,
+            FIRST=first and kind == SGD,
+            COMPRESSED=fmt is not None,
+            FP4=E2M1 if four else 0,
+            EXPAND=bool(fmt is not None and fmt.expand),
+            GROUP=group_size,
+            GPP=gpp,
+            EVEN=not four and cols % group_size == 0,
+            **{"NESTEROV": False, "MAXIMIZE": False, "HAS_WD": False, **flags},
             **constants,
-        )  # fmt: skip
+        )
     return nonfinite[0]
 
 
@@ -175,8 +314,18 @@ def _weight(w: float) -> tuple[float, float]:
 def sgd_fused(param, grad, state, fmt, *, lr, momentum, dampening, nesterov, weight_decay, maximize):
     """coatstate.optim.momentum_step.sgd_step in one pass (momentum != 0; `launchable(fmt)`)."""
     hyper = (-float(lr), momentum, 1 - dampening, float(weight_decay))
-    return _launch(SGD, param, grad.contiguous(), state, "momentum_buffer", fmt, hyper, NESTEROV=nesterov,
-                   MAXIMIZE=maximize, HAS_WD=weight_decay != 0)  # fmt: skip
+    return _launch(
+        SGD,
+        param,
+        grad.contiguous(),
+        state,
+        "momentum_buffer",
+        fmt,
+        hyper,
+        NESTEROV=nesterov,
+        MAXIMIZE=maximize,
+        HAS_WD=weight_decay != 0,
+    )
 
 
 def lion_fused(param, grad, state, fmt, *, lr, betas, weight_decay, maximize):
@@ -192,6 +341,7 @@ def muon_accumulate_fused(state, grad, fmt, momentum, nesterov):
     non-finite count)."""
     update = torch.empty_like(grad, dtype=torch.float32)
     hyper = (*_weight(1 - momentum), *_weight(momentum))
-    bad = _launch(MUON, grad, grad.contiguous(), state, "momentum_buffer", fmt, hyper, update=update,
-                  NESTEROV=nesterov)  # fmt: skip
+    bad = _launch(
+        MUON, grad, grad.contiguous(), state, "momentum_buffer", fmt, hyper, update=update, NESTEROV=nesterov
+    )
     return update, bad

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import requires_cuda
 
 from coatstate import CompressedLion, CompressedMuon, CompressedSGD
-
-from conftest import requires_cuda
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPES = [(3, 129), (7, 300), (64, 256), (5,), (130, 7)]
@@ -23,7 +22,11 @@ MATRICES = [(3, 129), (64, 256), (130, 7)]
 
 CASES = {
     "sgd": (CompressedSGD, SHAPES, dict(lr=0.05, momentum=0.9, weight_decay=0.01, dampening=0.1)),
-    "sgd-nesterov-maximize": (CompressedSGD, SHAPES, dict(lr=0.05, momentum=0.9, nesterov=True, maximize=True)),
+    "sgd-nesterov-maximize": (
+        CompressedSGD,
+        SHAPES,
+        dict(lr=0.05, momentum=0.9, nesterov=True, maximize=True),
+    ),
     "lion": (CompressedLion, SHAPES, dict(lr=1e-3, weight_decay=0.3, betas=(0.9, 0.99))),
     "muon": (CompressedMuon, MATRICES, dict(lr=0.02)),
     "muon-plain-momentum": (CompressedMuon, MATRICES, dict(lr=0.02, nesterov=False, momentum=0.4)),
@@ -58,8 +61,10 @@ def _pair(name, fmt, expand):
 def _steps(params_and_opts, steps, seed=1):
     g = torch.Generator().manual_seed(seed)
     for _ in range(steps):
-        grads = [torch.randn(p.shape, generator=g) * torch.exp(torch.randn(p.shape, generator=g))
-                 for p in params_and_opts[0][0]]  # fmt: skip
+        grads = [
+            torch.randn(p.shape, generator=g) * torch.exp(torch.randn(p.shape, generator=g))
+            for p in params_and_opts[0][0]
+        ]
         for params, opt in params_and_opts:
             for p, grad in zip(params, grads, strict=True):
                 p.grad = grad.to(DEVICE)
@@ -77,8 +82,10 @@ def test_fused_step_equals_the_twin_bit_for_bit(name, fmt):
             assert torch.equal(x, y), f"step {i}, param {k}: max difference {(x - y).abs().max().item():.3e}"
             for key, t in twin.state[x].items():
                 u = fused.state[y][key]
-                assert torch.equal(t.view(torch.uint8) if t.dtype.itemsize == 1 else t,
-                                   u.view(torch.uint8) if u.dtype.itemsize == 1 else u), f"step {i}: {key}"  # fmt: skip
+                assert torch.equal(
+                    t.view(torch.uint8) if t.dtype.itemsize == 1 else t,
+                    u.view(torch.uint8) if u.dtype.itemsize == 1 else u,
+                ), f"step {i}: {key}"
     assert fused.nonfinite_parameters() == []
 
 

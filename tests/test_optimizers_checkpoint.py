@@ -8,17 +8,21 @@ import json
 
 import pytest
 import torch
+from coatstate.formats.schema import CheckpointError
 from test_hostile_input import _with_header
 from test_optimizers_momentum import Lion
 
 from coatstate import CompressedLion, CompressedMuon, CompressedSGD
 from coatstate import checkpoint as ck
 from coatstate.cli import main
-from coatstate.formats.schema import CheckpointError
 from coatstate.planner.memory import optimizer_bytes
 
 KINDS = {
-    "sgd": (CompressedSGD, lambda p, **kw: torch.optim.SGD(p, foreach=False, **kw), dict(lr=0.05, momentum=0.9)),
+    "sgd": (
+        CompressedSGD,
+        lambda p, **kw: torch.optim.SGD(p, foreach=False, **kw),
+        dict(lr=0.05, momentum=0.9),
+    ),
     "lion": (CompressedLion, Lion, dict(lr=1e-3, weight_decay=0.1)),
     "muon": (CompressedMuon, torch.optim.Muon, dict(lr=0.02)),
 }
@@ -112,7 +116,11 @@ def test_inspect_shows_the_hyperparameters_and_convert_goes_both_ways(name, tmp_
     assert main(["inspect", st]) == 0
     out = capsys.readouterr().out
     assert "=e5m2" in out and f"lr={kw['lr']}" in out
-    assert ("momentum=0.9" in out) if name == "sgd" else ("ns_steps=5" in out if name == "muon" else "betas" in out)
+    assert (
+        ("momentum=0.9" in out)
+        if name == "sgd"
+        else ("ns_steps=5" in out if name == "muon" else "betas" in out)
+    )
     assert main(["inspect", st, "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["state_bytes_per_param"] < 1.1
@@ -130,7 +138,9 @@ def test_the_planner_knows_each_optimizers_state_bytes():
     assert optimizer_bytes(shapes, "sgd") == 4 * n and optimizer_bytes(shapes, "adamw") == 8 * n
     for name in ("compressed_sgd", "compressed_muon", "compressed_lion"):
         fp8 = optimizer_bytes(shapes, name) / n
-        four = optimizer_bytes(shapes, name, options={"momentum_format": "e2m1", "exp_avg_format": "e2m1"}) / n
+        four = (
+            optimizer_bytes(shapes, name, options={"momentum_format": "e2m1", "exp_avg_format": "e2m1"}) / n
+        )
         assert fp8 <= 1.1 and four <= 0.6, (name, fp8, four)
     p = [torch.nn.Parameter(torch.randn(512, 1024))]
     opt = CompressedMuon(p)
@@ -189,7 +199,9 @@ def test_hostile_edits_of_the_new_headers_are_refused(edit, saved_files, tmp_pat
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(_with_header(data, **{**HOSTILE, **MUON_HOSTILE}[edit]))
     target = cls(_params(3), **kw)
-    before = {k: v.clone() for k, v in target.state_dict()["param_groups"][0].items() if isinstance(v, torch.Tensor)}
+    before = {
+        k: v.clone() for k, v in target.state_dict()["param_groups"][0].items() if isinstance(v, torch.Tensor)
+    }
     with pytest.raises(CheckpointError) as info:
         ck.load(target, str(bad))
     assert str(bad) in str(info.value)

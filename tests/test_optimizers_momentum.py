@@ -67,7 +67,9 @@ def _run(opt, params, steps, seed=1, bf16_grads=False):
 
 def _assert_same(a, b):
     for i, (x, y) in enumerate(zip(a, b, strict=True)):
-        assert torch.equal(x, y), f"param {i} {tuple(x.shape)}: max difference {(x - y).abs().max().item():.3e}"
+        assert torch.equal(x, y), (
+            f"param {i} {tuple(x.shape)}: max difference {(x - y).abs().max().item():.3e}"
+        )
 
 
 CASES = {
@@ -279,7 +281,9 @@ def test_bf16_params_with_master_weights_step_as_float32(master_bits):
 
 
 def test_gradient_release_equals_the_ordinary_step():
-    model_a, model_b = (torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 8)) for _ in range(2))
+    model_a, model_b = (
+        torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 8)) for _ in range(2)
+    )
     model_b.load_state_dict(model_a.state_dict())
     opt_a = CompressedLion(model_a.parameters(), lr=1e-3, min_numel=1)
     with pytest.warns(UserWarning, match="max_grad_norm"):

@@ -408,7 +408,8 @@ def _read_for(optimizer: torch.optim.Optimizer, url: str, model) -> Checkpoint:
         except CheckpointError:
             return read(url)  # (a zip without a .pt extension; or raised again, by read)
         compressed = any(info.get("compressed") for info in header["params"].values())
-        if not rank_read.is_per_rank(header) or (compressed and not isinstance(optimizer, CompressedOptimizer)):
+        plain = compressed and not isinstance(optimizer, CompressedOptimizer)
+        if not rank_read.is_per_rank(header) or plain:
             return read(url)  # a plain optimizer decompresses whole tensors
         try:
             return _assemble(url, header, rank_read.read_local(url, header, optimizer, model), False)

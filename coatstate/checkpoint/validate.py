@@ -22,7 +22,14 @@ from coatstate.checkpoint.layout import num_rows, rank_file_pattern, stem_of
 from coatstate.formats import optimizer_schema, schema
 from coatstate.formats.defaults import MAX_GROUP_SIZE
 from coatstate.formats.group import group_layout
-from coatstate.formats.optimizer_state import ALL_MOMENTS, CODES, DEFAULT_GROUP_SIZE, EXPONENTS, FIRST_MOMENTS, SCALES
+from coatstate.formats.optimizer_state import (
+    ALL_MOMENTS,
+    CODES,
+    DEFAULT_GROUP_SIZE,
+    EXPONENTS,
+    FIRST_MOMENTS,
+    SCALES,
+)
 from coatstate.formats.schema import CheckpointError
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -243,14 +250,15 @@ def _tensors(infos: dict, fail) -> dict[str, _Tensor]:
 def _check_group_values(g: int, values: dict[str, Any], fail, saved_class: str | None) -> None:
     """Hyperparameters by the rules of the optimizer the file names (formats.optimizer_schema:
     a state dict saved without a class is recognised by its keys); a class it does not know
-    (torch's Adafactor: eps=(None, 1e-3); three betas elsewhere) keeps its own, which its class
-    checks when it loads them. coatstate's own options are checked wherever they are."""
+    (torch's Adafactor: eps=(None, 1e-3); three betas elsewhere) keeps its own, which its
+    class checks when it loads them. coatstate's own options are checked wherever they are."""
     where = f"param_groups[{g}]"
 
     def tensor_ok(name: str, v: Any) -> bool:
         if not isinstance(v, _Tensor):
             return False
-        if math.prod(v.shape) != 1 or not v.dtype.startswith(("float", "bfloat")) or v.dtype.startswith("float8"):
+        floating = v.dtype.startswith(("float", "bfloat")) and not v.dtype.startswith("float8")
+        if math.prod(v.shape) != 1 or not floating:
             fail(f"{where}.{name} must be a one-element floating-point tensor; got {v.dtype} {v.shape}")
         return True
 

@@ -42,7 +42,8 @@ def add_convert_parser(sub) -> None:
         "convert",
         help="torch AdamW/SGD/Muon/Lion .pt <-> compressed .safetensors (SRC may be a DCP directory)",
         description="Convert optimizer states: .pt/.pth/.bin -> .safetensors compresses, .safetensors -> "
-        ".pt decompresses (the torch reference, e.g. torch.optim.AdamW or SGD, loads the result); a torch.distributed.checkpoint directory "
+        ".pt decompresses (the torch reference, e.g. torch.optim.AdamW or SGD, loads the result); a "
+        "torch.distributed.checkpoint directory "
         "or a .safetensors (per-rank, sharded) converts as it is to one .safetensors file. DST is never "
         "SRC or a file SRC is read from, and an existing DST is replaced only with --force. Writes DST "
         "atomically and prints one line on stderr: both files' sizes, their ratio, the direction and "
@@ -228,15 +229,15 @@ def cmd_convert(args: argparse.Namespace) -> int:
         keys = ("group_size", "exp_avg_format", "exp_avg_sq_format", "momentum_format", "min_numel")
         options = {k: getattr(args, k) for k in keys}
         if args.expand is not None:  # else compress_state_dict's own default, the optimizer's
-            options.update(exp_avg_expand=args.expand, exp_avg_sq_expand=args.expand, momentum_expand=args.expand)
+            expands = ("exp_avg_expand", "exp_avg_sq_expand", "momentum_expand")
+            options.update(dict.fromkeys(expands, args.expand))
         what = "compress its states (are they torch.optim.AdamW's, SGD's, Muon's or Lion's?)"
         sd = _carry_master(original, _converted(what, args.src, compress_state_dict, sd, **options))
     elif has_codes:
         from coatstate.optim import to_reference_state_dict
 
-        sd = _converted(
-            "decompress its states", args.src, to_reference_state_dict, sd, checkpoint.header_shapes(ckpt.header)
-        )
+        shapes = checkpoint.header_shapes(ckpt.header)
+        sd = _converted("decompress its states", args.src, to_reference_state_dict, sd, shapes)
     if extension(args.dst) in ST_EXTENSIONS:
         _converted(
             "store its state dict",

@@ -6,6 +6,7 @@ non-finite reports and state dicts. Each optimizer adds its update math and noth
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Iterable
@@ -13,17 +14,62 @@ from typing import Any
 
 import torch
 
-from coatstate.distributed import check_compressible, first_element, is_dtensor, local_state, local_tensor, wrap_state
+from coatstate.distributed import (
+    check_compressible,
+    first_element,
+    is_dtensor,
+    local_state,
+    local_tensor,
+    wrap_state,
+)
 from coatstate.formats.master_weights import CORRECTION_DTYPES
-from coatstate.formats.optimizer_state import MASTER_CORRECTION, MOMENTS
+from coatstate.formats.optimizer_state import (
+    MASTER_CORRECTION,
+    MOMENTS,
+    expand_option,
+    format_option,
+    parse_format,
+)
 from coatstate.kernels.runtime import triton_usable
 from coatstate.optim.external_writes import ExternalWrites
+from coatstate.optim.moments import (
+    global_shape,
+    master_mode,
+    moment_formats,
+    optimizer_state_bytes,
+    why_uncompressed,
+)
 from coatstate.optim.momentum_step import master_in, master_out
-from coatstate.optim.moments import global_shape, master_mode, moment_formats, optimizer_state_bytes, why_uncompressed
-from coatstate.optim.options import MOMENTS_WITH_OPTIONS, check_group, settle_group
+from coatstate.optim.options import (
+    MOMENTS_WITH_OPTIONS,
+    check_format_arguments,
+    check_group,
+    check_master_arguments,
+    settle_group,
+)
 from coatstate.optim.release import GradientRelease
 
 logger = logging.getLogger("coatstate")
+
+
+def own_options(
+    moment: str, compress, group_size, fmt, expand, min_numel, compress_1d, master_bits, master_seed,
+    gradient_release, max_grad_norm,
+) -> dict[str, Any]:  # fmt: skip
+    """coatstate's param-group options of a one-moment optimizer's constructor, checked (the format
+    option of `moment`: formats.optimizer_state.format_option)."""
+    check_format_arguments(group_size, {format_option(moment): fmt})
+    check_master_arguments(master_seed, gradient_release, max_grad_norm)
+    return {
+        "compress": compress,
+        "group_size": group_size,
+        format_option(moment): parse_format(fmt).value,
+        expand_option(moment): expand,
+        "min_numel": min_numel,
+        "compress_1d": compress_1d,
+        "master_bits": master_bits,
+        "master_seed": master_seed,
+    }
 
 
 class CompressedOptimizer(torch.optim.Optimizer):
@@ -237,7 +283,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
             local = local_tensor(p)
             if is_dtensor(p) and self._formats(group, p)[self.MOMENTS[0]] is not None:
                 check_compressible(p, self._param_name(p))
-            state["step"] = torch.tensor(0.0, dtype=torch.float32, device=local.device if on_device else "cpu")
+            state["step"] = torch.tensor(
+                0.0, dtype=torch.float32, device=local.device if on_device else "cpu"
+            )
             mode = master_mode(group, p)
             if mode in CORRECTION_DTYPES:  # the weight is exactly its master
                 state[MASTER_CORRECTION] = torch.zeros_like(local, dtype=CORRECTION_DTYPES[mode])
@@ -340,10 +388,19 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     # ---- state dicts -----------------------------------------------------------------------
 
+    LOAD_DEFAULTS: dict[str, Any] = {}
+    """what the reference's __setstate__ fills into a loaded param group that lacks the key"""
+
     def _loaded_state(self, state_dict: dict[str, Any]) -> tuple[list, dict]:
         """(param groups, state) to install for `state_dict`, every value checked and converted
-        (ValueError before anything changes)."""
-        raise NotImplementedError
+        (ValueError before anything changes); a state of the reference loads too."""
+        from coatstate.optim.state_dict import convert_param_state, loaded_state
+
+        reference = self.REFERENCE.removeprefix("torch.optim.")
+        convert = functools.partial(
+            convert_param_state, moments=self.MOMENTS, required=(), reference=reference
+        )
+        return loaded_state(self.param_groups, state_dict, convert, self.LOAD_DEFAULTS, self._check_group)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load this optimizer's state dict or its reference's (compressing it as configured).

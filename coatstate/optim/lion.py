@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 
 from coatstate.formats.defaults import LION_DEFAULTS
-from coatstate.formats.optimizer_state import parse_format
-from coatstate.optim.base import CompressedOptimizer
+from coatstate.optim.base import CompressedOptimizer, own_options
 from coatstate.optim.momentum_options import check_lion_arguments, check_lion_group
 from coatstate.optim.momentum_step import lion_step
-from coatstate.optim.options import check_format_arguments, check_master_arguments
 
 _D = LION_DEFAULTS
 LION_GROUP_DEFAULTS = {"maximize": False, "fused": None}
@@ -65,6 +61,7 @@ class CompressedLion(CompressedOptimizer):
 
     MOMENTS = ("exp_avg",)
     OPTION_MOMENTS = ("exp_avg",)
+    LOAD_DEFAULTS = LION_GROUP_DEFAULTS
     REFERENCE = "a float32 Lion"
 
     def __init__(
@@ -88,22 +85,25 @@ class CompressedLion(CompressedOptimizer):
         max_grad_norm: float | None = None,
     ) -> None:
         check_lion_arguments(lr, betas, weight_decay)
-        check_format_arguments(group_size, {"exp_avg_format": exp_avg_format})
-        check_master_arguments(master_seed, gradient_release, max_grad_norm)
         defaults = dict(
             lr=lr,
             betas=tuple(betas),
             weight_decay=weight_decay,
             maximize=maximize,
             fused=fused,
-            compress=compress,
-            group_size=group_size,
-            exp_avg_format=parse_format(exp_avg_format).value,
-            exp_avg_expand=exp_avg_expand,
-            min_numel=min_numel,
-            compress_1d=compress_1d,
-            master_bits=master_bits,
-            master_seed=master_seed,
+            **own_options(
+                "exp_avg",
+                compress,
+                group_size,
+                exp_avg_format,
+                exp_avg_expand,
+                min_numel,
+                compress_1d,
+                master_bits,
+                master_seed,
+                gradient_release,
+                max_grad_norm,
+            ),
         )
         super().__init__(params, defaults, gradient_release, max_grad_norm)
 
@@ -117,12 +117,17 @@ class CompressedLion(CompressedOptimizer):
 
             kernel = lion_fused
         return self._apply(
-            lion_step, kernel, param, grad, state, group, p, step, fused,
-            lr=group["lr"], betas=group["betas"], weight_decay=group["weight_decay"], maximize=group["maximize"],
-        )  # fmt: skip
-
-    def _loaded_state(self, state_dict: dict[str, Any]) -> tuple[list, dict]:
-        from coatstate.optim.state_dict import convert_param_state, loaded_state
-
-        convert = functools.partial(convert_param_state, moments=self.MOMENTS, required=(), reference="Lion")
-        return loaded_state(self.param_groups, state_dict, convert, LION_GROUP_DEFAULTS, check_lion_group)
+            lion_step,
+            kernel,
+            param,
+            grad,
+            state,
+            group,
+            p,
+            step,
+            fused,
+            lr=group["lr"],
+            betas=group["betas"],
+            weight_decay=group["weight_decay"],
+            maximize=group["maximize"],
+        )

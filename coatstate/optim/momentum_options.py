@@ -52,7 +52,9 @@ def check_lion_arguments(lr, betas, weight_decay) -> None:
     """Lion's ranges (Chen et al. 2023; lion-pytorch's asserts), with AdamW's message style."""
     _check_lr_argument(lr, "Invalid learning rate: {}")
     if isinstance(betas, torch.Tensor) or not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise TypeError(f"betas must be a pair of floats (beta1, beta2); got {betas!r:.40}: pass e.g. betas=(0.9, 0.99)")
+        raise TypeError(
+            f"betas must be a pair of floats (beta1, beta2); got {betas!r:.40}: pass e.g. betas=(0.9, 0.99)"
+        )
     for i, b in enumerate(betas):
         if not (_number(b) and 0.0 <= b <= 1.0):
             raise ValueError(f"Invalid beta parameter at index {i}: {b}")
@@ -108,7 +110,11 @@ def check_sgd_group(gi: int, group: dict[str, Any]) -> None:
 def check_lion_group(gi: int, group: dict[str, Any]) -> None:
     check_lr(gi, group)
     betas = group["betas"]
-    if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(_number(b) and 0 <= b <= 1 for b in betas)):
+    if not (
+        isinstance(betas, (tuple, list))
+        and len(betas) == 2
+        and all(_number(b) and 0 <= b <= 1 for b in betas)
+    ):
         raise ValueError(f"param group {gi}: betas must be two floats in [0, 1]; got {betas!r:.60}")
     _at_least(gi, group, ("weight_decay",))
     _flags(gi, group, ("maximize",))
@@ -120,11 +126,15 @@ def check_muon_group(gi: int, group: dict[str, Any]) -> None:
     _at_least(gi, group, ("momentum", "weight_decay", "eps"))
     _flags(gi, group, ("nesterov",))
     coefficients, steps = group["ns_coefficients"], group["ns_steps"]
-    if not (isinstance(coefficients, (tuple, list)) and len(coefficients) == 3 and all(map(_number, coefficients))):
+    if not (
+        isinstance(coefficients, (tuple, list)) and len(coefficients) == 3 and all(map(_number, coefficients))
+    ):
         raise ValueError(f"param group {gi}: ns_coefficients must be three numbers; got {coefficients!r:.60}")
     if isinstance(steps, bool) or not isinstance(steps, int) or not 0 <= steps < 100:
         raise ValueError(f"param group {gi}: ns_steps must be an int from 0 to 99; got {steps!r:.40}")
     if group["adjust_lr_fn"] not in MUON_ADJUST_LR:
-        raise ValueError(f"param group {gi}: Adjust learning rate function {group['adjust_lr_fn']} is not supported")
+        raise ValueError(
+            f"param group {gi}: Adjust learning rate function {group['adjust_lr_fn']} is not supported"
+        )
     check_muon_params(group["params"])
     check_options(gi, group, ("momentum_buffer",))

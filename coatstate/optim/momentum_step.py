@@ -54,7 +54,13 @@ def master_in(param: torch.Tensor, state: dict, master_bits: int | None) -> torc
 
 
 def master_out(
-    param: torch.Tensor, p: torch.Tensor, state: dict, master_bits: int | None, seed: int, step: int, first: int
+    param: torch.Tensor,
+    p: torch.Tensor,
+    state: dict,
+    master_bits: int | None,
+    seed: int,
+    step: int,
+    first: int,
 ) -> None:
     """Write the updated float32 `p` back as `param` (and its master correction)."""
     if master_bits in (32, 24):
@@ -90,7 +96,8 @@ def sgd_step(
 
 
 def lion_step(
-    p: torch.Tensor, grad: torch.Tensor, state: dict, fmt: MomentFormat | None, *, lr, betas, weight_decay: float,
+    p: torch.Tensor, grad: torch.Tensor, state: dict, fmt: MomentFormat | None, *, lr, betas,
+    weight_decay: float,
     maximize: bool,
 ) -> int:  # fmt: skip
     """Lion (Chen et al. 2023, Algorithm 2) on float32 `p`, in lion-pytorch's op order: decoupled
@@ -120,7 +127,9 @@ def muon_momentum(
     return update, write_momentum(state, "momentum_buffer", buf, fmt)
 
 
-def zeropower_via_newtonschulz(grad: torch.Tensor, ns_coefficients, ns_steps: int, eps: float) -> torch.Tensor:
+def zeropower_via_newtonschulz(
+    grad: torch.Tensor, ns_coefficients, ns_steps: int, eps: float
+) -> torch.Tensor:
     """torch.optim._muon._zeropower_via_newtonschulz, op for op (torch's is private): the quintic
     Newton-Schulz iteration in bfloat16 matmuls, on the wide orientation of the matrix."""
     if ns_steps >= 100:

@@ -10,11 +10,10 @@ import torch
 
 from coatstate.distributed import is_dtensor
 from coatstate.formats.defaults import MOMENTUM_DEFAULTS
-from coatstate.formats.optimizer_state import MOMENTUM, parse_format
-from coatstate.optim.base import CompressedOptimizer
+from coatstate.formats.optimizer_state import MOMENTUM
+from coatstate.optim.base import CompressedOptimizer, own_options
 from coatstate.optim.momentum_options import check_muon_arguments, check_muon_group, check_muon_params
 from coatstate.optim.momentum_step import muon_momentum, muon_step
-from coatstate.optim.options import check_format_arguments, check_master_arguments
 
 _D = MOMENTUM_DEFAULTS
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -71,6 +70,7 @@ class CompressedMuon(CompressedOptimizer):
 
     MOMENTS = (MOMENTUM,)
     OPTION_MOMENTS = (MOMENTUM,)
+    LOAD_DEFAULTS = {"fused": None}
     REFERENCE = "torch.optim.Muon"
 
     def __init__(
@@ -97,8 +97,6 @@ class CompressedMuon(CompressedOptimizer):
         max_grad_norm: float | None = None,
     ) -> None:
         check_muon_arguments(lr, momentum, weight_decay, adjust_lr_fn)
-        check_format_arguments(group_size, {"momentum_format": momentum_format})
-        check_master_arguments(master_seed, gradient_release, max_grad_norm)
         defaults = dict(
             lr=lr,
             weight_decay=weight_decay,
@@ -109,14 +107,19 @@ class CompressedMuon(CompressedOptimizer):
             ns_steps=ns_steps,
             adjust_lr_fn=adjust_lr_fn,
             fused=fused,
-            compress=compress,
-            group_size=group_size,
-            momentum_format=parse_format(momentum_format).value,
-            momentum_expand=momentum_expand,
-            min_numel=min_numel,
-            compress_1d=False,
-            master_bits=master_bits,
-            master_seed=master_seed,
+            **own_options(
+                MOMENTUM,
+                compress,
+                group_size,
+                momentum_format,
+                momentum_expand,
+                min_numel,
+                False,
+                master_bits,
+                master_seed,
+                gradient_release,
+                max_grad_norm,
+            ),
         )
         super().__init__(params, defaults, gradient_release, max_grad_norm)
 
@@ -146,14 +149,21 @@ class CompressedMuon(CompressedOptimizer):
                 accumulate = muon_accumulate_fused
         twin = functools.partial(muon_step, accumulate=accumulate)
         return self._apply(
-            twin, None, param, grad, state, group, p, step, fused,
-            lr=group["lr"], weight_decay=group["weight_decay"], momentum=group["momentum"],
-            nesterov=group["nesterov"], ns_coefficients=group["ns_coefficients"], ns_steps=group["ns_steps"],
-            eps=group["eps"], adjust_lr_fn=group["adjust_lr_fn"],
-        )  # fmt: skip
-
-    def _loaded_state(self, state_dict: dict[str, Any]) -> tuple[list, dict]:
-        from coatstate.optim.state_dict import convert_param_state, loaded_state
-
-        convert = functools.partial(convert_param_state, moments=self.MOMENTS, required=(), reference="Muon")
-        return loaded_state(self.param_groups, state_dict, convert, {"fused": None}, check_muon_group)
+            twin,
+            None,
+            param,
+            grad,
+            state,
+            group,
+            p,
+            step,
+            fused,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            momentum=group["momentum"],
+            nesterov=group["nesterov"],
+            ns_coefficients=group["ns_coefficients"],
+            ns_steps=group["ns_steps"],
+            eps=group["eps"],
+            adjust_lr_fn=group["adjust_lr_fn"],
+        )

@@ -182,7 +182,8 @@ def check_arguments(lr, betas, eps, weight_decay, unsupported_mode, group_size, 
             "CompressedAdamW does not support capturable=True or differentiable=True: its "
             "states are requantized in place each step; use torch.optim.AdamW for those modes"
         )
-    check_format_arguments(group_size, dict(zip(("exp_avg_format", "exp_avg_sq_format"), formats, strict=True)))
+    names = ("exp_avg_format", "exp_avg_sq_format")
+    check_format_arguments(group_size, dict(zip(names, formats, strict=True)))
 
 
 def check_format_arguments(group_size: Any, formats: dict[str, Any]) -> None:

@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 
 from coatstate.formats.defaults import MOMENTUM_DEFAULTS
-from coatstate.formats.optimizer_state import MOMENTUM, parse_format
-from coatstate.optim.base import CompressedOptimizer
+from coatstate.formats.optimizer_state import MOMENTUM
+from coatstate.optim.base import CompressedOptimizer, own_options
 from coatstate.optim.momentum_options import check_sgd_arguments, check_sgd_group
 from coatstate.optim.momentum_step import sgd_step
-from coatstate.optim.options import check_format_arguments, check_master_arguments
 
 _D = MOMENTUM_DEFAULTS
-SGD_GROUP_DEFAULTS = {"nesterov": False, "maximize": False, "foreach": None, "differentiable": False, "fused": None}
+SGD_GROUP_DEFAULTS = {
+    "nesterov": False,
+    "maximize": False,
+    "foreach": None,
+    "differentiable": False,
+    "fused": None,
+}
 """what torch.optim.SGD.__setstate__ fills into a loaded param group that lacks the key"""
 
 
@@ -67,6 +70,7 @@ class CompressedSGD(CompressedOptimizer):
 
     MOMENTS = (MOMENTUM,)
     OPTION_MOMENTS = (MOMENTUM,)
+    LOAD_DEFAULTS = SGD_GROUP_DEFAULTS
     REFERENCE = "torch.optim.SGD"
 
     def __init__(
@@ -94,8 +98,6 @@ class CompressedSGD(CompressedOptimizer):
         max_grad_norm: float | None = None,
     ) -> None:
         check_sgd_arguments(lr, momentum, dampening, weight_decay, nesterov, differentiable)
-        check_format_arguments(group_size, {"momentum_format": momentum_format})
-        check_master_arguments(master_seed, gradient_release, max_grad_norm)
         defaults = dict(
             lr=lr,
             momentum=momentum,
@@ -106,14 +108,19 @@ class CompressedSGD(CompressedOptimizer):
             foreach=foreach,
             differentiable=False,
             fused=fused,
-            compress=compress,
-            group_size=group_size,
-            momentum_format=parse_format(momentum_format).value,
-            momentum_expand=momentum_expand,
-            min_numel=min_numel,
-            compress_1d=compress_1d,
-            master_bits=master_bits,
-            master_seed=master_seed,
+            **own_options(
+                MOMENTUM,
+                compress,
+                group_size,
+                momentum_format,
+                momentum_expand,
+                min_numel,
+                compress_1d,
+                master_bits,
+                master_seed,
+                gradient_release,
+                max_grad_norm,
+            ),
         )
         super().__init__(params, defaults, gradient_release, max_grad_norm)
 
@@ -127,13 +134,19 @@ class CompressedSGD(CompressedOptimizer):
 
             kernel = sgd_fused
         return self._apply(
-            sgd_step, kernel, param, grad, state, group, p, step, fused,
-            lr=group["lr"], momentum=group["momentum"], dampening=group["dampening"],
-            nesterov=group["nesterov"], weight_decay=group["weight_decay"], maximize=group["maximize"],
-        )  # fmt: skip
-
-    def _loaded_state(self, state_dict: dict[str, Any]) -> tuple[list, dict]:
-        from coatstate.optim.state_dict import convert_param_state, loaded_state
-
-        convert = functools.partial(convert_param_state, moments=self.MOMENTS, required=(), reference="SGD")
-        return loaded_state(self.param_groups, state_dict, convert, SGD_GROUP_DEFAULTS, check_sgd_group)
+            sgd_step,
+            kernel,
+            param,
+            grad,
+            state,
+            group,
+            p,
+            step,
+            fused,
+            lr=group["lr"],
+            momentum=group["momentum"],
+            dampening=group["dampening"],
+            nesterov=group["nesterov"],
+            weight_decay=group["weight_decay"],
+            maximize=group["maximize"],
+        )

@@ -11,17 +11,19 @@ from typing import Any
 import torch
 
 from coatstate.distributed import check_compressible, is_dtensor, local_chunk, local_tensor, wrap_state
+from coatstate.formats.defaults import LION_DEFAULTS, MOMENTUM_DEFAULTS, OPTIMIZER_DEFAULTS
 from coatstate.formats.master_weights import CORRECTION_DTYPES
+from coatstate.formats.optimizer_schema import kind_of
 from coatstate.formats.optimizer_state import (
+    ALL_MOMENTS,
     CODES,
     DEFAULT_GROUP_SIZE,
     EXPONENTS,
-    ALL_MOMENTS,
     MASTER_CORRECTION,
     MOMENTS,
+    MOMENTUM,
     SCALES,
     MomentFormat,
-    MOMENTUM,
     check_moment_format,
     expand_option,
     format_option,
@@ -32,8 +34,6 @@ from coatstate.formats.optimizer_state import (
     resolve_expand,
     write_moment,
 )
-from coatstate.formats.defaults import LION_DEFAULTS, MOMENTUM_DEFAULTS, OPTIMIZER_DEFAULTS
-from coatstate.formats.optimizer_schema import kind_of
 from coatstate.optim.moments import FORMAT_DEFAULTS, global_shape, master_mode, moment_formats
 from coatstate.optim.options import check_group
 
@@ -147,7 +147,9 @@ def convert_param_state(
             "optimizer's state?"
         )
     if foreign:
-        raise ValueError(f"it holds {foreign}, which {reference} does not keep: is it another optimizer's state?")
+        raise ValueError(
+            f"it holds {foreign}, which {reference} does not keep: is it another optimizer's state?"
+        )
     for key, value in saved.items():
         if isinstance(key, str) and key.startswith(moments) and not isinstance(value, torch.Tensor):
             raise TypeError(f"state {key!r} must be a tensor; got {type(value).__name__}")
@@ -240,7 +242,12 @@ def _format_kwargs(kwargs: dict[str, Any], defaults: Mapping[str, Any] = FORMAT_
 
 OPTION_MOMENTS = ("exp_avg", "exp_avg_sq", MOMENTUM)
 """the moments with a format option of their own, any optimizer's"""
-OPTION_TABLES = {"AdamW": OPTIMIZER_DEFAULTS, "SGD": MOMENTUM_DEFAULTS, "Muon": MOMENTUM_DEFAULTS, "Lion": LION_DEFAULTS}
+OPTION_TABLES = {
+    "AdamW": OPTIMIZER_DEFAULTS,
+    "SGD": MOMENTUM_DEFAULTS,
+    "Muon": MOMENTUM_DEFAULTS,
+    "Lion": LION_DEFAULTS,
+}
 """each reference's compressed class's own options (formats.defaults)"""
 
 
@@ -249,7 +256,9 @@ def compress_adamw_state_dict(state_dict: dict[str, Any], **format_options: Any)
     return compress_state_dict(state_dict, "AdamW", **format_options)
 
 
-def compress_state_dict(state_dict: dict[str, Any], reference: str | None = None, **format_options: Any) -> dict:
+def compress_state_dict(
+    state_dict: dict[str, Any], reference: str | None = None, **format_options: Any
+) -> dict[str, Any]:
     """A reference optimizer's state dict -> its compressed class's ("AdamW", "SGD", "Muon" or
     "Lion"; None: recognised from the param groups' keys); format options as that class's
     constructor takes them (options of the other classes are left out)."""
@@ -292,7 +301,9 @@ def _reference_of_moments(state_dict: dict[str, Any]) -> str:
     return "Lion" if "exp_avg" in names and "exp_avg_sq" not in names else "AdamW"
 
 
-def to_reference_state_dict(state_dict: dict[str, Any], shapes: dict[Any, Any] | None = None) -> dict[str, Any]:
+def to_reference_state_dict(
+    state_dict: dict[str, Any], shapes: dict[Any, Any] | None = None
+) -> dict[str, Any]:
     """A compressed optimizer's state dict -> one its torch reference loads (torch.optim.AdamW,
     SGD, Muon; Lion's plain float32 form): moments decompressed to fp32, coatstate's options
     left out. 4-bit moments' packed codes do not record their parameter's shape: pass `shapes`

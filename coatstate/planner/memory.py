@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from coatstate.formats.fp4 import storage_bytes_fp4
 from coatstate.formats.defaults import MOMENTUM_DEFAULTS
+from coatstate.formats.fp4 import storage_bytes_fp4
 from coatstate.formats.group import storage_bytes
 from coatstate.formats.master_weights import CORRECTION_DTYPES, MASTER_BITS
 from coatstate.optim.moments import FORMAT_DEFAULTS, moment_formats
@@ -79,9 +79,8 @@ def optimizer_bytes(
     if optimizer in REFERENCE_MOMENTS:
         return sum(4 * REFERENCE_MOMENTS[optimizer] * math.prod(local_shape(s, shards)) for s in shapes)
     if optimizer not in COMPRESSED_MOMENTS:
-        raise ValueError(
-            f"optimizer must be one of {sorted(REFERENCE_MOMENTS) + sorted(COMPRESSED_MOMENTS)}; got {optimizer!r}"
-        )
+        known = sorted(REFERENCE_MOMENTS) + sorted(COMPRESSED_MOMENTS)
+        raise ValueError(f"optimizer must be one of {known}; got {optimizer!r}")
     group = {**FORMAT_DEFAULTS, **MOMENTUM_DEFAULTS, **(options or {})}
     total = 0
     for s in shapes:
