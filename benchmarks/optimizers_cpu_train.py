@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from common import result_meta  # noqa: E402
 from corpus_python import joined_files, load_corpus, validation_tokens, window_batch  # noqa: E402
 from models import GPT, ModelConfig  # noqa: E402
+from report_states import optimizers_cpu_train_table  # noqa: E402
 from test_optimizers_momentum import Lion  # noqa: E402
 
 T_975 = {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776, 6: 2.571, 7: 2.447, 8: 2.365, 9: 2.306, 10: 2.262}
@@ -131,22 +132,6 @@ def summarize(runs: list[dict]) -> list[dict]:
     return rows
 
 
-def print_table(rows: list[dict]) -> None:
-    print(
-        "| optimizer | state B/param (ref -> ours) | ref val loss | ours val loss | ref seed spread "
-        "| ours - ref (95% CI) | within spread |"
-    )
-    print("|---|---|---|---|---|---|---|")
-    names = {"sgd": "SGD (nesterov)", "lion": "Lion", "muon": "Muon (hidden 2-D)"}
-    for r in rows:
-        lo, hi = r["diff_ci95"]
-        print(
-            f"| {names[r['optimizer']]} | {r['ref_bytes_per_param']:.2f} -> {r['ours_bytes_per_param']:.3f} "
-            f"| {r['ref_val_loss']:.4f} | {r['ours_val_loss']:.4f} | {r['ref_seed_spread']:.4f} "
-            f"| {r['diff']:+.4f} ({lo:+.4f}, {hi:+.4f}) | {'yes' if r['within_spread'] else 'no'} |"
-        )
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--optimizers", default="sgd,lion,muon")
@@ -174,7 +159,7 @@ def main() -> None:
                 print(f"{kind} {'ours' if compressed else 'ref '} seed {seed}: val {r['val_loss']:.4f} "
                       f"({r['seconds']:.1f} s)", file=sys.stderr)  # fmt: skip
     rows = summarize(runs)
-    print_table(rows)
+    print("\n".join(optimizers_cpu_train_table(rows)))
     out = {"meta": result_meta(args), "corpus": corpus["stats"], "summary": rows, "runs": runs}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")

@@ -121,8 +121,8 @@ def test_fused_step_reports_nonfinite_gradients():
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["sgd", "lion", "muon"])
 def test_fused_step_on_the_gpu_equals_the_cpu_twin(name):
-    """Compiled on the GPU, plain E4M3: the kernel against the CPU twin, bit for bit where the
-    GPU's fma and float32 rounding are IEEE (they are; approximate math is not used here)."""
+    """Compiled on the GPU, plain E4M3: the kernel against the CPU twin, within 1e-6 absolute
+    (Muon: 1e-3; its bfloat16 matmuls differ between the GPU and the CPU)."""
     cls, shapes, kw = CASES[name]
     a, b = _params(shapes), _params(shapes)
     options = _options(cls, "e4m3", False)
