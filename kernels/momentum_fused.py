@@ -46,146 +46,33 @@ def _lerp(a, b, w, w_minus_1):
 
 
 @triton.jit
-def _load_momentum(
-    m_ptr,
-    s_ptr,
-    e_ptr,
-    offs,
-    mask,
-    poffs,
-    pmask,
-    gid,
-    gmask,
-    FIRST: tl.constexpr,
-    COMPRESSED: tl.constexpr,
-    FP4: tl.constexpr,
-    EXPAND: tl.constexpr,
-    IS_E4M3: tl.constexpr,
-    GROUP: tl.constexpr,
-):
-    if FIRST:  # (SGD's first step: the buffer is the gradient; no codes to read)
-        return tl.zeros(offs.shape, tl.float32)
-    elif not COMPRESSED:
-        return tl.load(m_ptr + offs, mask=mask, other=0.0)
-    elif FP4 > 0:
-        return load_decode4(m_ptr + poffs, pmask, s_ptr + gid, gmask, mask, GROUP, FP4, False)
-    else:
-        return load_decode(m_ptr + offs, s_ptr + gid, e_ptr + gid, mask, gmask, EXPAND, IS_E4M3)
-
-
-@triton.jit
-def _store_momentum(
-    m,
-    m_ptr,
-    s_ptr,
-    e_ptr,
-    offs,
-    mask,
-    poffs,
-    pmask,
-    gid,
-    gmask,
-    COMPRESSED: tl.constexpr,
-    FP4: tl.constexpr,
-    EXPAND: tl.constexpr,
-    FP8_MAX: tl.constexpr,
-    MBITS: tl.constexpr,
-    EMIN: tl.constexpr,
-    LOG2_MAX: tl.constexpr,
-    K_NUMERATOR: tl.constexpr,
-    IS_E4M3: tl.constexpr,
-    GROUP: tl.constexpr,
-):
-    if not COMPRESSED:
-        tl.store(m_ptr + offs, m, mask=mask)
-    elif FP4 > 0:  # (the encoder wants exact zeros off the mask)
-        encode_store4(
-            tl.where(mask, m, 0.0), m_ptr + poffs, pmask, s_ptr + gid, gmask, GROUP, FP4, False, 0, False
-        )
-    else:
-        encode_store(
-            m,
-            m_ptr + offs,
-            s_ptr + gid,
-            e_ptr + gid,
-            mask,
-            gmask,
-            EXPAND,
-            FP8_MAX,
-            MBITS,
-            EMIN,
-            LOG2_MAX,
-            K_NUMERATOR,
-            IS_E4M3,
-        )
-
-
-@triton.jit
-def _momentum_kernel(
-    p_ptr,
-    g_ptr,
-    u_ptr,
-    m_ptr,
-    s_ptr,
-    e_ptr,
-    nonfinite_ptr,
-    n_groups,
-    cols,
-    groups_per_row,
-    h0,
-    h1,
-    h2,
-    h3,
-    h4,
-    h5,
-    KIND: tl.constexpr,
-    FIRST: tl.constexpr,
-    NESTEROV: tl.constexpr,
-    MAXIMIZE: tl.constexpr,
-    HAS_WD: tl.constexpr,
-    COMPRESSED: tl.constexpr,
-    FP4: tl.constexpr,
-    EXPAND: tl.constexpr,
-    FP8_MAX: tl.constexpr,
-    MBITS: tl.constexpr,
-    EMIN: tl.constexpr,
-    LOG2_MAX: tl.constexpr,
-    K_NUMERATOR: tl.constexpr,
-    IS_E4M3: tl.constexpr,
-    GROUP: tl.constexpr,
-    GPP: tl.constexpr,
-    EVEN: tl.constexpr,
-):
-    """h0..h5 per KIND (the launchers' `_hyper`): SGD (-lr, momentum, 1 - dampening,
+def _momentum_kernel(p_ptr, g_ptr, u_ptr, m_ptr, s_ptr, e_ptr, nonfinite_ptr, n_groups, cols, groups_per_row,
+                     h0, h1, h2, h3, h4, h5, KIND: tl.constexpr, FIRST: tl.constexpr,
+                     NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_WD: tl.constexpr,
+                     COMPRESSED: tl.constexpr, FP4: tl.constexpr, EXPAND: tl.constexpr,
+                     FP8_MAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr,
+                     LOG2_MAX: tl.constexpr, K_NUMERATOR: tl.constexpr, IS_E4M3: tl.constexpr,
+                     GROUP: tl.constexpr, GPP: tl.constexpr, EVEN: tl.constexpr):  # fmt: skip
+    """h0..h5 per KIND (the launchers' `hyper`): SGD (-lr, momentum, 1 - dampening,
     weight_decay); LION (-lr, 1 - lr * weight_decay, b1, 1 - b1, b2, 1 - b2); MUON (w, w - 1 for
-    w = 1 - momentum, then for w = momentum)."""
+    w = 1 - momentum, then for w = momentum). The momentum: float32 (not COMPRESSED), FP8 codes
+    (uint8) with group scales and exponents, or packed 4-bit codes (FP4) with group scales."""
     gid = tl.program_id(0).to(tl.int64) * GPP + tl.arange(0, GPP)
     gmask = gid < n_groups
     offs, mask = group_offsets(gid, n_groups, cols, groups_per_row, GROUP, EVEN)
-    if FP4 > 0:
-        poffs, pmask = packed_offsets(gid, n_groups, cols, groups_per_row, GROUP, False)
-    else:
-        poffs, pmask = offs, mask
     g = tl.load(g_ptr + offs, mask=mask, other=0.0)
     if MAXIMIZE:
         g = -g
-    m = _load_momentum(
-        m_ptr,
-        s_ptr,
-        e_ptr,
-        offs,
-        mask,
-        poffs,
-        pmask,
-        gid,
-        gmask,
-        FIRST,
-        COMPRESSED,
-        FP4,
-        EXPAND,
-        IS_E4M3,
-        GROUP,
-    )
+    if FP4 > 0:
+        poffs, pmask = packed_offsets(gid, n_groups, cols, groups_per_row, GROUP, False)
+    if FIRST:  # (SGD's first step: the buffer is the gradient; no codes to read)
+        m = tl.zeros(offs.shape, tl.float32)
+    elif not COMPRESSED:
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+    elif FP4 > 0:
+        m = load_decode4(m_ptr + poffs, pmask, s_ptr + gid, gmask, mask, GROUP, FP4, False)
+    else:
+        m = load_decode(m_ptr + offs, s_ptr + gid, e_ptr + gid, mask, gmask, EXPAND, IS_E4M3)
     if KIND == 0:  # SGD
         p = tl.load(p_ptr + offs, mask=mask, other=0.0)
         if HAS_WD:
@@ -211,28 +98,14 @@ def _momentum_kernel(
             tl.store(u_ptr + offs, _lerp(g, m, h2, h3), mask=mask)
         else:
             tl.store(u_ptr + offs, m, mask=mask)
-    _store_momentum(
-        m,
-        m_ptr,
-        s_ptr,
-        e_ptr,
-        offs,
-        mask,
-        poffs,
-        pmask,
-        gid,
-        gmask,
-        COMPRESSED,
-        FP4,
-        EXPAND,
-        FP8_MAX,
-        MBITS,
-        EMIN,
-        LOG2_MAX,
-        K_NUMERATOR,
-        IS_E4M3,
-        GROUP,
-    )
+    if not COMPRESSED:
+        tl.store(m_ptr + offs, m, mask=mask)
+    elif FP4 > 0:  # (the encoder wants exact zeros off the mask)
+        m4 = tl.where(mask, m, 0.0)
+        encode_store4(m4, m_ptr + poffs, pmask, s_ptr + gid, gmask, GROUP, FP4, False, 0, False)
+    else:
+        encode_store(m, m_ptr + offs, s_ptr + gid, e_ptr + gid, mask, gmask, EXPAND, FP8_MAX, MBITS, EMIN,
+                     LOG2_MAX, K_NUMERATOR, IS_E4M3)  # fmt: skip
     bad = tl.sum(tl.sum(((m - m != 0) & mask).to(tl.int32), axis=1), axis=0)
     if bad > 0:  # rare: a NaN/Inf gradient, reported by nonfinite_parameters()
         tl.atomic_add(nonfinite_ptr, bad)
@@ -245,17 +118,9 @@ def launchable(fmt: MomentFormat | None) -> bool:
     return g >= 2 and g & (g - 1) == 0 and (fmt is None or fmt.bits == 8 or g >= 4)
 
 
-def _launch(
-    kind: int,
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    state: dict,
-    name: str,
-    fmt: MomentFormat | None,
-    hyper: tuple,
-    update: torch.Tensor | None = None,
-    **flags,
-) -> torch.Tensor:
+def _launch(kind: int, param: torch.Tensor, grad: torch.Tensor, state: dict, name: str,
+            fmt: MomentFormat | None, hyper: tuple, update: torch.Tensor | None = None,
+            **flags) -> torch.Tensor:  # fmt: skip
     """Run the kernel on one parameter; creates the momentum on its first step (SGD's from the
     gradient, the others' from zeros). Returns the count of non-finite momentum values (a
     one-element tensor, never synchronised here)."""
@@ -271,37 +136,18 @@ def _launch(
         m = m.view(torch.uint8) if fmt.bits == 8 else m
         exps = state.get(name + EXPONENTS, scales)
     four = fmt is not None and isinstance(fmt.fmt, FP4Format)
-    constants = fp8_constants(
-        fmt.fmt if fmt is not None and not four else FP8Format.E4M3
-    )  # (unused if not FP8)
+    constants = fp8_constants(fmt.fmt if fmt is not None and not four else FP8Format.E4M3)  # (4-bit: unused)
+    options = dict(NESTEROV=False, MAXIMIZE=False, HAS_WD=False, **constants)
+    options.update(flags, KIND=kind, FIRST=first and kind == SGD, COMPRESSED=fmt is not None)
+    options.update(FP4=E2M1 if four else 0, EXPAND=bool(fmt is not None and fmt.expand), GROUP=group_size)
+    options.update(EVEN=not four and cols % group_size == 0)
     nonfinite = torch.zeros(1, dtype=torch.int32, device=grad.device)
     n_groups = rows * groups
     gpp = INTERPRETER_GROUPS_PER_PROGRAM if interpreting() else GROUPS_PER_PROGRAM
     if n_groups and grad.numel():
-        _momentum_kernel[(triton.cdiv(n_groups, gpp),)](
-            param,
-            grad,
-            update if update is not None else grad,
-            m,
-            scales,
-            exps,
-            nonfinite,
-            n_groups,
-            cols,
-            groups,
-            *hyper,
-            *(0.0,) * (6 - len(hyper)),
-            KIND=kind,
-            FIRST=first and kind == SGD,
-            COMPRESSED=fmt is not None,
-            FP4=E2M1 if four else 0,
-            EXPAND=bool(fmt is not None and fmt.expand),
-            GROUP=group_size,
-            GPP=gpp,
-            EVEN=not four and cols % group_size == 0,
-            **{"NESTEROV": False, "MAXIMIZE": False, "HAS_WD": False, **flags},
-            **constants,
-        )
+        pointers = (param, grad, update if update is not None else grad, m, scales, exps, nonfinite)
+        scalars = (n_groups, cols, groups, *hyper, *(0.0,) * (6 - len(hyper)))
+        _momentum_kernel[(triton.cdiv(n_groups, gpp),)](*pointers, *scalars, GPP=gpp, **options)
     return nonfinite[0]
 
 

@@ -247,11 +247,7 @@ class CompressedAdamW(CompressedOptimizer):
     def _step_group(self, group: dict, grad_scale, found_inf) -> None:
         prepared = self._prepared.get(id(group))
         with_grad = [p for p in group["params"] if p.grad is not None]
-        if (
-            prepared is None
-            or not _same(prepared.params, with_grad)
-            or prepared.options != _options(group)
-        ):
+        if prepared is None or not _same(prepared.params, with_grad) or prepared.options != _options(group):
             prepared = self._prepare(group, with_grad)
         self._external_writes.drop_stale(prepared.masters, self.state, self._param_name)
         grads = [local_tensor(p.grad) for p in prepared.fused]

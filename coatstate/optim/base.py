@@ -52,23 +52,22 @@ from coatstate.optim.release import GradientRelease
 logger = logging.getLogger("coatstate")
 
 
-def own_options(
-    moment: str, compress, group_size, fmt, expand, min_numel, compress_1d, master_bits, master_seed,
-    gradient_release, max_grad_norm,
-) -> dict[str, Any]:  # fmt: skip
-    """coatstate's param-group options of a one-moment optimizer's constructor, checked (the format
-    option of `moment`: formats.optimizer_state.format_option)."""
-    check_format_arguments(group_size, {format_option(moment): fmt})
-    check_master_arguments(master_seed, gradient_release, max_grad_norm)
+def own_options(moment: str, arguments: dict[str, Any]) -> dict[str, Any]:
+    """coatstate's param-group options of a one-moment optimizer, checked, from its constructor's
+    `arguments` (its locals(): the format options of `moment` are formats.optimizer_state's
+    format_option and expand_option; a constructor without compress_1d gives False)."""
+    a, fmt, expand = arguments, format_option(moment), expand_option(moment)
+    check_format_arguments(a["group_size"], {fmt: a[fmt]})
+    check_master_arguments(a["master_seed"], a["gradient_release"], a["max_grad_norm"])
     return {
-        "compress": compress,
-        "group_size": group_size,
-        format_option(moment): parse_format(fmt).value,
-        expand_option(moment): expand,
-        "min_numel": min_numel,
-        "compress_1d": compress_1d,
-        "master_bits": master_bits,
-        "master_seed": master_seed,
+        "compress": a["compress"],
+        "group_size": a["group_size"],
+        fmt: parse_format(a[fmt]).value,
+        expand: a[expand],
+        "min_numel": a["min_numel"],
+        "compress_1d": a.get("compress_1d", False),
+        "master_bits": a["master_bits"],
+        "master_seed": a["master_seed"],
     }
 
 
@@ -370,10 +369,15 @@ class CompressedOptimizer(torch.optim.Optimizer):
         came out NaN/Inf."""
         raise NotImplementedError
 
-    def _apply(self, twin, kernel, param, grad, state, group, p, step, fused, **hyper) -> int:
+    HYPERPARAMETERS: tuple[str, ...] = ()
+    """the param-group keys a one-moment optimizer's step function takes as keywords"""
+
+    def _apply(self, twin, kernel, param, grad, state, group, p, step, fused) -> int:
         """One parameter's update through `twin` (coatstate.optim.momentum_step: float32 math on the
         master weight) or, on the fused path, `kernel` (float32 parameters and gradients without a
-        master: the other cases take the twin), with the parameter's one moment format."""
+        master: the other cases take the twin), with the parameter's one moment format and the
+        group's HYPERPARAMETERS."""
+        hyper = {k: group[k] for k in self.HYPERPARAMETERS}
         fmt = self._formats(group, p)[self.MOMENTS[0]]
         bits = master_mode(group, p)
         if fused and kernel is not None and bits is None and param.dtype == grad.dtype == torch.float32:

@@ -62,6 +62,7 @@ class CompressedLion(CompressedOptimizer):
     MOMENTS = ("exp_avg",)
     OPTION_MOMENTS = ("exp_avg",)
     LOAD_DEFAULTS = LION_GROUP_DEFAULTS
+    HYPERPARAMETERS = ("lr", "betas", "weight_decay", "maximize")
     REFERENCE = "a float32 Lion"
 
     def __init__(
@@ -91,19 +92,7 @@ class CompressedLion(CompressedOptimizer):
             weight_decay=weight_decay,
             maximize=maximize,
             fused=fused,
-            **own_options(
-                "exp_avg",
-                compress,
-                group_size,
-                exp_avg_format,
-                exp_avg_expand,
-                min_numel,
-                compress_1d,
-                master_bits,
-                master_seed,
-                gradient_release,
-                max_grad_norm,
-            ),
+            **own_options("exp_avg", locals()),
         )
         super().__init__(params, defaults, gradient_release, max_grad_norm)
 
@@ -116,18 +105,4 @@ class CompressedLion(CompressedOptimizer):
             from coatstate.kernels.momentum_fused import lion_fused
 
             kernel = lion_fused
-        return self._apply(
-            lion_step,
-            kernel,
-            param,
-            grad,
-            state,
-            group,
-            p,
-            step,
-            fused,
-            lr=group["lr"],
-            betas=group["betas"],
-            weight_decay=group["weight_decay"],
-            maximize=group["maximize"],
-        )
+        return self._apply(lion_step, kernel, param, grad, state, group, p, step, fused)

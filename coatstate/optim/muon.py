@@ -71,6 +71,8 @@ class CompressedMuon(CompressedOptimizer):
     MOMENTS = (MOMENTUM,)
     OPTION_MOMENTS = (MOMENTUM,)
     LOAD_DEFAULTS = {"fused": None}
+    HYPERPARAMETERS = ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "ns_steps", "eps",
+                       "adjust_lr_fn")  # fmt: skip
     REFERENCE = "torch.optim.Muon"
 
     def __init__(
@@ -107,19 +109,7 @@ class CompressedMuon(CompressedOptimizer):
             ns_steps=ns_steps,
             adjust_lr_fn=adjust_lr_fn,
             fused=fused,
-            **own_options(
-                MOMENTUM,
-                compress,
-                group_size,
-                momentum_format,
-                momentum_expand,
-                min_numel,
-                False,
-                master_bits,
-                master_seed,
-                gradient_release,
-                max_grad_norm,
-            ),
+            **own_options(MOMENTUM, locals()),
         )
         super().__init__(params, defaults, gradient_release, max_grad_norm)
 
@@ -148,22 +138,4 @@ class CompressedMuon(CompressedOptimizer):
             if launchable(self._formats(group, p)[MOMENTUM]):
                 accumulate = muon_accumulate_fused
         twin = functools.partial(muon_step, accumulate=accumulate)
-        return self._apply(
-            twin,
-            None,
-            param,
-            grad,
-            state,
-            group,
-            p,
-            step,
-            fused,
-            lr=group["lr"],
-            weight_decay=group["weight_decay"],
-            momentum=group["momentum"],
-            nesterov=group["nesterov"],
-            ns_coefficients=group["ns_coefficients"],
-            ns_steps=group["ns_steps"],
-            eps=group["eps"],
-            adjust_lr_fn=group["adjust_lr_fn"],
-        )
+        return self._apply(twin, None, param, grad, state, group, p, step, fused)

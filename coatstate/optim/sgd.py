@@ -71,6 +71,7 @@ class CompressedSGD(CompressedOptimizer):
     MOMENTS = (MOMENTUM,)
     OPTION_MOMENTS = (MOMENTUM,)
     LOAD_DEFAULTS = SGD_GROUP_DEFAULTS
+    HYPERPARAMETERS = ("lr", "momentum", "dampening", "nesterov", "weight_decay", "maximize")
     REFERENCE = "torch.optim.SGD"
 
     def __init__(
@@ -108,19 +109,7 @@ class CompressedSGD(CompressedOptimizer):
             foreach=foreach,
             differentiable=False,
             fused=fused,
-            **own_options(
-                MOMENTUM,
-                compress,
-                group_size,
-                momentum_format,
-                momentum_expand,
-                min_numel,
-                compress_1d,
-                master_bits,
-                master_seed,
-                gradient_release,
-                max_grad_norm,
-            ),
+            **own_options(MOMENTUM, locals()),
         )
         super().__init__(params, defaults, gradient_release, max_grad_norm)
 
@@ -133,20 +122,4 @@ class CompressedSGD(CompressedOptimizer):
             from coatstate.kernels.momentum_fused import sgd_fused
 
             kernel = sgd_fused
-        return self._apply(
-            sgd_step,
-            kernel,
-            param,
-            grad,
-            state,
-            group,
-            p,
-            step,
-            fused,
-            lr=group["lr"],
-            momentum=group["momentum"],
-            dampening=group["dampening"],
-            nesterov=group["nesterov"],
-            weight_decay=group["weight_decay"],
-            maximize=group["maximize"],
-        )
+        return self._apply(sgd_step, kernel, param, grad, state, group, p, step, fused)
