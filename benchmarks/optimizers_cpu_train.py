@@ -160,7 +160,7 @@ def main() -> None:
                       f"({r['seconds']:.1f} s)", file=sys.stderr)  # fmt: skip
     rows = summarize(runs)
     print("\n".join(optimizers_cpu_train_table(rows)))
-    out = {"meta": result_meta(args), "corpus": corpus["stats"], "summary": rows, "runs": runs}
+    out = {"meta": {**result_meta(args), "threads": torch.get_num_threads()}, "corpus": corpus["stats"], "summary": rows, "runs": runs}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
 
