@@ -58,6 +58,7 @@ from report_one_gpu import missing_one_gpu, section_one_gpu
 from report_states import (
     section_fp4_reconstruction,
     section_fp4_shadow,
+    section_optimizers_cpu_train,
     section_parity_gpu,
     section_parity_step_profile,
 )
@@ -487,6 +488,7 @@ def section_activation_policy_cosine(data: dict, path: Path) -> str:
 SECTIONS = {
     "optimizer_step": section_optimizer_step,
     "optimizer_cpu": section_optimizer_cpu,
+    "optimizers_cpu_train": section_optimizers_cpu_train,
     "activation_memory": section_activation_memory,
     "activation_memory_llama": section_activation_memory,
     "activation_memory_linear_group": section_activation_memory,

@@ -14,6 +14,9 @@ __version__ = "0.2.0"
 
 _EXPORTS = {
     "CompressedAdamW": "coatstate.optim",
+    "CompressedSGD": "coatstate.optim",
+    "CompressedLion": "coatstate.optim",
+    "CompressedMuon": "coatstate.optim",
     "compress_activations": "coatstate.activations",
     "CompiledActivations": "coatstate.activations",
     "ActivationPolicy": "coatstate.activations",
@@ -38,6 +41,9 @@ __all__ = [
     "CheckpointError",
     "CompiledActivations",
     "CompressedAdamW",
+    "CompressedLion",
+    "CompressedMuon",
+    "CompressedSGD",
     "FP8Format",
     "FP8Linear",
     "FP8LinearConfig",
@@ -76,4 +82,4 @@ if TYPE_CHECKING:
     from coatstate.checkpoint import Checkpoint, CheckpointError, load, read, save
     from coatstate.formats import FP8Format
     from coatstate.nn import FP8Linear, FP8LinearConfig, cast_model, convert_to_fp8
-    from coatstate.optim import CompressedAdamW
+    from coatstate.optim import CompressedAdamW, CompressedLion, CompressedMuon, CompressedSGD

@@ -41,3 +41,18 @@ OPTIMIZER_DEFAULTS: MappingProxyType[str, Any] = MappingProxyType(
 min_numel: smaller tensors keep float32 moments (bitsandbytes' threshold); master_bits "auto"
 is resolved per param group when it is added (24 for bfloat16 parameters); so are the expand
 options' "auto": EXPAND for an FP8 format, False for a 4-bit one (which takes no expansion)."""
+
+MOMENTUM_DEFAULTS: MappingProxyType[str, Any] = MappingProxyType(
+    {
+        **{k: v for k, v in OPTIMIZER_DEFAULTS.items() if not k.startswith("exp_avg")},
+        "momentum_format": FORMAT,
+        "momentum_expand": "auto",
+    }
+)
+"""CompressedSGD's and CompressedMuon's own param-group options: AdamW's, with one moment
+(momentum_buffer, options "momentum_*") in place of exp_avg and exp_avg_sq."""
+LION_DEFAULTS: MappingProxyType[str, Any] = MappingProxyType(
+    {k: v for k, v in OPTIMIZER_DEFAULTS.items() if not k.startswith("exp_avg_sq")}
+)
+"""CompressedLion's own param-group options: AdamW's, less the second moment's (its one moment
+is exp_avg)."""

@@ -19,6 +19,12 @@ from .group import dequantize_groups, group_layout, quantize_groups
 
 MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 """AdamW's moments in torch's state-dict names; the third exists with amsgrad only."""
+MOMENTUM = "momentum_buffer"
+"""The momentum of SGD and Muon, in torch's state-dict name (Lion's is "exp_avg", as lion-pytorch's)."""
+ALL_MOMENTS = (*MOMENTS, MOMENTUM)
+"""Every moment name any coatstate optimizer stores (checkpoints and tools read state by these)."""
+FIRST_MOMENTS = ("exp_avg", MOMENTUM)
+"""Signed moments: they take the first-moment formats (FP8 or "e2m1"), never "ue3m1_sqrt"."""
 CODES, SCALES, EXPONENTS = "_codes", "_scales", "_exponents"
 """A compressed moment N is stored as N_codes, N_scales and (expanded only) N_exponents."""
 COMPRESSED_SUFFIXES = (CODES, SCALES, EXPONENTS)
@@ -59,25 +65,31 @@ FP4_NAMES = frozenset(_FP4_NAMES)
 """the 4-bit moment formats' names, as param groups and checkpoint headers spell them"""
 
 
+def _option_stem(moment: str) -> str:
+    # max_exp_avg_sq shares exp_avg_sq's options; momentum_buffer's are "momentum_*"
+    return {"exp_avg": "exp_avg", MOMENTUM: "momentum"}.get(moment, "exp_avg_sq")
+
+
 def format_option(moment: str) -> str:
     """The param-group option naming `moment`'s format (max_exp_avg_sq shares exp_avg_sq's)."""
-    return "exp_avg_format" if moment == "exp_avg" else "exp_avg_sq_format"
+    return _option_stem(moment) + "_format"
 
 
 def expand_option(moment: str) -> str:
     """The param-group option switching `moment`'s range expansion (shared as format_option)."""
-    return "exp_avg_expand" if moment == "exp_avg" else "exp_avg_sq_expand"
+    return _option_stem(moment) + "_expand"
 
 
 def check_moment_format(name: str, fmt: FP8Format | FP4Format, expand: bool) -> None:
-    """ValueError naming the fix for a format that does not fit moment `name` ("exp_avg" or
-    "exp_avg_sq"), or a 4-bit format with range expansion."""
-    if name == "exp_avg" and fmt in SECOND_MOMENT_ONLY:
+    """ValueError naming the fix for a format that does not fit moment `name` ("exp_avg",
+    "momentum_buffer" or "exp_avg_sq"), or a 4-bit format with range expansion."""
+    if name in FIRST_MOMENTS and fmt in SECOND_MOMENT_ONLY:
+        option = format_option(name)
         raise ValueError(
-            f"exp_avg_format={fmt.value!r} is for the second moment (it is unsigned); use "
-            "exp_avg_format='e2m1' for a 4-bit first moment"
+            f"{option}={fmt.value!r} is for the second moment (it is unsigned); use "
+            f"{option}='e2m1' for a 4-bit first moment"
         )
-    if name != "exp_avg" and fmt in FIRST_MOMENT_ONLY:
+    if name not in FIRST_MOMENTS and fmt in FIRST_MOMENT_ONLY:
         raise ValueError(
             f"exp_avg_sq_format={fmt.value!r} is for the first moment (it decodes small values to 0, "
             "and m / sqrt(v) would divide by it); use exp_avg_sq_format='ue3m1_sqrt' for a 4-bit "

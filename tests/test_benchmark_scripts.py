@@ -350,3 +350,15 @@ def test_one_gpu_batch_search_starts_at_the_guess_and_steps_by_one():
     tried, fits = fits_below(100)
     assert search(fits, 1, 15, 16, lambda: True) == (16, [(15, True), (16, True)], False)  # the limit
     assert search(fits, 1, 4, 16, lambda: False) == (1, [], True)  # no time: batch 1 stands
+
+
+@pytest.mark.slow
+def test_optimizers_cpu_train_smoke_pairs_each_optimizer_with_its_reference(tmp_path):
+    out = tmp_path / "o.json"
+    args = ["--steps", "2", "--seeds", "2", "--dim", "32", "--val-tokens", "2048", "--out", str(out)]
+    args += ["--cache-dir", str(tmp_path / "corpus")]
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "optimizers_cpu_train.py"), *args], check=True)
+    data = json.loads(out.read_text())
+    assert [r["optimizer"] for r in data["summary"]] == ["sgd", "lion", "muon"]
+    assert all(r["ref_bytes_per_param"] == 4.0 and r["ours_bytes_per_param"] < 1.2 for r in data["summary"])
+    assert len(data["runs"]) == 12

@@ -150,13 +150,23 @@ def test_2_what_save_writes_read_and_load_open(make, distributed, tmp_path):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_2_a_state_dict_of_an_unknown_optimizer_saves_and_reads_back(tmp_path):
+    """No class recorded: the keys say whose rules apply (formats.optimizer_schema). Adafactor's
+    are nobody's, so its eps=(None, 1e-3) is kept as it is, written and read back."""
+    url = tmp_path / "sd.safetensors"
+    _, opt = _stepped(torch.optim.Adafactor)
+    ck.save(opt.state_dict(), url)
+    assert ck.read(url).optimizer["param_groups"][0]["eps"] == opt.state_dict()["param_groups"][0]["eps"]
+
+
 @pytest.mark.parametrize("distributed", ["gathered", "per_rank"])
 def test_2_a_state_dict_the_reader_would_refuse_is_refused_before_writing(tmp_path, distributed):
     url = tmp_path / "sd.safetensors"
-    _, opt = _stepped(torch.optim.Adafactor)
+    _, opt = _stepped(torch.optim.AdamW)
+    sd = opt.state_dict()
+    sd["param_groups"][0]["eps"] = (None, 1e-3)  # AdamW's keys, so AdamW's rules: eps is a number
     with pytest.raises(CheckpointError, match=r"not saved: a reader would refuse.*eps") as e:
-        # (no class recorded: read as AdamW's, whose eps is a number)
-        ck.save(opt.state_dict(), url, distributed=distributed)
+        ck.save(sd, url, distributed=distributed)
     assert str(url) in str(e.value) and "Save the optimizer itself" in str(e.value)
     assert not url.exists()
 

@@ -221,4 +221,5 @@ def test_generated_tables_are_the_json_s():
     prose = re.sub(r"<!-- table:([\w-]+) -->.*?<!-- /table:\1 -->", "", readme, flags=re.S)
     assert not re.search(r"20\d\d-\d\d-\d\d", prose), "a date in the README's prose: it belongs in docs/"
     assert "not understood" not in readme and "not re-run" not in readme
-    assert len(readme.splitlines()) <= 150 and len((ROOT / "CHANGELOG.md").read_text().splitlines()) <= 120
+    # (+15 and +5 lines for SGD, Lion and Muon: issue #51 asks for the README's Muon split)
+    assert len(readme.splitlines()) <= 165 and len((ROOT / "CHANGELOG.md").read_text().splitlines()) <= 125

@@ -32,12 +32,12 @@ from coatstate.checkpoint.dcp import read_dcp
 from coatstate.checkpoint.pt_files import PT_EXTENSIONS, read_pt
 from coatstate.formats import schema
 from coatstate.formats.optimizer_state import (
+    ALL_MOMENTS,
     MASTER_CORRECTION,
-    MOMENTS,
     is_compressed,
 )
 from coatstate.formats.schema import CheckpointError
-from coatstate.optim import CompressedAdamW, join_master, to_adamw_state_dict
+from coatstate.optim import CompressedOptimizer, join_master, to_reference_state_dict
 
 __all__ = ["Checkpoint", "CheckpointError", "load", "read", "read_header", "read_state_dict", "save"]
 
@@ -399,7 +399,7 @@ def _read_for(optimizer: torch.optim.Optimizer, url: str, model) -> Checkpoint:
         return read(url)
     header = per_rank.read_header(url)
     compressed = header is not None and any(info.get("compressed") for info in header["params"].values())
-    if header is None or (compressed and not isinstance(optimizer, CompressedAdamW)):
+    if header is None or (compressed and not isinstance(optimizer, CompressedOptimizer)):
         return read(url)  # a plain optimizer decompresses whole tensors
     return _assemble(url, *per_rank.read_local(url, optimizer, model), False)
 
@@ -495,8 +495,10 @@ def load(
     checkpoint it reads only those rows, of a single file the whole file.
 
     Args:
-        optimizer (`torch.optim.Optimizer`): CompressedAdamW, torch.optim.AdamW, or the class that
-            saved the file (or a subclass), over parameters shaped as the saved ones.
+        optimizer (`torch.optim.Optimizer`): the class that saved the file (or a subclass), or the
+            other of a compressed optimizer and its torch reference (CompressedAdamW and
+            torch.optim.AdamW, CompressedSGD and torch.optim.SGD, CompressedMuon and
+            torch.optim.Muon, CompressedLion and a Lion), over parameters shaped as the saved ones.
         url (`str` or `os.PathLike`): a checkpoint file, a .pt optimizer state dict or a local
             torch.distributed.checkpoint directory.
         model (`torch.nn.Module`, *optional*): loaded from the model state dict in the file.
@@ -526,8 +528,8 @@ def load(
         ckpt = param_names.model_keys(ckpt, model, url)
     ckpt = _join_masters(optimizer, model, ckpt, names, url)
     sd = ckpt.optimizer
-    has_codes = any(is_compressed(s, name) for s in sd["state"].values() for name in MOMENTS)
-    compressed_optimizer = isinstance(optimizer, CompressedAdamW)
+    has_codes = any(is_compressed(s, name) for s in sd["state"].values() for name in ALL_MOMENTS)
+    compressed_optimizer = isinstance(optimizer, CompressedOptimizer)
     saved_class = (ckpt.header.get("optimizer") or {}).get("class")
     validate.check_class(optimizer, saved_class, has_codes, compressed_optimizer, url)
     validate.check_optimizer(optimizer, ckpt, names, url)
@@ -537,7 +539,7 @@ def load(
         values.check_model_writable(model, url)
     try:
         if has_codes and not compressed_optimizer:
-            sd = to_adamw_state_dict(sd, header_shapes(ckpt.header))
+            sd = to_reference_state_dict(sd, header_shapes(ckpt.header))
         if not compressed_optimizer:  # CompressedAdamW cuts full tensors itself
             sd = dtensors.shard_like_params(sd, optimizer)
     except Exception as e:  # noqa: BLE001 - nothing is modified yet

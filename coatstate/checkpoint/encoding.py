@@ -18,9 +18,15 @@ from coatstate import __version__
 from coatstate.checkpoint import container, validate
 from coatstate.checkpoint import extra as run_state
 from coatstate.formats import schema
-from coatstate.formats.optimizer_state import CODES, EXPONENTS, FP4_NAMES, format_option, moment_of
+from coatstate.formats.optimizer_state import (
+    ALL_MOMENTS,
+    CODES,
+    EXPONENTS,
+    FP4_NAMES,
+    format_option,
+    moment_of,
+)
 from coatstate.formats.schema import CheckpointError
-
 
 MAX_ZSTD_RATIO = 2**17
 """zstd's format cannot expand a frame by more than about 32768 times (a 128 KiB block from a few
@@ -172,7 +178,7 @@ def flatten(
         info = params[str(pid)]
         info["compressed"] = _moment_formats(pstate, sd["param_groups"][info["group"]])
         if info["shape"] is None:
-            for name in ("exp_avg" + CODES, "exp_avg"):
+            for name in (*(m + CODES for m in ALL_MOMENTS), *ALL_MOMENTS):
                 t = pstate.get(name)
                 if isinstance(t, torch.Tensor) and t.dtype != torch.uint8:  # packed 4-bit: not the shape
                     info["shape"] = list(t.shape)

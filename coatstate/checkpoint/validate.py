@@ -18,25 +18,30 @@ from typing import Any
 import torch
 
 from coatstate.checkpoint import extra as run_state
-from coatstate.formats import schema
+from coatstate.formats import optimizer_schema, schema
 from coatstate.formats.defaults import MAX_GROUP_SIZE
 from coatstate.formats.group import group_layout
-from coatstate.formats.optimizer_state import CODES, DEFAULT_GROUP_SIZE, EXPONENTS, MOMENTS, SCALES
+from coatstate.formats.optimizer_state import (
+    ALL_MOMENTS,
+    CODES,
+    DEFAULT_GROUP_SIZE,
+    EXPONENTS,
+    FIRST_MOMENTS,
+    SCALES,
+)
 from coatstate.formats.schema import CheckpointError
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _FP8_DTYPES = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}
 _FP4_FORMATS = {"e2m1": "exp_avg", "ue3m1_sqrt": "exp_avg_sq"}
-"""4-bit moment formats (codes: packed uint8 (rows, ceil(cols / 2))) and the moment each is for"""
+"""4-bit moment formats (codes: packed uint8 (rows, ceil(cols / 2))) and the moment each is for
+(e2m1: every signed moment, formats.optimizer_state.FIRST_MOMENTS)"""
 _FORMATS = {**_FP8_DTYPES, **dict.fromkeys(_FP4_FORMATS, "uint8")}
-_BOOL_KEYS = (
-    "amsgrad", "maximize", "capturable", "differentiable", "decoupled_weight_decay", "compress",
-    "compress_1d", "exp_avg_expand", "exp_avg_sq_expand", "nesterov",
-)  # fmt: skip
+_BOOL_KEYS = ("compress", "compress_1d", "exp_avg_expand", "exp_avg_sq_expand", "momentum_expand")
+"""coatstate's own flags, wherever they are (an optimizer's own: formats.optimizer_schema)"""
+_FORMAT_KEYS = ("exp_avg_format", "exp_avg_sq_format", "momentum_format")
 MAX_DIMS = 64
 """More dimensions than any torch tensor has (torch's own limit)."""
-ADAMW_FAMILY = frozenset({"AdamW", "CompressedAdamW"})
-"""Classes whose checkpoints load into each other (compressed on load, or decompressed)."""
 
 
 class _Ref:
@@ -121,7 +126,7 @@ def validate_header(header: Any, where: str) -> dict[str, Any]:
         return tensors[key]
 
     saved_class = (opt or {}).get("class")
-    group_of = _param_groups(header["param_groups"], fail, ref, saved_class in (None, *ADAMW_FAMILY))
+    group_of = _param_groups(header["param_groups"], fail, ref, saved_class)
     group_sizes = [g.get("group_size", DEFAULT_GROUP_SIZE) for g in header["param_groups"]]
     params = header["params"]
     if set(params) != {str(pid) for pid in group_of}:
@@ -170,12 +175,12 @@ def _check_params(params: dict, group_of: dict, group_sizes: list, fail) -> None
         if info.get("shape") is not None and not _shape(info["shape"]):
             fail(f"params[{key}].shape must be a list of non-negative ints or null")
         compressed = info.get("compressed", {})
-        if not isinstance(compressed, dict) or not set(compressed) <= set(MOMENTS):
-            fail(f"params[{key}].compressed must map moments {MOMENTS} to their format")
+        if not isinstance(compressed, dict) or not set(compressed) <= set(ALL_MOMENTS):
+            fail(f"params[{key}].compressed must map moments {ALL_MOMENTS} to their format")
         for m, f in compressed.items():
             if not isinstance(f, dict) or f.get("format") not in _FORMATS:
                 fail(f"params[{key}].compressed.{m}.format must be one of {sorted(_FORMATS)}")
-            if f["format"] in _FP4_FORMATS and (m == "exp_avg") != (f["format"] == "e2m1"):
+            if f["format"] in _FP4_FORMATS and (m in FIRST_MOMENTS) != (f["format"] == "e2m1"):
                 fail(f"params[{key}].compressed.{m}.format {f['format']!r} is not a format for {m}")
             if (
                 not _is_int(f.get("group_size"))
@@ -247,44 +252,32 @@ def _tensors(infos: dict, fail, checksums: bool) -> dict[str, _Tensor]:
     return out
 
 
-def _check_group_values(g: int, values: dict[str, Any], fail, adamw: bool) -> None:
-    """`adamw`: the file is AdamW's (or of unknown class): lr, eps, weight_decay and betas mean what
-    they mean there. Other optimizers give them other shapes (torch's Adafactor: eps=(None, 1e-3);
-    three betas elsewhere); their class checks its own values when it loads them."""
+def _check_group_values(g: int, values: dict[str, Any], fail, saved_class: str | None) -> None:
+    """Hyperparameters by the rules of the optimizer the file names (formats.optimizer_schema:
+    a state dict saved without a class is recognised by its keys); a class it does not know
+    (torch's Adafactor: eps=(None, 1e-3); three betas elsewhere) keeps its own, which its
+    class checks when it loads them. coatstate's own options are checked wherever they are."""
     where = f"param_groups[{g}]"
 
-    def number(name: str, low: float = 0.0) -> None:
-        v = values[name]
-        if isinstance(v, _Tensor):
-            if (
-                math.prod(v.shape) != 1
-                or not v.dtype.startswith(("float", "bfloat"))
-                or v.dtype.startswith("float8")
-            ):
-                fail(f"{where}.{name} must be a one-element floating-point tensor; got {v.dtype} {v.shape}")
-            return
-        if not _is_num(v) or not v >= low:
-            fail(f"{where}.{name} must be a number >= {low:g}; got {v!r:.40}")
+    def tensor_ok(name: str, v: Any) -> bool:
+        if not isinstance(v, _Tensor):
+            return False
+        floating = v.dtype.startswith(("float", "bfloat")) and not v.dtype.startswith("float8")
+        if math.prod(v.shape) != 1 or not floating:
+            fail(f"{where}.{name} must be a one-element floating-point tensor; got {v.dtype} {v.shape}")
+        return True
 
-    for name in ("lr", "eps", "weight_decay") if adamw else ():
-        if name in values:
-            number(name)
-    if "betas" in values and adamw:
-        b = values["betas"]
-        if not (isinstance(b, (tuple, list)) and len(b) == 2 and all(_is_num(x) and 0 <= x < 1 for x in b)):
-            fail(f"{where}.betas must be two numbers in [0, 1); got {b!r:.60}")
+    kind = optimizer_schema.kind_of(saved_class, values)
+    optimizer_schema.check_hyperparameters(kind, where, values, fail, tensor_ok)
     for name in _BOOL_KEYS:
         if name in values and not isinstance(values[name], bool):
             fail(f"{where}.{name} must be true or false; got {values[name]!r:.40}")
-    for name in ("foreach", "fused"):
-        if name in values and not isinstance(values[name], (bool, type(None))):
-            fail(f"{where}.{name} must be true, false or null")
     size = values.get("group_size", 1)
     if not (_is_int(size) and 1 <= size <= MAX_GROUP_SIZE):
         fail(f"{where}.group_size must be an integer from 1 to {MAX_GROUP_SIZE}; got {size!r:.40}")
     if "min_numel" in values and not (_is_int(values["min_numel"]) and values["min_numel"] >= 0):
         fail(f"{where}.min_numel must be a non-negative integer")
-    for name in ("exp_avg_format", "exp_avg_sq_format"):
+    for name in _FORMAT_KEYS:
         if name in values and values[name] not in _FORMATS:
             fail(f"{where}.{name} must be one of {sorted(_FORMATS)}; got {values[name]!r:.40}")
     if values.get("master_bits") not in (None, 16, 24, 32) or isinstance(values.get("master_bits"), bool):
@@ -293,7 +286,7 @@ def _check_group_values(g: int, values: dict[str, Any], fail, adamw: bool) -> No
         fail(f"{where}.master_seed must be an integer")
 
 
-def _param_groups(groups: list, fail, ref, adamw: bool) -> dict[int, int]:
+def _param_groups(groups: list, fail, ref, saved_class: str | None) -> dict[int, int]:
     group_of: dict[int, int] = {}
     for g, group in enumerate(groups):
         if not isinstance(group, dict):
@@ -320,7 +313,7 @@ def _param_groups(groups: list, fail, ref, adamw: bool) -> dict[int, int]:
                 values[k] = _plain(v, f"param_groups[{g}].{k}", fail)
                 if _contains_ref(values[k]):
                     fail(f"param_groups[{g}].{k}: a tensor may only be a hyperparameter's own value")
-        _check_group_values(g, values, fail, adamw)
+        _check_group_values(g, values, fail, saved_class)
     return group_of
 
 
@@ -349,7 +342,7 @@ def _param_state(key: str, values: dict[str, Any], info: dict, group_size: int, 
         fail(f"{where}.step must be a non-negative number or tensor; got {step!r:.40}")
     shape = info.get("shape")
     compressed = info.get("compressed") or {}
-    for m in MOMENTS:
+    for m in ALL_MOMENTS:
         parts = {s: values.get(m + s) for s in ("", CODES, SCALES, EXPONENTS) if m + s in values}
         if not parts:
             if m in compressed:
@@ -451,20 +444,20 @@ def check_state_dict(sd: Any, where: str) -> dict[str, Any]:
 # --------------------------------------------------------------- against the loading side
 def check_class(optimizer, saved_class: str | None, has_codes: bool, compressed: bool, where: str) -> None:
     """Refuse a checkpoint of another optimizer class (its states would load as wrong ones).
-    `compressed`: whether `optimizer` is a CompressedAdamW (the caller knows the class)."""
+    `compressed`: whether `optimizer` is one of coatstate's (the caller knows the class)."""
     ours = type(optimizer).__name__
     lineage = {c.__name__ for c in type(optimizer).__mro__}
-    adamw_like = isinstance(optimizer, torch.optim.AdamW) or compressed
-    if saved_class is None:  # saved from a state dict: compressed moments are AdamW's
-        if has_codes and not adamw_like:
+    if saved_class is None:  # saved from a state dict: compressed moments are coatstate's
+        if has_codes and not (compressed or optimizer_schema.kind_of(ours) is not None):
             raise CheckpointError(
-                f"{where}: holds compressed AdamW moments; {ours} cannot use them (load it into "
-                "CompressedAdamW or torch.optim.AdamW)"
+                f"{where}: holds compressed moments; {ours} cannot use them (load it into one of "
+                "coatstate's optimizers or its torch reference)"
             )
         return
-    if saved_class in lineage or (saved_class in ADAMW_FAMILY and adamw_like):
+    if saved_class in lineage or any(optimizer_schema.same_family(saved_class, c) for c in lineage):
         return
-    into = "CompressedAdamW or torch.optim.AdamW" if saved_class in ADAMW_FAMILY else saved_class
+    kind = optimizer_schema.kind_of(saved_class)
+    into = f"{kind.compressed} or {kind.reference}" if kind is not None else saved_class
     raise CheckpointError(
         f"{where}: holds the state of a {saved_class}, which a {ours} cannot load (the header names the "
         f"class that saved it); load it into a {into}"
@@ -475,7 +468,7 @@ def _expected_shape(pid: Any, header: Mapping[str, Any], state: Mapping[Any, Any
     info = (header.get("params") or {}).get(str(pid)) or {}
     if info.get("shape") is not None:
         return list(info["shape"])
-    for name in ("exp_avg" + CODES, *MOMENTS):
+    for name in ("exp_avg" + CODES, *ALL_MOMENTS):
         t = state.get(pid, {}).get(name)
         if isinstance(t, torch.Tensor) and t.dtype != torch.uint8:  # packed 4-bit codes: not the shape
             return list(t.shape)

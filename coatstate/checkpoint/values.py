@@ -17,7 +17,7 @@ import torch
 
 from coatstate import distributed as dtensors
 from coatstate.formats.group import MIN_EXPONENT_CODE
-from coatstate.formats.optimizer_state import EXPONENTS, MOMENTS, SCALES
+from coatstate.formats.optimizer_state import ALL_MOMENTS, EXPONENTS, SCALES
 from coatstate.formats.schema import CheckpointError
 
 
@@ -48,7 +48,7 @@ def check_values(sd: Mapping[str, Any], where: str) -> None:
         at = f"{where}: state[{pid}]"
         if "step" in state:
             _check_step(state["step"], at)
-        for m in MOMENTS:
+        for m in ALL_MOMENTS:
             scales = state.get(m + SCALES)
             if isinstance(scales, torch.Tensor) and scales.is_floating_point():
                 s = _local(scales)

@@ -1,6 +1,7 @@
-"""`coatstate convert SRC DST`: torch AdamW states <-> compressed (FP8) states, between a .pt, a
-.safetensors checkpoint (one file or sharded) and a torch.distributed.checkpoint directory
-(per-rank checkpoints included); master weights split or joined on the way (--master-bits).
+"""`coatstate convert SRC DST`: torch optimizer states (AdamW, SGD, Muon; Lion's float32 form) <->
+their compressed (FP8 or 4-bit) states, between a .pt, a .safetensors checkpoint (one file or
+sharded) and a torch.distributed.checkpoint directory (per-rank checkpoints included); master
+weights split or joined on the way (--master-bits).
 
 Never writes over its input: DST is refused when it is SRC or a file SRC is read from (a shard,
 anything inside a DCP directory), on every filesystem; an existing DST is replaced
@@ -39,9 +40,10 @@ def add_convert_parser(sub) -> None:
     """Register `convert` on the `coatstate` subcommand parser."""
     c = sub.add_parser(
         "convert",
-        help="torch AdamW .pt <-> compressed .safetensors (SRC may be a DCP directory)",
+        help="torch AdamW/SGD/Muon/Lion .pt <-> compressed .safetensors (SRC may be a DCP directory)",
         description="Convert optimizer states: .pt/.pth/.bin -> .safetensors compresses, .safetensors -> "
-        ".pt decompresses (torch.optim.AdamW loads the result); a torch.distributed.checkpoint directory "
+        ".pt decompresses (the torch reference, e.g. torch.optim.AdamW or SGD, loads the result); a "
+        "torch.distributed.checkpoint directory "
         "or a .safetensors (per-rank, sharded) converts as it is to one .safetensors file. DST is never "
         "SRC or a file SRC is read from, and an existing DST is replaced only with --force. Writes DST "
         "atomically and prints one line on stderr: both files' sizes, their ratio, the direction and "
@@ -51,8 +53,9 @@ def add_convert_parser(sub) -> None:
     c.add_argument("dst", help="the file to write: .safetensors (coatstate) or .pt/.pth/.bin (torch.save)")
     c.add_argument(
         "--to",
-        choices=("compressed", "adamw"),
-        help="direction (default: from the extensions; .pt -> .safetensors: compressed)",
+        choices=("compressed", "reference", "adamw"),
+        help="direction (default: from the extensions; .pt -> .safetensors: compressed); 'reference' "
+        "(or 'adamw', its older name) decompresses into the torch reference's layout",
     )
     c.add_argument(
         "--force",
@@ -78,11 +81,17 @@ def add_convert_parser(sub) -> None:
         help="format of exp_avg_sq: FP8 e4m3 or e5m2, or 4-bit ue3m1_sqrt (default e4m3)",
     )
     c.add_argument(
+        "--momentum-format",
+        choices=("e4m3", "e5m2", "e2m1"),
+        default="e4m3",
+        help="format of SGD's and Muon's momentum_buffer (Lion's exp_avg: --exp-avg-format; default e4m3)",
+    )
+    c.add_argument(
         "--expand",
         action="store_const",
         const=True,
         default=None,
-        help="COAT's dynamic range expansion on both moments (CompressedAdamW's default: on)",
+        help="COAT's dynamic range expansion on every moment (the optimizers' default: on for FP8)",
     )
     c.add_argument(
         "--no-expand", action="store_const", const=False, dest="expand", help="plain E4M3/E5M2 groups"
@@ -116,7 +125,7 @@ def add_convert_parser(sub) -> None:
 
 def _direction(args: argparse.Namespace) -> str:
     if args.to:
-        return args.to
+        return "adamw" if args.to == "reference" else args.to
     src, dst = extension(args.src), extension(args.dst)
     if os.path.isdir(args.src):  # a DCP directory: to .safetensors as it is, to .pt decompressed
         return "keep" if dst in ST_EXTENSIONS else "adamw"
@@ -185,7 +194,7 @@ def _exists(url: str) -> bool:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     from coatstate.checkpoint import api as checkpoint
-    from coatstate.formats.optimizer_state import MOMENTS, is_compressed
+    from coatstate.formats.optimizer_state import ALL_MOMENTS, is_compressed
 
     direction = _direction(args)
     if args.master_bits not in (None, "none") and (
@@ -202,7 +211,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     # again with the header that was read: a save may have replaced SRC in between
     refuse_input_as_output(args.src, args.dst, ckpt.header)
     sd = ckpt.optimizer
-    has_codes = any(is_compressed(s, name) for s in sd["state"].values() for name in MOMENTS)
+    has_codes = any(is_compressed(s, name) for s in sd["state"].values() for name in ALL_MOMENTS)
     names = {int(k): v["name"] for k, v in (ckpt.header.get("params") or {}).items() if v.get("name")}
     model = ckpt.model
     if args.master_bits is not None or direction == "adamw":
@@ -210,26 +219,25 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if direction == "keep":
         direction = "compressed" if has_codes else "adamw"
     elif direction == "compressed":
-        from coatstate.optim import compress_adamw_state_dict, to_adamw_state_dict
+        from coatstate.optim import compress_state_dict, to_reference_state_dict
 
         original = sd  # its master weights, which the float32 moments' layout cannot hold
         if has_codes:  # into other formats (FP8 <-> 4-bit): through float32 moments
             shapes = checkpoint.header_shapes(ckpt.header)
-            sd = _converted("decompress its states", args.src, to_adamw_state_dict, sd, shapes)
+            sd = _converted("decompress its states", args.src, to_reference_state_dict, sd, shapes)
 
-        options = {
-            k: getattr(args, k) for k in ("group_size", "exp_avg_format", "exp_avg_sq_format", "min_numel")
-        }
-        if args.expand is not None:  # else compress_adamw_state_dict's own default, the optimizer's
-            options.update(exp_avg_expand=args.expand, exp_avg_sq_expand=args.expand)
-        what = "compress its states (are they torch.optim.AdamW's?)"
-        sd = _carry_master(original, _converted(what, args.src, compress_adamw_state_dict, sd, **options))
+        keys = ("group_size", "exp_avg_format", "exp_avg_sq_format", "momentum_format", "min_numel")
+        options = {k: getattr(args, k) for k in keys}
+        if args.expand is not None:  # else compress_state_dict's own default, the optimizer's
+            expands = ("exp_avg_expand", "exp_avg_sq_expand", "momentum_expand")
+            options.update(dict.fromkeys(expands, args.expand))
+        what = "compress its states (are they torch.optim.AdamW's, SGD's, Muon's or Lion's?)"
+        sd = _carry_master(original, _converted(what, args.src, compress_state_dict, sd, **options))
     elif has_codes:
-        from coatstate.optim import to_adamw_state_dict
+        from coatstate.optim import to_reference_state_dict
 
-        sd = _converted(
-            "decompress its states", args.src, to_adamw_state_dict, sd, checkpoint.header_shapes(ckpt.header)
-        )
+        shapes = checkpoint.header_shapes(ckpt.header)
+        sd = _converted("decompress its states", args.src, to_reference_state_dict, sd, shapes)
     if extension(args.dst) in ST_EXTENSIONS:
         _converted(
             "store its state dict",

@@ -208,9 +208,16 @@ def _print_summary(url: str, s: dict[str, Any], checksums: str, show_all: bool) 
             "eps",
             "weight_decay",
             "amsgrad",
+            "momentum",  # (SGD's and Muon's own, after AdamW's)
+            "dampening",
+            "nesterov",
+            "ns_coefficients",
+            "ns_steps",
+            "adjust_lr_fn",
             "group_size",
             "exp_avg_format",
             "exp_avg_sq_format",
+            "momentum_format",
             "master_bits",
         )
         print(f"group {i}: " + ", ".join(f"{k}={g[k]}" for k in keys if k in g))

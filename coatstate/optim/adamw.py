@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -32,19 +31,15 @@ from coatstate.formats.optimizer_state import (
     is_compressed,
     parse_format,
 )
-from coatstate.kernels.runtime import triton_usable
-from coatstate.optim.external_writes import ExternalWrites
+from coatstate.optim.base import CompressedOptimizer
 from coatstate.optim.moments import (
     FORMAT_DEFAULTS,
     global_shape,
     master_mode,
     moment_formats,
-    optimizer_state_bytes,
-    why_uncompressed,
 )
-from coatstate.optim.options import check_arguments, check_master_arguments, settle_group
+from coatstate.optim.options import check_arguments, check_master_arguments
 from coatstate.optim.reference_step import adamw_step_reference
-from coatstate.optim.release import GradientRelease
 from coatstate.optim.state_dict import convert_param_state
 
 logger = logging.getLogger("coatstate")
@@ -87,7 +82,7 @@ class _LaunchRecord:
         return self.launch.nonfinite
 
 
-class CompressedAdamW(torch.optim.Optimizer):
+class CompressedAdamW(CompressedOptimizer):
     """AdamW with FP8 (COAT) first and second moments.
 
     A `torch.optim.Optimizer` with torch.optim.AdamW's semantics, defaults and hyperparameter
@@ -155,8 +150,6 @@ class CompressedAdamW(torch.optim.Optimizer):
     ```
     """
 
-    _step_supports_amp_scaling = True  # GradScaler hands us grad_scale/found_inf, as to fused AdamW
-
     def __init__(
         self,
         params: Iterable,
@@ -217,72 +210,10 @@ class CompressedAdamW(torch.optim.Optimizer):
             master_bits=master_bits,
             master_seed=master_seed,
         )
-        super().__init__(params, defaults)
-        self._reported: set[int] = set()
-        self._fused_cache: dict = {}
+        super().__init__(params, defaults, gradient_release, max_grad_norm)
         self._prepared: dict[int, _Prepared] = {}
         """per param group (by id): its parameters sorted into paths, with the fused launches"""
-        self._twin_nonfinite: dict = {}
-        self._external_writes = ExternalWrites()
-        self._index_params()
         self._released_launches: dict = {}
-        self._release = GradientRelease(self, max_grad_norm) if gradient_release else None
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        super().add_param_group(param_group)
-        try:
-            settle_group(len(self.param_groups) - 1, self.param_groups[-1])
-        except (ValueError, TypeError):
-            self.param_groups.pop()  # refused: the optimizer stays as it was
-            raise
-        self._index_params()
-        if getattr(self, "_release", None) is not None:
-            self._release.hook_new_groups()
-
-    # ---- reporting -------------------------------------------------------------------------
-
-    def uncompressed_parameters(self) -> list[dict[str, Any]]:
-        """Parameters whose moments are kept in float32, with the reason for each."""
-        out = []
-        for gi, group in enumerate(self.param_groups):
-            names = group.get("param_names")
-            for i, p in enumerate(group["params"]):
-                shape = global_shape(p)
-                if moment_formats(group, shape)["exp_avg"] is None:
-                    out.append(
-                        {
-                            "name": names[i] if names else f"group{gi}.param{i}",
-                            "shape": tuple(shape),
-                            "numel": math.prod(shape),
-                            "reason": why_uncompressed(group, shape),
-                        }
-                    )
-        return out
-
-    def state_bytes(self) -> int:
-        """Bytes of optimizer state held on this process (codes, scales, exponents, fp32 moments)."""
-        return optimizer_state_bytes(self)
-
-    def _report_once(self) -> None:
-        kept = self.uncompressed_parameters()
-        key = len(kept)
-        if key in self._reported:
-            return
-        self._reported.add(key)
-        if kept:
-            n = sum(k["numel"] for k in kept)
-            total = sum(math.prod(global_shape(p)) for g in self.param_groups for p in g["params"])
-            reasons = sorted(
-                {"fewer than min_numel elements" if "min_numel" in k["reason"] else k["reason"] for k in kept}
-            )
-            logger.info(
-                "coatstate: %d of %d parameters (%.2f%% of elements) keep float32 moments (%s); "
-                "see CompressedAdamW.uncompressed_parameters()",
-                len(kept),
-                sum(len(g["params"]) for g in self.param_groups),
-                100.0 * n / max(total, 1),
-                "; ".join(reasons),
-            )
 
     # ---- the step --------------------------------------------------------------------------
 
@@ -313,111 +244,26 @@ class CompressedAdamW(torch.optim.Optimizer):
             wrap_state(state, p)
         return state
 
-    def _index_params(self) -> None:
-        # built here, never inside step(): torch.compile refuses attribute writes in a traced step
-        self._param_index = {
-            id(q): k for k, q in enumerate(q for g in self.param_groups for q in g["params"])
-        }
+    def _step_group(self, group: dict, grad_scale, found_inf) -> None:
+        prepared = self._prepared.get(id(group))
+        with_grad = [p for p in group["params"] if p.grad is not None]
+        if prepared is None or not _same(prepared.params, with_grad) or prepared.options != _options(group):
+            prepared = self._prepare(group, with_grad)
+        self._external_writes.drop_stale(prepared.masters, self.state, self._param_name)
+        grads = [local_tensor(p.grad) for p in prepared.fused]
+        if prepared.fused:
+            from coatstate.kernels import adamw_launch
 
-    def _rounding_seed(self, group: dict, p: torch.Tensor) -> int:
-        """The seed of p's stochastic roundings (master_bits=16's, a ue3m1_sqrt second moment's):
-        the group's master_seed and p's place in the optimizer, so
-        that every parameter rounds independently and a resumed run rounds as the original."""
-        return (int(group.get("master_seed", 0)) * 1_000_003 + self._param_index.get(id(p), 0)) & 0xFFFFFFFF
-
-    def _param_name(self, p: torch.Tensor) -> str:
-        for gi, group in enumerate(self.param_groups):
-            for i, q in enumerate(group["params"]):
-                if q is p:
-                    names = group.get("param_names")
-                    return names[i] if names else f"group{gi}.param{i}"
-        return "<not in this optimizer>"
-
-    @staticmethod
-    def _use_fused(group: dict, p: torch.Tensor) -> bool:
-        """fused=None: the Triton step on CUDA. fused=True: required (CUDA, or Triton's CPU
-        interpreter when TRITON_INTERPRET=1, for tests). fused=False: the pure-torch step."""
-        if group.get("fused") is False:
-            return False
-        local = local_tensor(p)
-        required = bool(group.get("fused"))
-        if not triton_usable(local.device, interpreter=required):
-            if required:
-                raise ValueError(
-                    f"fused=True needs CUDA tensors with Triton (got a parameter on {local.device}); "
-                    "pass fused=None to fall back to the pure-torch step"
-                )
-            return False
-        if not local.is_contiguous() or local.data_ptr() % 16:
-            if required:
-                raise ValueError("fused=True needs contiguous, 16-byte aligned parameters; pass fused=None")
-            return False  # a strided or oddly offset view: the pure-torch step handles it
-        return True
-
-    def nonfinite_parameters(self) -> list[dict[str, Any]]:
-        """Parameters whose moments have held NaN/Inf since the last call (then reset).
-
-        Per parameter: `count` (moment values that were NaN/Inf, summed over the steps), `steps`
-        (how many steps had any) and `last_step`. Counted on the device without synchronising;
-        this call synchronises once. A NaN or Inf gradient that GradScaler did not catch shows up
-        here instead of silently in a state; a NaN that stays in a moment is counted at every
-        step it is there. The policy (docs/FORMAT.md, "Non-finite values"): a non-finite value is
-        kept element by element, as torch.optim.AdamW keeps it, and its group's other values keep
-        their precision.
-        """
-        found = []
-        for plan in self._fused_cache.values():
-            counts = plan.nonfinite.tolist()
-            plan.nonfinite.zero_()
-            found += [(p, c) for p, c in zip(plan.params, counts, strict=True) if c[0]]
-        found += list(self._twin_nonfinite.items())
-        self._twin_nonfinite.clear()
-        return [
-            {"shape": tuple(p.shape), "count": count, "steps": steps, "last_step": last, "param": p}
-            for p, (count, steps, last) in found
-        ]
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        grad_scale = getattr(self, "grad_scale", None)
-        found_inf = getattr(self, "found_inf", None)
-        if self._release is not None:
-            if grad_scale is not None or found_inf is not None:
-                raise RuntimeError(
-                    "coatstate: GradScaler does not work with gradient_release=True (each parameter "
-                    "steps during backward, before the scaler can unscale or skip): train in "
-                    "bfloat16 autocast, which needs no scaler, or use gradient_release=False"
-                )
-            self._release.end_iteration()  # gradients set by hand (no hook fired) step below
-        for group in self.param_groups:
-            prepared = self._prepared.get(id(group))
-            with_grad = [p for p in group["params"] if p.grad is not None]
-            if (
-                prepared is None
-                or not _same(prepared.params, with_grad)
-                or prepared.options != _options(group)
+            if any(g.is_sparse for g in grads) or not adamw_launch.run(
+                prepared.launches, group, grads, grad_scale, found_inf
             ):
-                prepared = self._prepare(group, with_grad)
-            self._external_writes.drop_stale(prepared.masters, self.state, self._param_name)
-            grads = [local_tensor(p.grad) for p in prepared.fused]
-            if prepared.fused:
-                from coatstate.kernels import adamw_launch
-
-                if any(g.is_sparse for g in grads) or not adamw_launch.run(
-                    prepared.launches, group, grads, grad_scale, found_inf
-                ):
-                    prepared = self._prepare(group, with_grad)  # a gradient or parameter changed
-                    grads = [local_tensor(p.grad) for p in prepared.fused]
-                    if not adamw_launch.run(prepared.launches, group, grads, grad_scale, found_inf):
-                        raise RuntimeError("coatstate: the fused step could not be prepared (please report)")
-            if prepared.twin:
-                self._twin_step(group, prepared.twin, grad_scale, found_inf)
-            self._external_writes.record(prepared.masters)
-        return loss
+                prepared = self._prepare(group, with_grad)  # a gradient or parameter changed
+                grads = [local_tensor(p.grad) for p in prepared.fused]
+                if not adamw_launch.run(prepared.launches, group, grads, grad_scale, found_inf):
+                    raise RuntimeError("coatstate: the fused step could not be prepared (please report)")
+        if prepared.twin:
+            self._twin_step(group, prepared.twin, grad_scale, found_inf)
+        self._external_writes.record(prepared.masters)
 
     def _prepare(self, group: dict, with_grad: list) -> _Prepared:
         """Sort a group's parameters into the fused and pure-torch paths, create their states and
@@ -426,15 +272,7 @@ class CompressedAdamW(torch.optim.Optimizer):
         self._report_once()
         fused, twin = [], []
         for p in with_grad:
-            if p.grad.is_sparse or p.is_sparse:
-                raise TypeError(
-                    "CompressedAdamW does not support sparse gradients; use torch.optim.SparseAdam"
-                )
-            if torch.is_complex(p):
-                raise TypeError(
-                    "CompressedAdamW does not support complex parameters; view them as real "
-                    "(torch.view_as_real) or use torch.optim.AdamW"
-                )
+            self._check_param(p)
             (fused if self._use_fused(group, p) else twin).append(p)
         launches = []
         if fused:
@@ -530,37 +368,12 @@ class CompressedAdamW(torch.optim.Optimizer):
 
     # ---- state dicts -----------------------------------------------------------------------
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a CompressedAdamW or a torch.optim.AdamW state dict (compressing it as configured).
-
-        As torch.optim.Optimizer.load_state_dict: the load_state_dict pre-hooks run first (one
-        may return a new dict), the post-hooks last; keys an older torch did not write
-        (maximize, foreach, ...) get torch's defaults; a loaded group without param_names keeps
-        this optimizer's. Hyperparameters come from the loaded dict; coatstate's format keys that
-        it lacks (an AdamW dict) keep this optimizer's values. Moments are converted to this
-        optimizer's format for each parameter; states are never cast to the parameter's dtype.
-        Everything is checked and converted before anything changes: a dict that is refused
-        (ValueError) leaves the optimizer as it was.
-        """
-        state_dict = dict(state_dict) if isinstance(state_dict, dict) else state_dict
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = pre_hook(self, state_dict)
-            if result is not None:
-                state_dict = result
+    def _loaded_state(self, state_dict: dict[str, Any]) -> tuple[list, dict]:
         from coatstate.optim.state_dict import loaded_state
 
-        # everything checked and converted first: a refused dict changes nothing
-        new_groups, new_state = loaded_state(self.param_groups, state_dict, convert_param_state)
-        for mine, merged in zip(self.param_groups, new_groups, strict=True):  # in place: references hold
-            mine.clear()
-            mine.update(merged)
-        self.state.clear()
-        self.state.update(new_state)
+        return loaded_state(self.param_groups, state_dict, convert_param_state)
+
+    def _forget_launches(self) -> None:
         self._fused_cache.clear()
         self._prepared.clear()
         self._released_launches.clear()
-        self._twin_nonfinite.clear()
-        self._external_writes.forget()
-        self._index_params()
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)

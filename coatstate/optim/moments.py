@@ -8,12 +8,21 @@ from typing import Any
 
 import torch
 
-from coatstate.formats.defaults import OPTIMIZER_DEFAULTS
-from coatstate.formats.optimizer_state import MOMENTS, MomentFormat, parse_format, resolve_expand
+from coatstate.formats.defaults import MOMENTUM_DEFAULTS, OPTIMIZER_DEFAULTS
+from coatstate.formats.optimizer_state import (
+    MOMENTS,
+    MomentFormat,
+    expand_option,
+    format_option,
+    parse_format,
+    resolve_expand,
+)
 
 FORMAT_DEFAULTS: dict[str, Any] = dict(OPTIMIZER_DEFAULTS)
 """coatstate's own param-group keys (beside torch.optim.AdamW's) and their defaults, as
 formats.defaults holds them (the one table)."""
+_ALL_DEFAULTS: dict[str, Any] = {**MOMENTUM_DEFAULTS, **OPTIMIZER_DEFAULTS}
+"""every optimizer's own options: the fallback of a group that lacks one"""
 
 
 def global_shape(p: torch.Tensor) -> torch.Size:
@@ -22,11 +31,14 @@ def global_shape(p: torch.Tensor) -> torch.Size:
 
 
 def _option(group: dict, key: str) -> Any:
-    return group.get(key, FORMAT_DEFAULTS[key])
+    return group.get(key, _ALL_DEFAULTS[key])
 
 
-def moment_formats(group: dict, shape: torch.Size) -> dict[str, MomentFormat | None]:
-    """How each moment of a parameter of global `shape` is stored (None: float32)."""
+def moment_formats(
+    group: dict, shape: torch.Size, moments: tuple[str, ...] = MOMENTS
+) -> dict[str, MomentFormat | None]:
+    """How each of `moments` (AdamW's by default) of a parameter of global `shape` is stored
+    (None: float32)."""
     numel = math.prod(shape)
     compress = (
         _option(group, "compress")
@@ -34,12 +46,13 @@ def moment_formats(group: dict, shape: torch.Size) -> dict[str, MomentFormat | N
         and (len(shape) >= 2 or _option(group, "compress_1d"))
     )
     if not compress:
-        return dict.fromkeys(MOMENTS)
+        return dict.fromkeys(moments)
     g = _option(group, "group_size")
-    fm, fv = parse_format(_option(group, "exp_avg_format")), parse_format(_option(group, "exp_avg_sq_format"))
-    first = MomentFormat(fm, resolve_expand(fm, _option(group, "exp_avg_expand")), g)
-    second = MomentFormat(fv, resolve_expand(fv, _option(group, "exp_avg_sq_expand")), g)
-    return {"exp_avg": first, "exp_avg_sq": second, "max_exp_avg_sq": second}
+    out = {}
+    for moment in moments:
+        fmt = parse_format(_option(group, format_option(moment)))
+        out[moment] = MomentFormat(fmt, resolve_expand(fmt, _option(group, expand_option(moment))), g)
+    return out
 
 
 def master_mode(group: dict, p: torch.Tensor) -> int | None:

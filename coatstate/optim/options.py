@@ -34,12 +34,8 @@ def check_group(gi: int, group: dict[str, Any]) -> None:
     group and the option): torch's hyperparameters as CompressedAdamW's constructor checks them,
     and every coatstate option, so that a bad one fails here rather than at the first step.
     master_bits must be resolved ("auto" is the constructor's and add_param_group's to resolve)."""
-    lr, betas = group["lr"], group["betas"]
-    if isinstance(lr, torch.Tensor):
-        if lr.numel() != 1:
-            raise ValueError(f"param group {gi}: tensor lr must have one element; got {tuple(lr.shape)}")
-    elif not (_number(lr) and lr >= 0):
-        raise ValueError(f"param group {gi}: lr must be a number >= 0; got {lr!r:.40}")
+    check_lr(gi, group)
+    betas = group["betas"]
     if not (
         isinstance(betas, (tuple, list)) and len(betas) == 2 and all(_number(b) and 0 <= b < 1 for b in betas)
     ):
@@ -47,6 +43,21 @@ def check_group(gi: int, group: dict[str, Any]) -> None:
     for key in ("eps", "weight_decay"):
         if not (_number(group[key]) and group[key] >= 0):
             raise ValueError(f"param group {gi}: {key} must be a number >= 0; got {group[key]!r:.40}")
+    check_options(gi, group, MOMENTS_WITH_OPTIONS)
+
+
+def check_lr(gi: int, group: dict[str, Any]) -> None:
+    """A param group's lr: a number >= 0 or a one-element tensor (every optimizer's rule)."""
+    lr = group["lr"]
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1:
+            raise ValueError(f"param group {gi}: tensor lr must have one element; got {tuple(lr.shape)}")
+    elif not (_number(lr) and lr >= 0):
+        raise ValueError(f"param group {gi}: lr must be a number >= 0; got {lr!r:.40}")
+
+
+def check_options(gi: int, group: dict[str, Any], moments: tuple[str, ...]) -> None:
+    """coatstate's own options of a param group whose moments with a format option are `moments`."""
     for key in ("group_size", "min_numel", "master_seed"):
         v, least = group[key], 1 if key == "group_size" else 0
         if isinstance(v, bool) or not isinstance(v, int) or v < least:
@@ -55,19 +66,19 @@ def check_group(gi: int, group: dict[str, Any]) -> None:
         raise ValueError(
             f"param group {gi}: group_size must be at most {MAX_GROUP_SIZE}; got {group['group_size']!r:.40}"
         )
-    for key in ("exp_avg_format", "exp_avg_sq_format"):  # first: a bad format leaves expand "auto"
+    for key in map(format_option, moments):  # first: a bad format leaves expand "auto"
         try:
             parse_format(group[key])
         except (ValueError, TypeError) as e:
             raise ValueError(f"param group {gi}: {key}: {e}") from None
-    for key in ("compress", "exp_avg_expand", "exp_avg_sq_expand", "compress_1d"):
+    for key in ("compress", *map(expand_option, moments), "compress_1d"):
         if not isinstance(group[key], bool):
             raise ValueError(f"param group {gi}: {key} must be True or False; got {group[key]!r:.40}")
     if isinstance(group["master_bits"], bool) or group["master_bits"] not in (None, *MASTER_BITS):
         raise ValueError(
             f"param group {gi}: master_bits must be None, 16, 24 or 32; got {group['master_bits']!r:.40}"
         )
-    for moment in MOMENTS_WITH_OPTIONS:
+    for moment in moments:
         key, expand = format_option(moment), group[expand_option(moment)]
         try:
             fmt = parse_format(group[key])
@@ -77,9 +88,12 @@ def check_group(gi: int, group: dict[str, Any]) -> None:
             raise ValueError(f"param group {gi}: {key}: {e}") from None
 
 
-def settle_group(gi: int, group: dict) -> None:
-    """Resolve a new param group's master_bits="auto" and check all its options: a bad option
-    fails here, when the group is added, not at the first step."""
+def settle_group(
+    gi: int, group: dict, moments: tuple[str, ...] = MOMENTS_WITH_OPTIONS, check=check_group
+) -> None:
+    """Resolve a new param group's master_bits="auto" and check all its options with `check`
+    (CompressedAdamW's by default; `moments`: those with a format option): a bad option fails
+    here, when the group is added, not at the first step."""
     check_params(gi, group["params"])
     dtypes = {p.dtype for p in group["params"]}
     if group.get("master_bits") == "auto":  # resolved here: state dicts and checkpoints hold ints
@@ -92,7 +106,7 @@ def settle_group(gi: int, group: dict) -> None:
             "float32 one); cast the model with coatstate.cast_model(model, torch.bfloat16), or "
             "keep float16 parameters with master_bits=None"
         )
-    for moment in MOMENTS_WITH_OPTIONS:  # one spelling in state dicts and launches
+    for moment in moments:  # one spelling in state dicts and launches
         key, expand = format_option(moment), expand_option(moment)
         try:
             fmt = parse_format(group[key])
@@ -100,7 +114,7 @@ def settle_group(gi: int, group: dict) -> None:
             continue  # check_group names the group and the option
         group[key] = fmt.value
         group[expand] = resolve_expand(fmt, group.get(expand, "auto"))  # state dicts hold bools
-    check_group(gi, group)
+    check(gi, group)
     if group.get("master_bits") is None and dtypes & {torch.bfloat16, torch.float16}:
         logger.info(
             "coatstate: 16-bit parameters without master_bits: each update rounds to the "
@@ -168,9 +182,15 @@ def check_arguments(lr, betas, eps, weight_decay, unsupported_mode, group_size, 
             "CompressedAdamW does not support capturable=True or differentiable=True: its "
             "states are requantized in place each step; use torch.optim.AdamW for those modes"
         )
+    names = ("exp_avg_format", "exp_avg_sq_format")
+    check_format_arguments(group_size, dict(zip(names, formats, strict=True)))
+
+
+def check_format_arguments(group_size: Any, formats: dict[str, Any]) -> None:
+    """The constructor's group_size and format options ({option: value}), every optimizer's."""
     if isinstance(group_size, bool) or not (isinstance(group_size, int) and 0 < group_size <= MAX_GROUP_SIZE):
         raise ValueError(f"group_size must be an int from 1 to {MAX_GROUP_SIZE}; got {group_size!r}")
-    for name, value in zip(("exp_avg_format", "exp_avg_sq_format"), formats, strict=True):
+    for name, value in formats.items():
         try:
             parse_format(value)
         except ValueError as e:

@@ -30,7 +30,7 @@ _ACCUMULATION = (
 
 _NO_CLIP = (
     "coatstate note (shown once): gradient_release=True frees each gradient during backward. If you "
-    "clip gradients, pass CompressedAdamW(..., max_grad_norm=...) (it clips by the previous step's "
+    "clip gradients, pass max_grad_norm=... to the optimizer (it clips by the previous step's "
     "global norm): torch.nn.utils.clip_grad_norm_ called after backward would see no gradients and "
     "clip nothing. If you do not clip, nothing to do."
 )
@@ -41,13 +41,13 @@ _noted = False
 class GradientRelease:
     """The hooks and per-iteration bookkeeping of CompressedAdamW(gradient_release=True)."""
 
-    def __init__(self, optimizer: Any, max_grad_norm: float | None) -> None:
+    def __init__(self, optimizer: Any, max_grad_norm: float | None, stacklevel: int = 3) -> None:
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be a positive float; got {max_grad_norm!r}")
         global _noted
         if max_grad_norm is None and not _noted:
             _noted = True
-            warnings.warn(_NO_CLIP, UserWarning, stacklevel=3)  # at the user's CompressedAdamW(...)
+            warnings.warn(_NO_CLIP, UserWarning, stacklevel=stacklevel)  # at the user's CompressedAdamW(...)
         self.optimizer = optimizer
         self.max_grad_norm = max_grad_norm
         self.stepped: set[int] = set()

@@ -5,22 +5,27 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from coatstate.distributed import check_compressible, is_dtensor, local_chunk, local_tensor, wrap_state
+from coatstate.formats.defaults import LION_DEFAULTS, MOMENTUM_DEFAULTS, OPTIMIZER_DEFAULTS
 from coatstate.formats.master_weights import CORRECTION_DTYPES
+from coatstate.formats.optimizer_schema import kind_of
 from coatstate.formats.optimizer_state import (
+    ALL_MOMENTS,
     CODES,
     DEFAULT_GROUP_SIZE,
     EXPONENTS,
     MASTER_CORRECTION,
     MOMENTS,
+    MOMENTUM,
     SCALES,
     MomentFormat,
     check_moment_format,
+    expand_option,
     format_option,
     init_moment,
     is_compressed,
@@ -49,10 +54,16 @@ state dict of an older torch)."""
 
 
 def loaded_state(
-    groups: list[dict[str, Any]], state_dict: Any, convert: Callable[[dict, torch.Tensor, dict], dict]
+    groups: list[dict[str, Any]],
+    state_dict: Any,
+    convert: Callable[[dict, torch.Tensor, dict], dict],
+    torch_defaults: dict[str, Any] = TORCH_GROUP_DEFAULTS,
+    check: Callable[[int, dict], None] = check_group,
 ) -> tuple[list[dict[str, Any]], dict[Any, Any]]:
-    """(param groups, state) that CompressedAdamW.load_state_dict installs for `state_dict`, given
-    the optimizer's current `groups`; every value checked, ValueError before anything changes.
+    """(param groups, state) that a compressed optimizer's load_state_dict installs for
+    `state_dict`, given the optimizer's current `groups`; every value checked (`check`, per
+    group), ValueError before anything changes. Keys the loaded groups lack get `torch_defaults`
+    (the reference's __setstate__ defaults), then the optimizer's own values.
 
     `convert(saved, p, group)` puts one parameter's saved state into the group's format.
     """
@@ -75,17 +86,18 @@ def loaded_state(
             )
         id_to_param.update(zip(saved["params"], mine["params"], strict=True))
         merged = copy.deepcopy({k: v for k, v in saved.items() if k != "params"})  # as torch: no aliasing
-        for key, default in TORCH_GROUP_DEFAULTS.items():
+        for key, default in torch_defaults.items():
             merged.setdefault(key, default)
-        for key in ("lr", "betas", "eps", "weight_decay"):
-            merged.setdefault(key, mine[key])
-        for key, default in FORMAT_DEFAULTS.items():
-            merged.setdefault(key, mine.get(key, default))
-        merged["capturable"] = merged["differentiable"] = False  # CompressedAdamW runs neither mode
+        for key, value in mine.items():  # hyperparameters, then coatstate's options
+            if key not in ("params", "param_names"):
+                merged.setdefault(key, value)
+        for key in ("capturable", "differentiable"):  # coatstate's optimizers run neither mode
+            if key in merged:
+                merged[key] = False
         if "param_names" in mine and "param_names" not in merged:
             merged["param_names"] = mine["param_names"]
         merged["params"] = mine["params"]
-        check_group(gi, merged)
+        check(gi, merged)
         new_groups.append(merged)
     group_of = {id(p): g for g in new_groups for p in g["params"]}
     new_state: dict[Any, Any] = {}
@@ -115,21 +127,34 @@ def _saved_format(src: dict, name: str, fmt: MomentFormat | None) -> MomentForma
     return fmt
 
 
-def convert_param_state(saved: dict, p: torch.Tensor, group: dict) -> dict:
-    """One parameter's saved state, in this group's format for `p`, on p's device."""
+def convert_param_state(
+    saved: dict,
+    p: torch.Tensor,
+    group: dict,
+    moments: tuple[str, ...] = MOMENTS,
+    required: tuple[str, ...] = ("step", "exp_avg", "exp_avg_sq"),
+    reference: str = "AdamW",
+) -> dict:
+    """One parameter's saved state, in this group's format for `p`, on p's device. `moments`: the
+    optimizer's; `required`: what a saved state must hold (a `step` not required starts at 0)."""
     if not isinstance(saved, dict):
         raise TypeError(f"a parameter's state must be a dict; got {type(saved).__name__}")
-    missing = [k for k in ("step", "exp_avg", "exp_avg_sq") if k not in saved and k + CODES not in saved]
+    missing = [k for k in required if k not in saved and k + CODES not in saved]
+    foreign = [k for k in ALL_MOMENTS if k not in moments and (k in saved or k + CODES in saved)]
     if missing:
         raise ValueError(
-            f"it has keys {sorted(map(str, saved))[:6]} but lacks AdamW's {missing}: is it another "
+            f"it has keys {sorted(map(str, saved))[:6]} but lacks {reference}'s {missing}: is it another "
             "optimizer's state?"
         )
+    if foreign:
+        raise ValueError(
+            f"it holds {foreign}, which {reference} does not keep: is it another optimizer's state?"
+        )
     for key, value in saved.items():
-        if isinstance(key, str) and key.startswith(MOMENTS) and not isinstance(value, torch.Tensor):
+        if isinstance(key, str) and key.startswith(moments) and not isinstance(value, torch.Tensor):
             raise TypeError(f"state {key!r} must be a tensor; got {type(value).__name__}")
     local = local_tensor(p)
-    formats = moment_formats(group, global_shape(p))
+    formats = moment_formats(group, global_shape(p), moments)
     saved_group_size = group.get("group_size", DEFAULT_GROUP_SIZE)
     out: dict[str, Any] = {}
     for key, value in saved.items():
@@ -139,7 +164,7 @@ def convert_param_state(saved: dict, p: torch.Tensor, group: dict) -> dict:
             out["step"] = (
                 step.detach().to(dtype=torch.float32, device=local.device if on_device else "cpu").clone()
             )
-    for name in MOMENTS:
+    for name in moments:
         if name not in saved and name + CODES not in saved:
             continue
         src = {
@@ -177,10 +202,12 @@ def convert_param_state(saved: dict, p: torch.Tensor, group: dict) -> dict:
                 value = read_moment(src, name, saved_group_size, saved_format, tuple(local.shape))
                 write_moment(out, name, value.float(), formats[name])
     _convert_master_correction(saved, out, p, group, local)
+    if "step" not in out and "step" not in required:  # (torch's SGD and Muon count no steps)
+        out["step"] = torch.tensor(0.0)
     if "step" not in out:
         raise ValueError("parameter state has no 'step'")
     if is_dtensor(p):
-        if any(is_compressed(out, name) for name in MOMENTS):
+        if any(is_compressed(out, name) for name in moments):
             check_compressible(p, f"of global shape {tuple(p.shape)}")
         wrap_state(out, p)
     return out
@@ -196,24 +223,55 @@ def _local_part(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return value
 
 
-def _format_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    unknown = set(kwargs) - set(FORMAT_DEFAULTS)
+def _format_kwargs(kwargs: dict[str, Any], defaults: Mapping[str, Any] = FORMAT_DEFAULTS) -> dict[str, Any]:
+    unknown = set(kwargs) - set(defaults)
     if unknown:
-        raise TypeError(f"unknown format option(s) {sorted(unknown)}; allowed: {sorted(FORMAT_DEFAULTS)}")
-    options = {**FORMAT_DEFAULTS, **kwargs}
-    if options["master_bits"] == "auto":  # a torch AdamW state names no parameter dtypes to decide from
+        raise TypeError(f"unknown format option(s) {sorted(unknown)}; allowed: {sorted(defaults)}")
+    options = {**defaults, **kwargs}
+    if options["master_bits"] == "auto":  # a torch state names no parameter dtypes to decide from
         options["master_bits"] = None
-    for moment in ("exp_avg", "exp_avg_sq"):  # one spelling, "auto" resolved: state dicts hold bools
-        fmt = parse_format(options[moment + "_format"])
-        options[moment + "_format"] = fmt.value
-        options[moment + "_expand"] = resolve_expand(fmt, options[moment + "_expand"])
-        check_moment_format(moment, fmt, options[moment + "_expand"])
+    for moment in OPTION_MOMENTS:  # one spelling, "auto" resolved: state dicts hold bools
+        if format_option(moment) not in options:
+            continue
+        fmt = parse_format(options[format_option(moment)])
+        options[format_option(moment)] = fmt.value
+        options[expand_option(moment)] = resolve_expand(fmt, options[expand_option(moment)])
+        check_moment_format(moment, fmt, options[expand_option(moment)])
     return options
+
+
+OPTION_MOMENTS = ("exp_avg", "exp_avg_sq", MOMENTUM)
+"""the moments with a format option of their own, any optimizer's"""
+OPTION_TABLES = {
+    "AdamW": OPTIMIZER_DEFAULTS,
+    "SGD": MOMENTUM_DEFAULTS,
+    "Muon": MOMENTUM_DEFAULTS,
+    "Lion": LION_DEFAULTS,
+}
+"""each reference's compressed class's own options (formats.defaults)"""
 
 
 def compress_adamw_state_dict(state_dict: dict[str, Any], **format_options: Any) -> dict[str, Any]:
     """A torch.optim.AdamW state dict -> a CompressedAdamW one (format options as its constructor's)."""
-    options = _format_kwargs(format_options)
+    return compress_state_dict(state_dict, "AdamW", **format_options)
+
+
+def compress_state_dict(
+    state_dict: dict[str, Any], reference: str | None = None, **format_options: Any
+) -> dict[str, Any]:
+    """A reference optimizer's state dict -> its compressed class's ("AdamW", "SGD", "Muon" or
+    "Lion"; None: recognised from the param groups' keys); format options as that class's
+    constructor takes them (options of the other classes are left out)."""
+    if reference not in (None, *OPTION_TABLES):
+        raise ValueError(f"reference must be one of {sorted(OPTION_TABLES)} or None; got {reference!r}")
+    table = OPTION_TABLES.get(reference)
+    if reference is None:
+        kind = kind_of(None, (state_dict.get("param_groups") or [{}])[0])
+        reference = kind.reference if kind is not None else _reference_of_moments(state_dict)
+        table = OPTION_TABLES[reference]
+        format_options = {k: v for k, v in format_options.items() if k in table}
+    options = _format_kwargs(format_options, table)
+    moments = kind_of(reference).moments
     groups, state = [], {}
     for saved in state_dict["param_groups"]:
         group = {**saved, **options}
@@ -222,13 +280,11 @@ def compress_adamw_state_dict(state_dict: dict[str, Any], **format_options: Any)
             if pid not in state_dict["state"]:
                 continue
             s = state_dict["state"][pid]
-            formats = moment_formats(group, s["exp_avg"].shape)
-            out = {
-                "step": s["step"].clone()
-                if isinstance(s["step"], torch.Tensor)
-                else torch.tensor(float(s["step"]))
-            }
-            for name in MOMENTS:
+            shape = next((s[m].shape for m in moments if m in s), None)
+            step = s.get("step", 0.0)
+            out = {"step": step.clone() if isinstance(step, torch.Tensor) else torch.tensor(float(step))}
+            formats = moment_formats(group, shape, moments) if shape is not None else {}
+            for name in moments:
                 if name in s:
                     init_moment(out, name, s[name], formats[name])
                     write_moment(out, name, s[name].float(), formats[name])
@@ -236,25 +292,42 @@ def compress_adamw_state_dict(state_dict: dict[str, Any], **format_options: Any)
     return {"state": state, "param_groups": groups}
 
 
-def to_adamw_state_dict(state_dict: dict[str, Any], shapes: dict[Any, Any] | None = None) -> dict[str, Any]:
-    """A CompressedAdamW state dict -> one torch.optim.AdamW loads (moments decompressed to fp32).
-    4-bit moments' packed codes do not record their parameter's shape: pass `shapes` ({param id:
-    shape}; a checkpoint's header lists them) for those."""
+def _reference_of_moments(state_dict: dict[str, Any]) -> str:
+    """The reference whose moments a state dict holds, for groups whose keys mark none (AdamW's,
+    as before there were others, when it holds none either)."""
+    names = {k for s in state_dict.get("state", {}).values() if isinstance(s, dict) for k in s}
+    if MOMENTUM in names:
+        return "SGD"
+    return "Lion" if "exp_avg" in names and "exp_avg_sq" not in names else "AdamW"
+
+
+def to_reference_state_dict(
+    state_dict: dict[str, Any], shapes: dict[Any, Any] | None = None
+) -> dict[str, Any]:
+    """A compressed optimizer's state dict -> one its torch reference loads (torch.optim.AdamW,
+    SGD, Muon; Lion's plain float32 form): moments decompressed to fp32, coatstate's options
+    left out. 4-bit moments' packed codes do not record their parameter's shape: pass `shapes`
+    ({param id: shape}; a checkpoint's header lists them) for those."""
     groups, state = [], {}
     for saved in state_dict["param_groups"]:
-        groups.append({k: v for k, v in saved.items() if k not in FORMAT_DEFAULTS})
+        groups.append({k: v for k, v in saved.items() if k not in _ALL_OPTIONS})
         g = saved.get("group_size", DEFAULT_GROUP_SIZE)
         for pid in saved["params"]:
             if pid not in state_dict["state"]:
                 continue
             s = state_dict["state"][pid]
-            out = {"step": s["step"]}
-            for name in MOMENTS:
+            out = {"step": s["step"]} if "step" in s else {}
+            for name in ALL_MOMENTS:
                 if name in s or name + CODES in s:
                     fmt, shape = _four_bit(s, name, saved, g, shapes, pid)
                     out[name] = read_moment(s, name, g, fmt, shape).float().clone()
             state[pid] = out
     return {"state": state, "param_groups": groups}
+
+
+to_adamw_state_dict = to_reference_state_dict
+"""A CompressedAdamW state dict -> one torch.optim.AdamW loads (to_reference_state_dict)."""
+_ALL_OPTIONS = frozenset(OPTIMIZER_DEFAULTS) | frozenset(MOMENTUM_DEFAULTS)
 
 
 def _four_bit(s: dict, name: str, group: dict, group_size: int, shapes, pid) -> tuple:

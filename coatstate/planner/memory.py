@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from coatstate.formats.defaults import MOMENTUM_DEFAULTS
 from coatstate.formats.fp4 import storage_bytes_fp4
 from coatstate.formats.group import storage_bytes
 from coatstate.formats.master_weights import CORRECTION_DTYPES, MASTER_BITS
@@ -64,25 +65,39 @@ FOUR_BIT_OPTIONS = {"exp_avg_format": "e2m1", "exp_avg_sq_format": "ue3m1_sqrt"}
 """CompressedAdamW's options of a '4bit' Variant (expansion follows the format: off)."""
 
 
+REFERENCE_MOMENTS = {"adamw": 2, "sgd": 1, "muon": 1, "lion": 1}
+"""float32 moments per element of each torch reference (SGD with momentum; Lion's float32 form)"""
+COMPRESSED_MOMENTS = {
+    "compressed": ("exp_avg", "exp_avg_sq"),
+    "compressed_sgd": ("momentum_buffer",),
+    "compressed_muon": ("momentum_buffer",),
+    "compressed_lion": ("exp_avg",),
+}
+"""the moments each compressed optimizer stores ("compressed": CompressedAdamW)"""
+
+
 def optimizer_bytes(
     shapes: list[tuple[int, ...]], optimizer: str, shards: int = 1, options: dict[str, Any] | None = None
 ) -> int:
-    """Optimizer state bytes on rank 0: torch AdamW (fp32 m and v) or CompressedAdamW.
+    """Optimizer state bytes on rank 0: a torch reference's fp32 moments ("adamw", "sgd" with
+    momentum, "muon", "lion") or a compressed optimizer's ("compressed": CompressedAdamW,
+    "compressed_sgd", "compressed_muon", "compressed_lion").
 
-    CompressedAdamW's own moment_formats decides from each GLOBAL shape what is compressed; a
+    The optimizer's own moment_formats decides from each GLOBAL shape what is compressed; a
     compressed moment takes formats.group.storage_bytes of the local shard. Step counters (4
     bytes per tensor) are left out, as CompressedAdamW.state_bytes() leaves them out.
     """
-    if optimizer == "adamw":
-        return sum(8 * math.prod(local_shape(s, shards)) for s in shapes)
-    if optimizer != "compressed":
-        raise ValueError(f"optimizer must be 'adamw' or 'compressed'; got {optimizer!r}")
-    group = {**FORMAT_DEFAULTS, **(options or {})}
+    if optimizer in REFERENCE_MOMENTS:
+        return sum(4 * REFERENCE_MOMENTS[optimizer] * math.prod(local_shape(s, shards)) for s in shapes)
+    if optimizer not in COMPRESSED_MOMENTS:
+        known = sorted(REFERENCE_MOMENTS) + sorted(COMPRESSED_MOMENTS)
+        raise ValueError(f"optimizer must be one of {known}; got {optimizer!r}")
+    group = {**FORMAT_DEFAULTS, **MOMENTUM_DEFAULTS, **(options or {})}
     total = 0
     for s in shapes:
         local = local_shape(s, shards)
-        formats = moment_formats(group, torch.Size(s))
-        for name in ("exp_avg", "exp_avg_sq"):
+        formats = moment_formats(group, torch.Size(s), COMPRESSED_MOMENTS[optimizer])
+        for name in COMPRESSED_MOMENTS[optimizer]:
             fmt = formats[name]
             if fmt is None:
                 total += 4 * math.prod(local)
