@@ -14,6 +14,7 @@ __version__ = "0.2.0"
 
 _EXPORTS = {
     "CompressedAdamW": "coatstate.optim",
+    "HostOffloadAdamW": "coatstate.optim",
     "compress_activations": "coatstate.activations",
     "CompiledActivations": "coatstate.activations",
     "ActivationPolicy": "coatstate.activations",
@@ -41,6 +42,7 @@ __all__ = [
     "FP8Format",
     "FP8Linear",
     "FP8LinearConfig",
+    "HostOffloadAdamW",
     "__version__",
     "cast_model",
     "compress_activations",
@@ -76,4 +78,4 @@ if TYPE_CHECKING:
     from coatstate.checkpoint import Checkpoint, CheckpointError, load, read, save
     from coatstate.formats import FP8Format
     from coatstate.nn import FP8Linear, FP8LinearConfig, cast_model, convert_to_fp8
-    from coatstate.optim import CompressedAdamW
+    from coatstate.optim import CompressedAdamW, HostOffloadAdamW
