@@ -36,8 +36,9 @@ _BOOL_KEYS = (
 )  # fmt: skip
 MAX_DIMS = 64
 """More dimensions than any torch tensor has (torch's own limit)."""
-ADAMW_FAMILY = frozenset({"AdamW", "CompressedAdamW"})
-"""Classes whose checkpoints load into each other (compressed on load, or decompressed)."""
+ADAMW_FAMILY = frozenset({"AdamW", "CompressedAdamW", "HostOffloadAdamW"})
+"""Classes whose checkpoints load into each other (compressed on load, or decompressed);
+HostOffloadAdamW writes CompressedAdamW's format from host memory."""
 
 
 class _Ref:
