@@ -258,3 +258,17 @@ def test_cuda_bits_equal_the_cpu_path():
     for h in hooks:
         h.remove()
     _same_params(cpu_model, gpu_model.cpu())
+
+
+def test_host_arena_packs_tensors_with_their_own_version_counters():
+    from coatstate.optim.offload_pipeline import HostArena
+
+    arena = HostArena(pin=False, chunk_bytes=4096)
+    a = arena.empty_like(torch.empty(3, 5, dtype=torch.bfloat16))
+    b = arena.empty_like(torch.empty(7, dtype=torch.float32))
+    big = arena.empty_like(torch.empty(2000, dtype=torch.float32))  # over a quarter chunk: its own
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() != big.untyped_storage().data_ptr()
+    assert b.data_ptr() - a.data_ptr() == HostArena.ALIGN and arena.reserved == 4096 + 8000
+    version = a._version
+    b.fill_(1.0)
+    assert a._version == version  # a write to a neighbour is not a write to `a`

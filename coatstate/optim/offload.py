@@ -25,7 +25,7 @@ import torch
 
 from coatstate.distributed import is_dtensor
 from coatstate.optim.adamw import CompressedAdamW
-from coatstate.optim.offload_pipeline import HostPipeline, Timings, pinned_like
+from coatstate.optim.offload_pipeline import HostArena, HostPipeline, Timings
 
 _ACCUMULATION = (
     "coatstate: HostOffloadAdamW stepped this parameter during an earlier backward, and a second "
@@ -121,6 +121,8 @@ class HostOffloadAdamW(CompressedAdamW):
         if len(devices) > 1:
             raise ValueError(f"HostOffloadAdamW needs every parameter on one device; got {sorted(map(str, devices))}")
         self._pipeline = HostPipeline(devices.pop() if devices else torch.device("cpu"))
+        self._arena = HostArena(pin=self._pipeline.cuda)
+        """host weights and gradient buffers (the states, never copied to the device, stay pageable)"""
         self._host: dict[int, torch.Tensor] = {}
         """device parameter id -> its host copy, the parameter the inner optimizer steps"""
         self._grad_buffers: dict[int, torch.Tensor] = {}
@@ -141,7 +143,7 @@ class HostOffloadAdamW(CompressedAdamW):
     # ---- the host side ------------------------------------------------------------------------
     def _host_copy(self, p: torch.Tensor) -> torch.Tensor:
         if id(p) not in self._host:
-            host = pinned_like(p, self._pipeline.cuda)
+            host = self._arena.empty_like(p)
             host.copy_(p.detach())
             self._host[id(p)] = host
             self._marks[id(p)] = (p._version, p.data_ptr())
@@ -186,12 +188,14 @@ class HostOffloadAdamW(CompressedAdamW):
 
     def host_bytes(self) -> dict[str, int]:
         """Host memory this optimizer holds, in bytes: `states` (moments, master correction),
-        `weights` (the host copies) and `grad_buffers` (one per parameter that has stepped)."""
+        `weights` (the host copies), `grad_buffers` (one per parameter that has stepped) and
+        `reserved` (what the buffers of weights and gradients take, chunk tails included)."""
         size = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
         return {
             "states": self.state_bytes(),
             "weights": size(self._host.values()),
             "grad_buffers": size(self._grad_buffers.values()),
+            "reserved": self._arena.reserved,
         }
 
     # ---- gradients leave the device ----------------------------------------------------------
@@ -230,7 +234,7 @@ class HostOffloadAdamW(CompressedAdamW):
         host = self._host[id(p)]
         buffer = self._grad_buffers.get(id(p))
         if buffer is None or buffer.dtype != grad.dtype:
-            buffer = self._grad_buffers[id(p)] = pinned_like(grad, self._pipeline.cuda)
+            buffer = self._grad_buffers[id(p)] = self._arena.empty_like(grad)
         pairs = [(grad, buffer)]
         if self._marks[id(p)] != (p._version, p.data_ptr()):
             # written outside the optimizer (model.load_state_dict, an EMA swap): the host copy

@@ -40,10 +40,39 @@ class Timings:
     h2d_bytes: int = 0
 
 
-def pinned_like(t: torch.Tensor, pin: bool) -> torch.Tensor:
-    """An empty host tensor shaped as `t` (contiguous), page-locked when `pin`: only pinned
-    memory copies asynchronously and at full PCIe speed."""
-    return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+class HostArena:
+    """Host tensors carved out of large buffers, page-locked when `pin`: only pinned memory copies
+    asynchronously and at full PCIe speed. torch's pinned allocator rounds every allocation up to
+    a power of two (a 90 MB weight takes 128 MB), so tensors are packed into chunks whose size is
+    a power of two already; a tensor larger than a chunk gets its own allocation."""
+
+    ALIGN = 64
+    """bytes: every tensor starts on a cache line"""
+
+    def __init__(self, pin: bool, chunk_bytes: int = 1 << 30) -> None:
+        self.pin = pin
+        self.chunk_bytes = chunk_bytes
+        self._chunk: torch.Tensor | None = None
+        self._used = 0
+        self.reserved = 0
+        """bytes allocated so far (chunks and large tensors), the host memory this arena holds"""
+
+    def empty_like(self, t: torch.Tensor) -> torch.Tensor:
+        """An uninitialised contiguous host tensor with `t`'s shape and dtype."""
+        nbytes = t.numel() * t.element_size()
+        if nbytes > self.chunk_bytes // 4:  # would waste much of a chunk's tail: on its own
+            self.reserved += nbytes
+            return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self.pin)
+        if self._chunk is None or self._used + nbytes > self.chunk_bytes:
+            self._chunk = torch.empty(self.chunk_bytes, dtype=torch.uint8, device="cpu", pin_memory=self.pin)
+            self._used = 0
+            self.reserved += self.chunk_bytes
+        start = self._used
+        self._used = -(-(start + nbytes) // self.ALIGN) * self.ALIGN
+        # set_ rather than a view: a view shares its base's version counter, and the optimizer
+        # reads a weight's own counter to see writes from outside (coatstate.optim.external_writes)
+        out = torch.empty(0, dtype=t.dtype)
+        return out.set_(self._chunk.untyped_storage(), start // t.element_size(), t.shape)
 
 
 class HostPipeline:
@@ -109,7 +138,7 @@ class HostPipeline:
                 dst.copy_(src)
             return
         start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(self.h2d):
+        with torch.cuda.device(self.device), torch.cuda.stream(self.h2d):  # (a thread of its own)
             # a weight is written only after the kernels enqueued before its gradient's hook (the
             # last ones that read it in this backward) are done: d2h waited for them
             self.h2d.wait_stream(self.d2h)
