@@ -350,3 +350,13 @@ def test_one_gpu_batch_search_starts_at_the_guess_and_steps_by_one():
     tried, fits = fits_below(100)
     assert search(fits, 1, 15, 16, lambda: True) == (16, [(15, True), (16, True)], False)  # the limit
     assert search(fits, 1, 4, 16, lambda: False) == (1, [], True)  # no time: batch 1 stands
+
+
+@pytest.mark.slow
+def test_offload_smoke_writes_json_with_the_common_header(tmp_path):
+    out = tmp_path / "offload.json"
+    stdout = _run("benchmarks/offload.py", "--smoke", "--rounds", "2", "--steps", "1", "--out", str(out))
+    data = json.loads(out.read_text())
+    assert {"date", "machine", "torch", "command"} <= set(data["meta"]) and data["meta"]["smoke"]
+    assert data["setups"]["coatstate"]["status"] == "ok"
+    assert data["setups"]["torchao"]["status"] == "skipped" and "wrote" in stdout

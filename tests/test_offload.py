@@ -9,7 +9,9 @@ move between the two unchanged, and what cannot be exact is refused with a messa
 
 from __future__ import annotations
 
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,13 +55,14 @@ def _same_state(a: dict, b: dict) -> None:
         assert sa.keys() == sb.keys(), pid
         for key in sa:
             va, vb = sa[key], sb[key]
-            same = torch.equal(va.view(torch.uint8), vb.view(torch.uint8)) if va.dim() else torch.equal(va, vb)
+            same = torch.equal(va.view(torch.uint8), vb.view(torch.uint8)) if va.dim() else va == vb
             assert same and va.dtype == vb.dtype, f"param {pid} {key} differs"
 
 
 def _same_params(m1, m2) -> None:
     for (name, p), q in zip(m1.named_parameters(), m2.parameters(), strict=True):
-        assert torch.equal(p.view(torch.uint8), q.view(torch.uint8)), f"{name}: max diff {(p - q).abs().max()}"
+        diff = (p - q).abs().max()
+        assert torch.equal(p.view(torch.uint8), q.view(torch.uint8)), f"{name}: max diff {diff}"
 
 
 def _train(model, opt, steps, seed, dtype, sched=None):
@@ -118,7 +121,9 @@ def test_clipping_equals_gradient_release():
     plain_model, off_model, options = _pair(torch.bfloat16)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        release = CompressedAdamW(plain_model.parameters(), gradient_release=True, max_grad_norm=0.05, **options)
+        release = CompressedAdamW(
+            plain_model.parameters(), gradient_release=True, max_grad_norm=0.05, **options
+        )
     offload = HostOffloadAdamW(off_model.parameters(), max_grad_norm=0.05, **options)
     _train(plain_model, release, 4, 2, torch.bfloat16)
     _train(off_model, offload, 4, 2, torch.bfloat16)
@@ -247,7 +252,9 @@ def test_cuda_bits_equal_the_cpu_path():
     offload = HostOffloadAdamW(gpu_model.parameters(), **options)
     plain = CompressedAdamW(cpu_model.parameters(), **options)
     grads = {}
-    hooks = [p.register_hook(lambda g, n=n: grads.__setitem__(n, g.cpu())) for n, p in gpu_model.named_parameters()]
+    hooks = [
+        p.register_hook(lambda g, n=n: grads.__setitem__(n, g.cpu())) for n, p in gpu_model.named_parameters()
+    ]
     for step in range(3):
         gpu_model(torch.randn(4, 129, device="cuda").bfloat16()).float().square().mean().backward()
         offload.step()
@@ -267,8 +274,21 @@ def test_host_arena_packs_tensors_with_their_own_version_counters():
     a = arena.empty_like(torch.empty(3, 5, dtype=torch.bfloat16))
     b = arena.empty_like(torch.empty(7, dtype=torch.float32))
     big = arena.empty_like(torch.empty(2000, dtype=torch.float32))  # over a quarter chunk: its own
-    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() != big.untyped_storage().data_ptr()
+    storage = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
+    assert storage(a) == storage(b) != storage(big)
     assert b.data_ptr() - a.data_ptr() == HostArena.ALIGN and arena.reserved == 4096 + 8000
     version = a._version
     b.fill_(1.0)
     assert a._version == version  # a write to a neighbour is not a write to `a`
+
+
+def test_offload_benchmark_setup_runs_in_process():
+    """benchmarks/offload.py's per-setup function on the smoke model: host bytes, rounds, finite."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from offload import MODELS, run_setup
+
+    written = []
+    r = run_setup("coatstate", MODELS["smoke"], "cpu", 24.0, 1, 2, 1, 60.0, written.append)
+    assert r["status"] == "ok" and r["finite"] and len(r["steps"]) == 2 and len(written) == 3
+    assert 0 < r["host_bytes"]["states"] < r["host_bytes"]["buffers"]  # FP8 moments < weights + grads
+    assert r["rounds"]["tokens_per_s"]["min"] <= r["rounds"]["tokens_per_s"]["max"]

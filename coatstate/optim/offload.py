@@ -119,9 +119,13 @@ class HostOffloadAdamW(CompressedAdamW):
             )
         devices = {p.device for p in flat}
         if len(devices) > 1:
-            raise ValueError(f"HostOffloadAdamW needs every parameter on one device; got {sorted(map(str, devices))}")
+            raise ValueError(
+                f"HostOffloadAdamW needs every parameter on one device; got {sorted(map(str, devices))}"
+            )
         self._pipeline = HostPipeline(devices.pop() if devices else torch.device("cpu"))
-        self._arena = HostArena(pin=self._pipeline.cuda)
+        need = 2 * sum(p.numel() * p.element_size() for p in flat)  # weights and their gradients
+        chunk = min(1 << 30, 1 << max(need - 1, 1).bit_length())  # a small model: a small chunk
+        self._arena = HostArena(pin=self._pipeline.cuda, chunk_bytes=chunk)
         """host weights and gradient buffers (the states, never copied to the device, stay pageable)"""
         self._host: dict[int, torch.Tensor] = {}
         """device parameter id -> its host copy, the parameter the inner optimizer steps"""
@@ -151,10 +155,9 @@ class HostOffloadAdamW(CompressedAdamW):
 
     def _host_groups(self, groups: list[dict]) -> list[dict]:
         """The inner optimizer's groups: these groups' options with host copies for params."""
-        return [
-            {**{k: v for k, v in g.items() if k != _SHARED}, _SHARED: [self._host_copy(p) for p in g[_SHARED]]}
-            for g in groups
-        ]
+        options = [{k: v for k, v in g.items() if k != _SHARED} for g in groups]
+        hosts = [[self._host_copy(p) for p in g[_SHARED]] for g in groups]
+        return [{**o, _SHARED: h} for o, h in zip(options, hosts, strict=True)]
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)

@@ -90,7 +90,7 @@ class HostPipeline:
         self.h2d = torch.cuda.Stream(device) if self.cuda else None
         # one worker: host steps run in the order backward produced the gradients, and each uses
         # every CPU core through torch's intra-op threads; a second worker would only contend
-        self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="coatstate-offload")
+        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="coatstate-offload")
         self._futures: list[concurrent.futures.Future] = []
         self._events: list[tuple] = []
         self.timings = Timings()
