@@ -292,3 +292,26 @@ def test_offload_benchmark_setup_runs_in_process():
     assert r["status"] == "ok" and r["finite"] and len(r["steps"]) == 2 and len(written) == 3
     assert 0 < r["host_bytes"]["states"] < r["host_bytes"]["buffers"]  # FP8 moments < weights + grads
     assert r["rounds"]["tokens_per_s"]["min"] <= r["rounds"]["tokens_per_s"]["max"]
+
+
+def test_planner_offload_row_holds_what_host_offload_adamw_holds():
+    """The planner's offload row: host states byte for byte what HostOffloadAdamW holds after a
+    step, buffers a weight copy and a gradient per parameter, and the bytes a step moves."""
+    from coatstate.planner import Variant, plan, resolve_model
+    from coatstate.planner.offload import offload_row
+
+    spec = resolve_model(None, arch="llama", layers=2, hidden=256, heads=4, ffn=512, vocab=1000, max_seq=64)
+    torch.manual_seed(0)
+    model = spec.build(2).to(torch.bfloat16)
+    opt = HostOffloadAdamW(model.parameters())
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    the_plan = plan(spec, seq=64, variants=[Variant("c", "compressed", "none")], progress=False)
+    row = offload_row(the_plan)
+    held = opt.host_bytes()
+    assert row.host["optimizer"] + row.host["master"] == held["states"]
+    assert row.host["buffers"] == held["weights"] + held["grad_buffers"] == 4 * the_plan.params
+    assert row.pcie_bytes == 4 * the_plan.params and row.gpu["grads"] < 2 * the_plan.params
+    assert row.bandwidth(2.0)["pcie_gb_s"] == row.pcie_bytes / 1e9 / 2.0
+    assert "offload (HostOffloadAdamW" in the_plan.table() and the_plan.to_dict()["offload"]["pcie_bytes"]
