@@ -82,17 +82,11 @@ class HostOffloadAdamW(CompressedAdamW):
             or an error of a host step (at `step()`).
 
     Example:
-
-    ```python
-    import torch
-    from coatstate import HostOffloadAdamW
-
-    model = torch.nn.Linear(256, 256, dtype=torch.bfloat16)
-    opt = HostOffloadAdamW(model.parameters(), lr=3e-4, master_bits=24, max_grad_norm=1.0)
-    model(torch.randn(8, 256, dtype=torch.bfloat16)).square().mean().backward()  # steps run here
-    opt.step()  # waits for the host steps and the copies back
-    opt.zero_grad()
-    ```
+        >>> model = coatstate.cast_model(torch.nn.Linear(256, 256))  # bf16 weights
+        >>> opt = coatstate.HostOffloadAdamW(model.parameters(), lr=3e-4, master_bits=24)
+        >>> model(torch.randn(8, 256, dtype=torch.bfloat16)).square().mean().backward()  # steps run
+        >>> opt.step()  # waits for the host steps and the copies back
+        >>> opt.zero_grad()
     """
 
     def __init__(self, params: Iterable, *, max_grad_norm: float | None = None, **kwargs: Any) -> None:
