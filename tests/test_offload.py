@@ -240,6 +240,27 @@ def test_gradients_leave_the_model_during_backward_and_timings_are_reported():
     assert opt.host_bytes()["grad_buffers"] == n
 
 
+@pytest.mark.gpu
+@requires_cuda
+def test_cuda_gradients_leave_the_gpu_during_backward():
+    """After backward only the weights stay allocated: every gradient went to the host."""
+    torch.manual_seed(0)
+    model = _Net(torch.bfloat16).cuda()
+    opt = HostOffloadAdamW(model.parameters(), min_numel=64)
+    x = torch.randn(4, 129, device="cuda").bfloat16()
+    loss = model(x).float().square().mean()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    loss.backward()
+    opt.step()
+    torch.cuda.synchronize()
+    del loss
+    assert all(p.grad is None for p in model.parameters())
+    assert torch.cuda.memory_allocated() <= before
+    assert all(b.is_pinned() for b in opt._grad_buffers.values()) and opt.timings().d2h_s > 0
+
+
+@pytest.mark.gpu
 @requires_cuda
 def test_cuda_bits_equal_the_cpu_path():
     """On a GPU: gradients computed on the device, the host step bit-equal to a plain CompressedAdamW
