@@ -17,6 +17,7 @@ _EXPORTS = {
     "CompressedSGD": "coatstate.optim",
     "CompressedLion": "coatstate.optim",
     "CompressedMuon": "coatstate.optim",
+    "HostOffloadAdamW": "coatstate.optim",
     "compress_activations": "coatstate.activations",
     "CompiledActivations": "coatstate.activations",
     "ActivationPolicy": "coatstate.activations",
@@ -47,6 +48,7 @@ __all__ = [
     "FP8Format",
     "FP8Linear",
     "FP8LinearConfig",
+    "HostOffloadAdamW",
     "__version__",
     "cast_model",
     "compress_activations",
@@ -55,6 +57,7 @@ __all__ = [
     "read",
     "save",
 ]
+
 
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
@@ -82,4 +85,10 @@ if TYPE_CHECKING:
     from coatstate.checkpoint import Checkpoint, CheckpointError, load, read, save
     from coatstate.formats import FP8Format
     from coatstate.nn import FP8Linear, FP8LinearConfig, cast_model, convert_to_fp8
-    from coatstate.optim import CompressedAdamW, CompressedLion, CompressedMuon, CompressedSGD
+    from coatstate.optim import (
+        CompressedAdamW,
+        CompressedLion,
+        CompressedMuon,
+        CompressedSGD,
+        HostOffloadAdamW,
+    )

@@ -362,3 +362,12 @@ def test_optimizers_cpu_train_smoke_pairs_each_optimizer_with_its_reference(tmp_
     assert [r["optimizer"] for r in data["summary"]] == ["sgd", "lion", "muon"]
     assert all(r["ref_bytes_per_param"] == 4.0 and r["ours_bytes_per_param"] < 1.2 for r in data["summary"])
     assert len(data["runs"]) == 12
+
+
+def test_offload_smoke_writes_json_with_the_common_header(tmp_path):
+    out = tmp_path / "offload.json"
+    stdout = _run("benchmarks/offload.py", "--smoke", "--rounds", "2", "--steps", "1", "--out", str(out))
+    data = json.loads(out.read_text())
+    assert {"date", "machine", "torch", "command"} <= set(data["meta"]) and data["meta"]["smoke"]
+    assert data["setups"]["coatstate"]["status"] == "ok"
+    assert data["setups"]["torchao"]["status"] == "skipped" and "wrote" in stdout

@@ -157,6 +157,7 @@ PUBLIC_DOCSTRINGS = {  # name -> the sections its help() must show
     "FP8Linear": ("Args:", "Returns:", "Raises:", "Example:"),
     "FP8LinearConfig": ("Args:", "Returns:", "Raises:", "Example:"),
     "FP8Format": ("Args:", "Returns:", "Raises:", "Example:"),
+    "HostOffloadAdamW": ("Args:", "Returns:", "Raises:", "Example:"),
 }
 
 

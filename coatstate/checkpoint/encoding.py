@@ -89,7 +89,8 @@ def source(
                 if id(p) in by_obj:
                     names[pid] = by_obj[id(p)]
                 pid += 1
-        kind = type(obj).__name__
+        # a class that writes another's format (HostOffloadAdamW: CompressedAdamW's) names that one
+        kind = getattr(type(obj), "checkpoint_class", type(obj).__name__)
     elif isinstance(obj, Mapping) and "state" in obj and "param_groups" in obj:
         (sd, names), kind = numbered(obj), None  # (keyed by name: the names are kept)
     else:

@@ -1,4 +1,5 @@
-"""The compressed optimizers (AdamW, SGD, Lion, Muon), their pure-torch steps and state-dict conversion."""
+"""The compressed optimizers (AdamW, SGD, Lion, Muon), AdamW's host-offloaded form, their pure-torch
+steps and state-dict conversion."""
 
 from coatstate.optim.adamw import CompressedAdamW
 from coatstate.optim.base import CompressedOptimizer
@@ -6,6 +7,7 @@ from coatstate.optim.lion import CompressedLion
 from coatstate.optim.master_convert import join_master, split_master
 from coatstate.optim.moments import optimizer_state_bytes
 from coatstate.optim.muon import CompressedMuon
+from coatstate.optim.offload import HostOffloadAdamW
 from coatstate.optim.sgd import CompressedSGD
 from coatstate.optim.state_dict import (
     compress_adamw_state_dict,
@@ -20,6 +22,7 @@ __all__ = [
     "CompressedMuon",
     "CompressedOptimizer",
     "CompressedSGD",
+    "HostOffloadAdamW",
     "compress_adamw_state_dict",
     "compress_state_dict",
     "join_master",

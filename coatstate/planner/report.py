@@ -181,6 +181,10 @@ def table(plan: Plan) -> str:
         batch = str(r.max_batch) if r.max_batch else NONE
         out.append(f"{name:<{width}}{cells}{free:>7}{gpus:>10}{batch:>11}")
     out += [""] + legend(plan)
+    if any(v.optimizer == "compressed" for v in plan.variants) and plan.setup["gpus"] == 1:
+        from coatstate.planner.offload import offload_row  # (it imports memory, which imports this)
+
+        out += _wrap(offload_row(plan).line())
     out += [line for text in advice(plan) + margin_warnings(plan) for line in _wrap(text)]
     out += [line for n in plan.notes for line in _wrap(f"note: {n}")]
     return "\n".join(out)
@@ -217,10 +221,12 @@ def _wrap(text: str, indent: str = "  ") -> list[str]:
 
 
 def summary(plan: Plan) -> dict[str, Any]:
-    """The verdict, advice and warnings for --json."""
+    """The verdict, advice, warnings and the offload row for --json."""
+    from coatstate.planner.offload import offload_summary
     return {
         "verdict": verdict(plan),
         "labels": labels(plan.variants),
         "advice": advice(plan),
         "warnings": margin_warnings(plan),
+        "offload": offload_summary(plan) if plan.setup["gpus"] == 1 else None,
     }
