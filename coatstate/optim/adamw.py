@@ -43,7 +43,7 @@ from coatstate.optim.moments import (
     why_uncompressed,
 )
 from coatstate.optim.options import check_arguments, check_master_arguments, settle_group
-from coatstate.optim.reference_step import adamw_step_reference
+from coatstate.optim.reference_step import adamw_step_cpu, adamw_step_reference
 from coatstate.optim.release import GradientRelease
 from coatstate.optim.state_dict import convert_param_state
 
@@ -504,7 +504,9 @@ class CompressedAdamW(torch.optim.Optimizer):
             state = self._init_state(p, group, on_device=False)
             state["step"] += 1
             g = local_tensor(p.grad)
-            bad = adamw_step_reference(
+            # the compiled CPU step where it applies (fused=None), else the pure-torch twin
+            step_fn = adamw_step_reference if group.get("fused") is False else adamw_step_cpu
+            bad = step_fn(
                 local_tensor(p),
                 g,
                 local_state(state),
