@@ -1,5 +1,6 @@
 """The README's number tables, generated from benchmarks/results/*.json (report.py writes them
-between the README's `<!-- table:NAME -->` and `<!-- /table:NAME -->` markers): the accuracy of
+between `<!-- table:NAME -->` and `<!-- /table:NAME -->` markers of README.md, docs/accuracy.md and
+docs/performance.md): the accuracy of
 each recipe against AdamW (parity_gpu.json) and the headline bytes and step times
 (whole_state_step.json, optimizer_step.json, activation_memory.json, checkpoint_io.json), and
 the step time of the saved-activation recipes (activation_memory.json, activation_memory_llama.json,
@@ -106,6 +107,37 @@ def accuracy_table(data: dict) -> str:
     missing = [RECIPES[v][0] for v, (_, b) in RECIPES.items() if b is not None and v not in rows]
     if missing:
         out += ["", "Not run yet: " + "; ".join(missing) + "."]
+    return "\n".join(out)
+
+
+def accuracy_summary(data: dict) -> str:
+    """The README's short form of accuracy_table: the recipes a user picks (no diagnostics), each
+    mean against AdamW's with its bound; the statistics live in docs/accuracy.md."""
+    rows = {r["variant"]: r for r in summaries(data, ["adamw", *RECIPES])}
+    ref = rows.get("adamw")
+    if ref is None:
+        return "No finished AdamW run in `benchmarks/results/parity_gpu.json` yet."
+    m, meta = data["model"], data["meta"]
+    counts = sorted({len(r["seeds"]) for r in rows.values()})
+    seeds = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+    out = [
+        f"{meta['machine']}, {_run_dates(data)}: a {m['params'] / 1e6:.0f}M-param byte-level GPT, "
+        f"{data['config']['tokens'] / 1e6:.0f}M tokens per run, {seeds} seeds per recipe; "
+        "final validation loss in nats/byte, mean ± std.",
+        "",
+        "| recipe | val loss | vs AdamW [95% CI] | bound | optimizer MB | peak GiB |",
+        "|---|---|---|---|---|---|",
+        f"| torch AdamW (fused, fp32) | {ref['mean']:.4f} ± {ref['std']:.4f} | | | "
+        f"{ref['opt_state_mb']:.0f} | {ref['peak_gib']:.1f} |",
+    ]
+    for variant, (label, bound) in RECIPES.items():
+        if bound is None or (r := rows.get(variant)) is None:
+            continue
+        std = f" ± {r['std']:.4f}" if r["std"] is not None else ""
+        out.append(
+            f"| {label} | {r['mean']:.4f}{std} | {fmt_pct(r['vs_adamw_mean_pct'])}% "
+            f"{fmt_ci(r['welch_ci_pct'])} | +{bound}% | {r['opt_state_mb']:.0f} | {r['peak_gib']:.1f} |"
+        )
     return "\n".join(out)
 
 
@@ -297,6 +329,7 @@ def tables() -> dict[str, str]:
     out = {}
     if parity := _load("parity_gpu"):
         out["accuracy"] = accuracy_table(parity)
+        out["accuracy-summary"] = accuracy_summary(parity)
     parts = [_load(n) for n in ("whole_state_step", "optimizer_step", "activation_memory", "checkpoint_io")]
     if all(parts):
         out["headline"] = headline_table(*parts)
@@ -305,13 +338,29 @@ def tables() -> dict[str, str]:
     return out
 
 
-def update_readme(readme: Path = ROOT / "README.md") -> list[str]:
-    """Rewrite each marked block of the README from the JSON; returns the names written."""
-    text, written = readme.read_text(), []
-    for name, table in tables().items():
-        pattern = re.compile(rf"(<!-- table:{name} -->\n).*?(<!-- /table:{name} -->)", re.S)
-        if pattern.search(text):
-            text = pattern.sub(lambda m, t=table: m.group(1) + t + "\n" + m.group(2), text)
-            written.append(name)
-    readme.write_text(text)
+DOCS_WITH_TABLES = ("README.md", "docs/accuracy.md", "docs/performance.md")
+"""The hand-written pages that hold generated tables between markers."""
+
+
+def marked_blocks(text: str) -> dict[str, str]:
+    """{name: the text between <!-- table:NAME --> and <!-- /table:NAME -->} of a page."""
+    return dict(re.findall(r"<!-- table:([\w-]+) -->\n(.*?)<!-- /table:\1 -->", text, re.S))
+
+
+def update_readme(pages: tuple[str, ...] = DOCS_WITH_TABLES) -> list[str]:
+    """Rewrite each marked block of the README and the docs pages from the JSON; returns the
+    names written (as page:name)."""
+    written = []
+    generated = tables()
+    for page in pages:
+        path = ROOT / page
+        if not path.exists():
+            continue
+        text = path.read_text()
+        for name, table in generated.items():
+            pattern = re.compile(rf"(<!-- table:{name} -->\n).*?(<!-- /table:{name} -->)", re.S)
+            if pattern.search(text):
+                text = pattern.sub(lambda m, t=table: m.group(1) + t + "\n" + m.group(2), text)
+                written.append(f"{page}:{name}")
+        path.write_text(text)
     return written

@@ -54,6 +54,7 @@ from report_gpu import (
 from report_host import section_activation_host, section_host_primitives
 from report_kernels import section_kernel_static
 from report_linear import section_fp8_width
+from report_one_gpu import missing_one_gpu, section_one_gpu
 from report_states import (
     section_fp4_reconstruction,
     section_fp4_shadow,
@@ -546,8 +547,10 @@ SECTIONS = {
     "checkpoint_scale_cpu": section_checkpoint_scale,
     "checkpoint_scale_cpu16": section_checkpoint_scale,
     "checkpoint_load": section_checkpoint_load,
+    **{f"one_gpu_{m}": section_one_gpu for m in ("7b", "13b")},
 }
 COVERED = {"activation_host_cuda", "host_primitives_cuda"}  # shown in another file's section
+MISSING = {f"one_gpu_{m}": missing_one_gpu for m in ("7b", "13b")}  # before their (GPU) run
 
 
 def main() -> int:
@@ -565,6 +568,9 @@ def main() -> int:
     ]
     for name, section in SECTIONS.items():
         path = RESULTS / f"{name}.json"
+        if not path.exists() and name in MISSING:
+            parts.append(MISSING[name](name))
+            continue
         if not path.exists():
             parts += [
                 f"## {name}",

@@ -12,6 +12,10 @@ from typing import Any
 
 GROUP_SIZE = 128
 """Elements per group of an optimizer moment along a row (COAT's choice)."""
+MAX_GROUP_SIZE = 2**16
+"""The largest group_size accepted anywhere (constructor, param groups, checkpoint headers, the
+CLI): a group lies within one row, so a larger one only pads every row to its size (a header's
+group_size of 2**40 made the first step allocate 562 TB); 65536 is wider than any model's rows."""
 FORMAT = "e4m3"
 """FP8 format of both moments' codes (4-bit ones are opt-in: "e2m1" and "ue3m1_sqrt")."""
 EXPAND = True

@@ -41,6 +41,8 @@ walk of it far from Python's recursion limit."""
 
 STATE_PREFIX = "state"
 MODEL_PREFIX = "model"
+EXTRA_PREFIX = "extra"
+"""Tensors of `save(..., extra=)`: 'extra/{n}', numbered in the order the walk meets them."""
 GROUPS_PREFIX = "param_groups"
 
 # torch dtype name <-> safetensors dtype string, and bytes per element
@@ -92,6 +94,11 @@ def model_key(name: str) -> str:
 def group_key(group_index: int, name: str) -> str:
     """'param_groups/{index}/{name}': a tensor-valued hyperparameter (e.g. a tensor lr)."""
     return f"{GROUPS_PREFIX}/{int(group_index)}/{name}"
+
+
+def extra_key(index: int) -> str:
+    """'extra/{index}': a tensor inside the run state given as `save(..., extra=)`."""
+    return f"{EXTRA_PREFIX}/{int(index)}"
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -171,6 +178,8 @@ def encode_value(value: Any, where: str) -> Any:
         if any(k.startswith("$") for k in value):
             raise TypeError(f"{where}: dict keys starting with '$' are reserved; got {sorted(value)}")
         return {k: encode_value(v, f"{where}.{k}") for k, v in value.items()}
+    if isinstance(value, Mapping) and all(k is None or isinstance(k, (bool, int, float, str)) for k in value):
+        return {"$items": [[k, encode_value(v, f"{where}[{k!r}]")] for k, v in value.items()]}
     raise TypeError(
         f"{where}: cannot store a value of type {type(value).__name__} ({value!r:.80}) in a "
         "checkpoint header; only None, bool, int, float, str, tuples, lists, str-keyed dicts "
@@ -198,6 +207,10 @@ def tag_problem(value: Mapping[str, Any]) -> str | None:
         )
     if tag == "$tensor":
         return None if isinstance(inner, str) else "$tensor must hold a tensor key (a string)"
+    if tag == "$items":
+        pairs = isinstance(inner, list) and all(isinstance(p, list) and len(p) == 2 for p in inner)
+        keys_ok = pairs and all(p[0] is None or isinstance(p[0], (bool, int, float, str)) for p in inner)
+        return None if keys_ok else "$items must hold [key, value] pairs with plain keys"
     return f"unknown tag {tag!r} (keys starting with '$' are reserved)"
 
 
@@ -213,6 +226,8 @@ def decode_value(value: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
             return tuple(decode_value(v, tensors) for v in value["$tuple"])
         if "$float" in value:
             return float(value["$float"])
+        if "$items" in value:  # a dict whose keys are not all strings (a Counter of milestones)
+            return {k: decode_value(v, tensors) for k, v in value["$items"]}
         if "$tensor" in value:
             key = value["$tensor"]
             if key not in tensors:

@@ -19,6 +19,8 @@ from coatstate.activations.compiled import CompiledActivations
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from models import GPT, Llama, ModelConfig  # noqa: E402
 
+pytestmark = pytest.mark.slow  # inductor compiles in every test: most of the suite's CPU time
+
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():

@@ -372,6 +372,7 @@ def test_non_reentrant_checkpoint():
         assert ctx.stats.packed > 0 and worst > 0.999
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["outside", "inside", "outside, inductor"])
 def test_torch_compile_works_or_raises_clearly(where):
     torch.manual_seed(0)
@@ -413,6 +414,7 @@ def test_torch_compile_works_or_raises_clearly(where):
     assert worst > 0.999
 
 
+@pytest.mark.slow
 def test_compiled_graph_under_autocast_packs_16bit_saves_and_warns_about_float32(monkeypatch):
     """Inductor's graph saves everything without grad_fn: the 16-bit activations are packed, the
     parameters' bf16 casts kept (as eager keeps them), float32 saves kept with a warning."""

@@ -7,7 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # every test runs a script in a fresh interpreter (imports, compiles)
 
 
 def _run(*args: str) -> str:
@@ -284,3 +287,66 @@ def test_host_primitives_and_activation_host_floors_smoke(tmp_path):
     _run("benchmarks/activation_host.py", "--rounds", "1", "--steps", "1", "--layers", "2", "--out", str(out))
     variants = [r["variant"] for r in json.loads(out.read_text())["rows"]]
     assert variants[:5] == ["none", "identity hooks", "keep floor", "inspect floor", "hooks only (all kept)"]
+
+
+@pytest.mark.slow
+def test_one_gpu_smoke_runs_every_setup_and_its_out_of_memory_recovery(tmp_path):
+    """benchmarks/one_gpu.py --smoke: each setup in its own process at 2 layers x 64 on the CPU,
+    batch 1 timed, then a batch-2 probe that 'runs out of memory' (simulated: no OOM on a CPU),
+    recovered from (gradient release included), and the planner's peak beside every batch."""
+    out = tmp_path / "one_gpu.json"
+    stdout = _run("benchmarks/one_gpu.py", "--smoke", "--out", str(out))
+    data = json.loads(out.read_text())
+    assert {"date", "machine", "torch", "command"} <= set(data["meta"]) and data["meta"]["smoke"]
+    entry = data["models"]["smoke"]
+    assert list(entry["setups"]) == ["bf16", "coatstate", "release", "4bit"]
+    planned = [r["variant"] for r in entry["plan"]["rows"]]
+    assert planned == ["torch AdamW + BF16", "coatstate", "release", "4bit"]
+    for name, r in entry["setups"].items():
+        assert r["status"] == "ok", (name, r["status"])
+        b1 = r["batch1"]
+        assert b1["finite"] and len(b1["tokens_per_s"]["all"]) == 3 and b1["predicted"]["peak"] > 0
+        assert b1["tokens_per_s"]["min"] <= b1["tokens_per_s"]["median"] <= b1["tokens_per_s"]["max"]
+        assert r["probes"] == [{"batch": 2, "fits": False, "oom_phase": r["probes"][0]["oom_phase"]}]
+        assert "simulated out of memory" in r["probes"][0]["oom_phase"]
+        assert r["search"]["largest"] == r["largest"]["batch"] == 1
+        assert not r["search"]["cut_short_by_budget"]
+    states = {n: r["batch1"] for n, r in entry["setups"].items()}
+    # the fp32 masters are 4 bytes a bf16 weight, the 24-bit correction 1; 4-bit moments are smaller
+    assert states["bf16"]["master_bytes"] > 3 * states["coatstate"]["master_bytes"]
+    assert states["release"]["moment_bytes"] == states["coatstate"]["moment_bytes"]
+    assert states["4bit"]["moment_bytes"] < states["release"]["moment_bytes"]
+    assert "peak GB b1 (planner, error)" in stdout and "wrote" in stdout
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from report_one_gpu import section_one_gpu  # docs/benchmarks.md's section reads the same JSON
+
+    assert section_one_gpu(data, out).count("\n| ") == 1 + 4  # the header and a row per setup
+
+
+def test_one_gpu_records_the_phase_of_an_out_of_memory_error_at_batch_1(tmp_path):
+    """A setup that runs out of memory at batch 1 says in which phase, and measures nothing else."""
+    out = tmp_path / "part.json"
+    cfg = '{"vocab": 256, "dim": 64, "layers": 1, "heads": 4, "hidden": 176, "seq": 32, "loss_chunks": 1}'
+    args = ["--setup", "bf16", "--config", cfg, "--out", str(out), "--device", "cpu"]
+    _run("benchmarks/one_gpu_child.py", *args, "--simulate-oom-above", "0")
+    res = json.loads(out.read_text())
+    assert res["oom"]["batch"] == 1 and res["oom"]["phase"] == "forward"
+    assert "batch1" not in res and "probes" not in res
+
+
+def test_one_gpu_batch_search_starts_at_the_guess_and_steps_by_one():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from one_gpu_child import search
+
+    def fits_below(n):
+        tried = []
+        return tried, lambda b: tried.append(b) or b < n
+
+    tried, fits = fits_below(5)  # largest fitting: 4
+    assert search(fits, 1, 3, 16, lambda: True) == (4, [(3, True), (4, True), (5, False)], False)
+    assert tried == [3, 4, 5]
+    tried, fits = fits_below(3)
+    assert search(fits, 1, 4, 16, lambda: True) == (2, [(4, False), (3, False), (2, True)], False)
+    tried, fits = fits_below(100)
+    assert search(fits, 1, 15, 16, lambda: True) == (16, [(15, True), (16, True)], False)  # the limit
+    assert search(fits, 1, 4, 16, lambda: False) == (1, [], True)  # no time: batch 1 stands

@@ -345,3 +345,118 @@ def test_convert_between_compressed_formats_keeps_the_master_weights(tmp_path, f
     assert [g["master_bits"] for g in after["param_groups"]] == [24]
     for pid, state in before["state"].items():
         assert torch.equal(after["state"][pid]["master_correction"], state["master_correction"])
+
+
+# ---------------------------------- checkpoint defects of issues 48 and 49, as the CLI meets them
+def _defect_state(value: float, shape=(4, 4)) -> dict:
+    t = torch.full(shape, value)
+    return {
+        "state": {0: {"step": torch.tensor(value), "exp_avg": t, "exp_avg_sq": t}},
+        "param_groups": [{"params": [0], "lr": 1e-3}],
+    }
+
+
+def _defect_trained():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 8)).square().sum().backward()
+    opt.step()
+    return model, opt
+
+
+def test_12_inspect_escapes_control_characters_from_the_header(tmp_path, capsys):
+    path = tmp_path / "n.safetensors"
+    fake = "w\nchecksums: all verified\n\x1b[8m"
+    ck.save(_defect_state(1.0), str(path), param_names=[fake])
+    assert main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out
+    lines = [line for line in out.splitlines() if line.startswith("checksums:")]
+    assert lines == ["checksums: not verified (--verify reads and checks every tensor)"], out
+    assert "w\\nchecksums: all verified\\n\\x1b[8m" in out
+
+
+def test_a_inspect_refuses_a_truncated_file_without_verify(tmp_path, capsys):
+    path = tmp_path / "t.safetensors"
+    ck.save(_defect_state(1.0, shape=(64, 64)), str(path))
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    assert main(["inspect", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert str(path) in err and "truncated" in err, err
+
+
+def test_a_inspect_refuses_a_truncated_shard(tmp_path, capsys):
+    url = str(tmp_path / "s.safetensors")
+    ck.save(_defect_state(1.0, shape=(64, 64)), url, shard_size=20_000)
+    shard = tmp_path / ck.read_header(url)["shards"][0]["file"]
+    shard.write_bytes(shard.read_bytes()[:100])
+    assert main(["inspect", url]) == 1
+    assert "truncated" in capsys.readouterr().err
+
+
+def test_c_inspect_names_the_extra_keys(tmp_path, capsys):
+    url = str(tmp_path / "e.safetensors")
+    ck.save(_defect_state(1.0), url, extra={"step": 3, "rng": torch.get_rng_state()})
+    assert main(["inspect", url]) == 0
+    assert "extra (the run's other state): rng, step" in capsys.readouterr().out
+
+
+def test_d_convert_finds_the_optimizer_inside_a_training_checkpoint(tmp_path, capsys):
+    model, opt = _defect_trained()
+    src = tmp_path / "train.pt"
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 2}, src)
+    dst = str(tmp_path / "c.safetensors")
+    assert main(["convert", str(src), dst, "--min-numel", "1"]) == 0, capsys.readouterr().err
+    got = ck.read(dst)
+    assert got.header["params"]["0"]["compressed"] and set(got.model) == set(model.state_dict())
+
+
+def test_d_convert_takes_key_and_lists_the_keys_it_saw(tmp_path, capsys):
+    _, opt = _defect_trained()
+    src = tmp_path / "two.pt"
+    torch.save({"opt_g": opt.state_dict(), "opt_d": opt.state_dict(), "step": 2}, src)
+    assert main(["convert", str(src), str(tmp_path / "a.safetensors")]) == 1
+    err = capsys.readouterr().err
+    assert "['opt_d', 'opt_g', 'step']" in err and "--key" in err, err
+    assert main(["convert", str(src), str(tmp_path / "b.safetensors"), "--key", "opt_d"]) == 0
+    assert main(["convert", str(src), str(tmp_path / "c.safetensors"), "--key", "nope"]) == 1
+    assert "has no entry 'nope'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("key, value", [("n_layer", 10**8), ("n_embd", 2**20), ("vocab_size", 2**30)])
+def test_17_a_config_gets_the_bounds_of_the_options(tmp_path, capsys, monkeypatch, key, value):
+    from coatstate import planner
+    def build(*args, **kwargs):
+        raise AssertionError("the model was built: the config's numbers were not bounded")
+
+    monkeypatch.setattr(planner, "resolve_model", build)
+    config = {"n_embd": 64, "n_layer": 2, "n_head": 2, "vocab_size": 100, "n_positions": 128, key: value}
+    (tmp_path / "huge.json").write_text(json.dumps(config))
+    assert main(["plan", str(tmp_path / "huge.json")]) == 1
+    err = capsys.readouterr().err
+    assert f"{key}={value:,} is outside" in err, err
+
+
+def test_18_inspect_refuses_a_shard_symlink_out_of_the_directory_as_read_does(tmp_path, capsys):
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    url = str(tmp_path / "ck" / "s.safetensors")
+    ck.save(_defect_state(1.0, shape=(64, 64)), url, shard_size=20_000)
+    for shard in ck.read_header(url)["shards"]:
+        inside, outside = tmp_path / "ck" / shard["file"], tmp_path / "elsewhere" / shard["file"]
+        os.rename(inside, outside)
+        os.symlink(outside, inside)
+    with pytest.raises(ck.CheckpointError, match="outside the checkpoint's directory"):
+        ck.read(url)
+    assert main(["inspect", url]) == 1
+    assert "outside the checkpoint's directory" in capsys.readouterr().err
+
+
+def test_19_a_newline_in_a_path_keeps_the_cli_error_on_one_line(tmp_path, capsys):
+    path = tmp_path / "bad\nname.safetensors"
+    path.write_bytes(b"not a checkpoint at all")
+    assert main(["inspect", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "bad\\nname" in err, err

@@ -251,6 +251,7 @@ def test_an_async_save_equals_a_blocking_one(saved):
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_loads_at_another_world_size_bit_for_bit(saved, world_size):
     _start(_load_worker, world_size, saved)

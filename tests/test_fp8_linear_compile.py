@@ -39,6 +39,7 @@ def _scaled_mm_runs_on_cpu() -> bool:
 
 
 _BACKENDS = ["emulate"] + (["scaled_mm"] if _scaled_mm_runs_on_cpu() else [])
+pytestmark = pytest.mark.slow  # inductor compiles in every test
 
 
 def _inputs(dtype: torch.dtype) -> dict[str, torch.Tensor]:

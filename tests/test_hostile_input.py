@@ -554,6 +554,7 @@ def test_a_reader_rereads_a_root_replaced_mid_read(tmp_path, monkeypatch):
         ck.read(url)
 
 
+@pytest.mark.slow
 def test_concurrent_sharded_saves_leave_a_complete_checkpoint(tmp_path):
     url = str(tmp_path / "c.safetensors")
     ck.save(_state(0.0), url, shard_size=8_000)

@@ -385,15 +385,23 @@ def test_weights_written_outside_drop_the_stale_correction(bits, fused, release,
         assert torch.equal(opt.state[p][MASTER_CORRECTION], fresh.state[q][MASTER_CORRECTION]), name
 
 
-def test_gradient_release_warns_that_clip_grad_norm_sees_no_gradients():
+def test_gradient_release_notes_once_how_to_clip(monkeypatch):
+    """Issue #49: users who never clip saw a warning on every construction; it is now a note,
+    once per process, and never with max_grad_norm."""
+    from coatstate.optim import release
+
+    monkeypatch.setattr(release, "_noted", False)
     m = _model()
-    with pytest.warns(UserWarning, match="clip_grad_norm_ called afterwards sees none") as caught:
-        coatstate.CompressedAdamW(m.parameters(), gradient_release=True)
-    assert caught[0].filename == __file__, "the warning points at the user's constructor call"
-    assert "max_grad_norm=" in str(caught[0].message)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # with max_grad_norm the user clips the way release can
         coatstate.CompressedAdamW(m.parameters(), gradient_release=True, max_grad_norm=1.0)
+    with pytest.warns(UserWarning, match="note .shown once.") as caught:
+        coatstate.CompressedAdamW(m.parameters(), gradient_release=True)
+    assert caught[0].filename == __file__, "the note points at the user's constructor call"
+    assert "max_grad_norm=" in str(caught[0].message) and "clip_grad_norm_" in str(caught[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the second optimizer: no repeat
+        coatstate.CompressedAdamW(m.parameters(), gradient_release=True)
 
 
 @pytest.mark.parametrize("exp_avg_format", ["e4m3", "e2m1"])

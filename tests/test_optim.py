@@ -183,6 +183,38 @@ def test_bad_inputs_raise_clear_errors():
         CompressedAdamW([p]).load_state_dict({"state": {}, "param_groups": []})
 
 
+@pytest.mark.parametrize(
+    "kwargs, error, names",
+    [
+        ({"lr": "3e-4"}, TypeError, ["lr must be a number", "got str '3e-4'", "lr=0.0003"]),
+        ({"weight_decay": "0.1"}, TypeError, ["weight_decay must be a number", "weight_decay=0.1"]),
+        ({"betas": 0.9}, TypeError, ["betas must be a pair", "got float 0.9", "betas=(0.9, 0.999)"]),
+        ({"betas": (0.9,)}, TypeError, ["betas must be a pair"]),
+        ({"betas": (0.9, "0.99")}, TypeError, ["betas[1] must be a float", "got str"]),
+    ],
+)
+def test_wrongly_typed_hyperparameters_name_the_argument_and_the_fix(kwargs, error, names):
+    """Issue #49: lr="3e-4" (read from a config) and betas=0.9 raised torch's bare TypeErrors."""
+    p = torch.nn.Parameter(torch.randn(4, 4))
+    with pytest.raises(error) as e:
+        CompressedAdamW([p], **kwargs)
+    assert all(n in str(e.value) for n in names), str(e.value)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8, torch.bool])
+def test_integer_parameters_are_refused_when_added(dtype):
+    """Issue #49: an int64 parameter was accepted and stepped silently."""
+    floats = torch.nn.Parameter(torch.randn(4, 4))
+    ints = torch.nn.Parameter(torch.zeros(3, 5, dtype=dtype), requires_grad=False)
+    refused = rf"parameter 1 is a {dtype} tensor of shape \(3, 5\).*is_floating_point"
+    with pytest.raises(TypeError, match=refused):
+        CompressedAdamW([floats, ints])
+    opt = CompressedAdamW([floats])
+    with pytest.raises(TypeError, match="param group 1: parameter 0"):
+        opt.add_param_group({"params": [ints]})
+    assert len(opt.param_groups) == 1  # refused: the optimizer stays as it was
+
+
 def test_nonfinite_gradient_is_reported_on_cpu():
     model = _model()
     opt = CompressedAdamW(model.parameters(), min_numel=1)

@@ -42,6 +42,7 @@ def _saved_bytes(model: nn.Module, batch: int, seq: int, vocab: int, compress: b
     return ctx.stats.activation_bytes_held
 
 
+@pytest.mark.slow
 def test_gpt2_medium_shape_predictions_within_5_percent():
     """GPT-2-medium blocks (d=1024, 16 heads) with 3 of its 24 layers and a vocabulary of 8192
     instead of 50304, to keep CI time down (CompressedAdamW's CPU step on the 51M-element
@@ -264,14 +265,122 @@ def test_row_labels_follow_the_param_dtype():
 
 
 def test_long_labels_keep_the_table_columns_aligned():
+    """Rows carry short labels (the legend spells them out), so a long variant name cannot widen it."""
     spec = resolve_model(None, arch="llama", layers=2, hidden=64, heads=2, vocab=128, max_seq=64)
     long = "CompressedAdamW + compress_activations + gradient release + FP8 linear + more"
-    variants = [Variant("a", "adamw", "none"), Variant(long, "compressed", "none")]
+    variants = [Variant("a", "adamw", "none"), Variant(long, "compressed", "none", master_bits=32)]
     lines = plan(spec, seq=64, variants=variants, progress=False).table().splitlines()
-    head = next(i for i, line in enumerate(lines) if line.startswith("GB per GPU"))
+    head = next(i for i, line in enumerate(lines) if line.startswith("GB/GPU"))
     rows = lines[head : head + 1 + len(variants)]
-    assert rows[2].startswith(long + " ")
+    assert rows[1].startswith("AdamW ") and rows[2].startswith("C+m32 ")
     assert len({len(line) for line in rows}) == 1, "\n".join(rows)  # every column ends where its header does
+    assert any(line.startswith("+m32  master_bits=32") for line in lines)
+
+
+# -- issue #49: the plan answers "how many GPUs do I save?" ------------------------------------
+def _small_plan(**setup):
+    from coatstate.planner.planning import default_variants
+
+    spec = resolve_model(None, arch="llama", layers=2, hidden=256, heads=4, ffn=512, vocab=4096, max_seq=512)
+    return plan(spec, seq=512, variants=default_variants("bf16")[0], progress=False, **setup)
+
+
+def _with_memory(p, gpu_memory: float, batch: int | None = None):
+    """The same plan against another GPU size (no new trace: rows are recomputed from the setup)."""
+    import dataclasses
+
+    setup = {**p.setup, "gpu_memory": int(gpu_memory), "batch": batch or p.setup["batch"]}
+    return dataclasses.replace(p, setup=setup)
+
+
+def test_plan_says_its_verdict_first_and_stays_under_100_columns():
+    p = _small_plan()
+    adamw, c, ca = (r.bytes["peak"] for r in p.rows[:3])
+    # a GPU that holds C+A with a margin but not torch AdamW: AdamW needs more GPUs
+    q = _with_memory(p, 1.1 * ca)
+    assert q.rows[0].min_gpus > 1 and q.rows[2].min_gpus == 1
+    text = q.table()
+    first = text.split("\n\n")[0].replace("\n  ", " ")
+    assert first.startswith("Verdict: ")
+    assert f"torch AdamW + BF16 needs {q.rows[0].min_gpus} GPUs; coatstate fits on 1 GPU" in first
+    assert f"saving {q.rows[0].min_gpus - 1} of {q.rows[0].min_gpus} GPUs" in first
+    assert max(map(len, text.splitlines())) <= 100, max(text.splitlines(), key=len)
+    assert q.to_dict()["verdict"] == first.removeprefix("Verdict: ")
+    # "does not fit" is one notation, "-", in every column; no 0 stands for it
+    none = _with_memory(p, 1e3)
+    rows = none.table().split("GB/GPU", 1)[1].split("\n\n")[0].splitlines()[1:]
+    assert all(line.split()[-3:] == ["-", "-", "-"] for line in rows), rows
+
+
+def test_plan_advises_when_nothing_fits():
+    p = _small_plan(batch=1)
+    peaks = {lab: r for lab, r in zip(p.to_dict()["labels"], p.rows, strict=True)}
+    lean = peaks["C+A+R+4b"]
+    # micro-batch 64 on a GPU that holds the leanest row at a smaller micro-batch only
+    big = _with_memory(p, 0.5 * (p.breakdown(lean.variant, 64, 1, "none")["peak"] + lean.bytes["peak"]), 64)
+    assert not any(r.fits for r in big.rows)
+    text = big.table().replace("\n  ", " ")  # wrapped lines joined
+    assert "nothing fits micro-batch 64 on 1 GPU" in text.split("\n\n")[0]
+    fits = max(r.max_batch for r in big.rows)
+    assert 1 <= fits < 64 and f"advice: lower --batch to {fits}, the largest micro-batch" in text
+    assert "activation checkpointing" in text
+    tiny = _with_memory(p, 1e3)  # not even one sequence, on any number of GPUs
+    assert "advice: not even micro-batch 1 fits" in tiny.table()
+    assert tiny.to_dict()["advice"] and not p.to_dict()["advice"]
+
+
+def test_plan_warns_under_a_5_percent_margin():
+    p = _small_plan()
+    c = p.rows[1]
+    thin = _with_memory(p, c.bytes["peak"] / 0.98)  # C fits with 2% free
+    text = thin.table()
+    assert "warning: under 5% of the GPU left free by C (2.0%)" in text.replace("\n  ", " ")
+    row = next(line for line in text.splitlines() if line.startswith("C "))
+    assert "2%!" in row
+    assert "warning" not in _with_memory(p, 10 * p.rows[0].bytes["peak"]).table()
+
+
+def test_plan_legend_explains_the_fp8_linear_rows_activations():
+    text = _small_plan().table()
+    legend = text.replace("\n      ", " ")
+    assert "+F8   FP8 linear layers" in legend and "acts is larger than C+A's" in legend
+
+
+def test_plan_params_alone_picks_a_published_shape(capsys):
+    assert main(["plan", "--params", "7B", "--seq", "4096", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["params"] == 6_738_415_616 and out["layers"] == 32  # Llama-2-7B's shape
+    assert out["verdict"].startswith("Llama-2-7B's shape") and "coatstate fits on 1 GPU" in out["verdict"]
+    assert main(["plan", "--params", "350M", "--arch", "gpt", "--seq", "64", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["layers"] == 24  # GPT-2-medium
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["plan", "--layers", "4"], "needs --hidden"),
+        (["plan", "--hidden", "256", "--seq", "64"], "needs --layers"),
+    ],
+)
+def test_plan_names_the_missing_flag(argv, message, capsys):
+    assert main(argv) == 1
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("n_layer", 10**8, "config n_layer=100,000,000 is outside 1 to 1,024, the range of --layers"),
+        ("vocab_size", 2**30, "the range of --vocab"),
+        ("n_head", 4.0, "config n_head must be an integer; got float"),
+    ],
+)
+def test_a_config_gets_the_flags_bounds(key, value, message, tmp_path, capsys):
+    cfg = {"n_embd": 256, "n_layer": 2, "n_head": 4, "vocab_size": 1000, "n_positions": 128, key: value}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    assert main(["plan", str(path), "--seq", "64"]) == 1
+    assert message in capsys.readouterr().err
 
 
 def test_the_docs_list_every_row_plan_prints():

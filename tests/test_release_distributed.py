@@ -126,10 +126,12 @@ def _master_worker(rank, world_size, store):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_master_weights_under_fsdp2_match_one_process():
     _spawn(_master_worker, 2)
 
 
+@pytest.mark.slow
 def test_gradient_release_under_fsdp2_equals_the_ordinary_step():
     _spawn(_release_worker, 2)
 

@@ -26,8 +26,12 @@ from coatstate.checkpoint import (
     shards,
     storage,
     validate,
+    values,
 )
-from coatstate.checkpoint.dcp import load_failure, read_dcp, weights_only_load
+from coatstate.checkpoint import extra as run_state
+from coatstate.checkpoint import names as param_names
+from coatstate.checkpoint.dcp import read_dcp
+from coatstate.checkpoint.pt_files import PT_EXTENSIONS, read_pt
 from coatstate.formats import schema
 from coatstate.formats.optimizer_state import (
     MASTER_CORRECTION,
@@ -41,8 +45,6 @@ __all__ = ["Checkpoint", "CheckpointError", "load", "read", "read_header", "read
 
 DEFAULT_SHARD_SIZE = 5 * 2**30
 """Bytes above which a checkpoint is split into shards (as Hugging Face does for weights)."""
-PT_EXTENSIONS = (".pt", ".pth", ".bin")
-"""Read as torch.save files whatever their first bytes (others by their magic)."""
 READ_ATTEMPTS = 8
 """Roots re-read when a newer save removed a shard mid-read."""
 
@@ -56,6 +58,8 @@ class Checkpoint:
             tensors on the CPU (DTensors of this rank's rows where `load` read only those).
         model (`dict[str, torch.Tensor]` or `None`): the model state dict saved with it.
         header (`dict`): the JSON header (docs/CHECKPOINT.md); `{}` for a .pt input.
+        extra (`dict` or `None`): the run's other state saved with `save(..., extra=)` (scheduler
+            state dicts, step, RNG states: plain values and tensors), else None.
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 64))
@@ -73,6 +77,7 @@ class Checkpoint:
     optimizer: dict[str, Any]
     model: dict[str, torch.Tensor] | None
     header: dict[str, Any]
+    extra: dict[str, Any] | None = None
 
     def __repr__(self) -> str:
         state = self.optimizer.get("state", {})
@@ -118,6 +123,7 @@ def save(
     param_names: Mapping[int, str] | list[str] | None = None,
     blocking: bool = True,
     distributed: str = "gathered",
+    extra: Mapping[str, Any] | None = None,
 ) -> background.SaveHandle | None:
     """Write an optimizer's state (and optionally its model's) to `url`, atomically.
 
@@ -147,6 +153,10 @@ def save(
             (FSDP2) states and rank 0 writes one file (every rank calls save; DDP: rank 0 only);
             `"per_rank"`: every rank writes its own rows to its own file and rank 0 the root at
             `url` (the commit point); loads at any world size; no zstd, no shard_size.
+        extra (`Mapping[str, Any]`, *optional*): the rest of the run's state, in the same file:
+            scheduler state dicts, the step, the data position, RNG states (`torch.get_rng_state()`);
+            values are None, bool, int, float, str, lists, tuples, dicts and tensors (stored as
+            tensors, never pickled). `read` and `load` return it as `Checkpoint.extra`.
 
     Returns:
         `SaveHandle` when `blocking=False` (`wait()`, `done()`), else `None`.
@@ -182,6 +192,11 @@ def save(
             f"shard_size={shard_size} does not apply to distributed='per_rank': a per-rank save writes one "
             "file per rank; drop shard_size, or save a single file (distributed='gathered') to shard it"
         )
+    if extra is not None and distributed == "per_rank":
+        raise ValueError(
+            "extra= is not available with distributed='per_rank' yet: save the run state with "
+            "distributed='gathered', or in a file of its own from rank 0"
+        )
     url = os.fspath(url)  # resolved by the rank that writes (_write, rank_commit._start)
     # every save waits for the one in flight (whose failure is raised here, before anything else):
     # two saves of one process never race for a file, nor for the per-rank pinned buffers
@@ -193,6 +208,7 @@ def save(
             sd, shapes, names, model_sd, prepare=torch.Tensor.detach, checksums=False
         )
         header["optimizer"]["class"] = kind
+        encoding.check_writable(header, url)
         return rank_commit.save(url, tensors, header, encoding.metadata, blocking)
     params = getattr(optimizer_or_state_dict, "param_groups", [])
     sharded = (
@@ -206,12 +222,12 @@ def save(
                 "coatstate.save(blocking=False) does not gather sharded (DTensor/FSDP2) states: save "
                 "them with distributed='per_rank' (every rank writes its rows in the background)"
             )
-        (sd, model_sd), ready = background.snapshot((sd, model_sd))
+        (sd, model_sd, extra), ready = background.snapshot((sd, model_sd, extra))
         return background.start(
-            url, lambda: _write(url, sd, shapes, names, kind, model_sd, compress, shard_size), ready
+            url, lambda: _write(url, sd, shapes, names, kind, model_sd, compress, shard_size, extra), ready
         )
     if not sharded:
-        _write(url, sd, shapes, names, kind, model_sd, compress, shard_size)
+        _write(url, sd, shapes, names, kind, model_sd, compress, shard_size, extra)
         return None
     # FSDP2/DTensor: gather every tensor (a collective), rank 0 writes, every rank learns how it went
     sd = dtensors.gather_state_dict(sd)
@@ -220,7 +236,7 @@ def save(
     error = None
     if dtensors.is_main_process():
         try:
-            _write(url, sd, shapes, names, kind, model_sd, compress, shard_size)
+            _write(url, sd, shapes, names, kind, model_sd, compress, shard_size, extra)
         except Exception as e:  # noqa: BLE001 - re-raised below, after the other ranks are told
             error = e
     failed = dtensors.broadcast_from_main(None if error is None else f"{type(error).__name__}: {error}")
@@ -231,13 +247,19 @@ def save(
     return None
 
 
-def _write(url, sd, shapes, names, kind, model_sd, compress, shard_size) -> None:
+def _write(url, sd, shapes, names, kind, model_sd, compress, shard_size, extra=None) -> None:
     url = storage.locate(url)  # resolved once: every function below takes the Location
     storage.check_directory(url)
-    tensors, header = encoding.flatten(sd, shapes, names, model_sd)
+    tensors, header = encoding.flatten(sd, shapes, names, model_sd, extra=extra)
     header["optimizer"]["class"] = kind
+    encoding.check_writable(header, url)
     stored = encoding.encode_zstd(tensors, header) if compress == "zstd" else tensors
-    previous = shards.write(url, stored, header, shard_size, encoding.metadata)
+    try:
+        previous = shards.write(url, stored, header, shard_size, encoding.metadata)
+    except CheckpointError as e:  # (the container's own checks do not know the file's name)
+        if str(e).startswith(url):
+            raise
+        raise CheckpointError(f"{url}: {e}") from None
     if previous is not None and rank_read.is_per_rank(previous):  # its rank files are orphans now
         rank_cleanup.after_commit(url, None, previous)
 
@@ -263,21 +285,6 @@ def read_header(url: str | os.PathLike) -> dict[str, Any]:
     url = storage.locate(url)  # resolved once: every function below takes the Location
     _, _, st_header = container.read_head(url, url)
     return container.coatstate_header(st_header, url)
-
-
-def _read_pt(data: bytes, where: str) -> Checkpoint:
-    ext = os.path.splitext(where)[1].lower()
-    why = f"because of its extension {ext}" if ext in PT_EXTENSIONS else "because it starts like a zip file"
-    try:
-        obj = weights_only_load(data)
-    except Exception as e:  # weights_only refuses anything that would need unpickling code
-        reason = load_failure(e)
-        if data[:2] != b"PK" and data[:1] != b"\x80":  # neither a zip nor a pickle's protocol opcode
-            reason = f"it is neither a zip archive (torch.save's format) nor a pickle ({reason})"
-        raise CheckpointError(
-            f"{where}: not a readable torch.save file (read as one {why}, with weights_only=True): {reason}"
-        ) from None
-    return Checkpoint(optimizer=validate.check_state_dict(obj, where), model=None, header={})
 
 
 def _read_dcp(path: str) -> Checkpoint:
@@ -314,16 +321,19 @@ def _assemble(
         model = None
         if header.get("model") is not None:
             model = {name: tensors[schema.model_key(name)] for name in header["model"]}
+        extra = run_state.decode(header.get("extra"), tensors)
     except CheckpointError as e:
         if str(e).startswith(url):
             raise
         raise CheckpointError(f"{url}: {e}") from None
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise CheckpointError(f"{url}: malformed header ({e!r})") from None
-    return Checkpoint(optimizer={"state": state, "param_groups": groups}, model=model, header=header)
+    return Checkpoint(
+        optimizer={"state": state, "param_groups": groups}, model=model, header=header, extra=extra
+    )
 
 
-def read(url: str | os.PathLike, *, verify: bool = True) -> Checkpoint:
+def read(url: str | os.PathLike, *, verify: bool = True, key: str | None = None) -> Checkpoint:
     """Everything in a checkpoint, checksums verified; no optimizer needed.
 
     Also reads a torch.save'd optimizer state dict (.pt/.pth/.bin, or any file that starts as a
@@ -334,6 +344,9 @@ def read(url: str | os.PathLike, *, verify: bool = True) -> Checkpoint:
     Args:
         url (`str` or `os.PathLike`): a checkpoint file, a .pt file or a DCP directory.
         verify (`bool`, *optional*, defaults to `True`): check every tensor's checksum.
+        key (`str`, *optional*): in a torch.save'd dict, the entry holding the optimizer state
+            dict (found without it when exactly one entry is one, as in `{"model": ...,
+            "optimizer": ..., "step": ...}`; the model's comes with it from "model").
 
     Returns:
         `Checkpoint`: the optimizer state dict, the model state dict (or None) and the header.
@@ -355,7 +368,8 @@ def read(url: str | os.PathLike, *, verify: bool = True) -> Checkpoint:
         for _ in range(READ_ATTEMPTS):
             data = storage.read_bytes(url)
             if data[:4] == b"PK\x03\x04" or os.path.splitext(url)[1].lower() in PT_EXTENSIONS:
-                return _read_pt(data, url)
+                optimizer, model = read_pt(data, url, key)
+                return Checkpoint(optimizer=optimizer, model=model, header={})
             try:
                 return _read_safetensors(url, data, verify)
             except shards.ShardMissing:
@@ -402,6 +416,17 @@ def _read_for(optimizer: torch.optim.Optimizer, url: str, model) -> Checkpoint:
             if read_header(url) == header:
                 raise
     raise CheckpointError(f"{url}: the checkpoint was replaced {READ_ATTEMPTS} times while being read; retry")
+
+
+def _header_of(url: storage.Location) -> dict[str, Any] | None:
+    """The header of a coatstate file, or None for a .pt, a DCP directory or anything else (read
+    then says what it is)."""
+    if os.path.isdir(url) or os.path.splitext(url)[1].lower() in PT_EXTENSIONS:
+        return None
+    try:
+        return read_header(url)
+    except CheckpointError:
+        return None
 
 
 def _snapshot(optimizer) -> tuple:
@@ -504,13 +529,15 @@ def load(
         Checkpoint(CompressedAdamW, 1 param groups, 4 params with state, ...)
     """
     url = storage.locate(url)  # resolved once: every function below takes the Location
+    names = param_names.optimizer_names(optimizer, model)
+    header = _header_of(url)
+    if header is not None:  # shapes checked before a tensor is read (or a zstd frame inflated)
+        param_names.check_header_first(header, optimizer, model, names, url)
     ckpt = _read_for(optimizer, url, model)
     local_model = ckpt.model is not None and any(dtensors.is_dtensor(t) for t in ckpt.model.values())
-    names = {}
+    ckpt = param_names.by_name(ckpt, optimizer, names, url)  # never another parameter's moments
     if model is not None:
-        by_obj = {id(p): n for n, p in model.named_parameters()}
-        flat = [p for g in optimizer.param_groups for p in g["params"]]
-        names = {i: by_obj[id(p)] for i, p in enumerate(flat) if id(p) in by_obj}
+        ckpt = param_names.model_keys(ckpt, model, url)
     ckpt = _join_masters(optimizer, model, ckpt, names, url)
     sd = ckpt.optimizer
     has_codes = any(is_compressed(s, name) for s in sd["state"].values() for name in MOMENTS)
@@ -518,8 +545,10 @@ def load(
     saved_class = (ckpt.header.get("optimizer") or {}).get("class")
     validate.check_class(optimizer, saved_class, has_codes, compressed_optimizer, url)
     validate.check_optimizer(optimizer, ckpt, names, url)
+    values.check_values(sd, url)  # steps, scales, exponents: what the header cannot say
     if model is not None:
         validate.check_model(model, ckpt.model, url)
+        values.check_model_writable(model, url)
     try:
         if has_codes and not compressed_optimizer:
             sd = to_adamw_state_dict(sd, header_shapes(ckpt.header))

@@ -25,6 +25,8 @@ ZSTD_LEVEL = 3
 """Higher levels buy nothing on FP8 codes (docs/CHECKPOINT.md)."""
 ZSTD_MIN_BYTES = 4096
 """Tensors smaller than this are stored raw even when zstd is on."""
+ZSTD_CHUNK_BYTES = 64 * 2**20
+"""Decompressed per call: bounds zstd's own buffers whatever a frame claims."""
 
 
 def _entries(tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
@@ -47,6 +49,11 @@ def safetensors_header(tensors: Mapping[str, torch.Tensor], metadata: Mapping[st
         offset += nbytes
     text = json.dumps(header, separators=(",", ":")).encode("utf-8")
     text += b" " * (-len(text) % 8)
+    if len(text) > schema.MAX_HEADER_BYTES:  # readers refuse it (parse_header): never write one
+        raise CheckpointError(
+            f"the checkpoint's header would be {len(text):,} bytes, over safetensors' limit of "
+            f"{schema.MAX_HEADER_BYTES:,}: save fewer or larger tensors (or keep long values out of extra=)"
+        )
     return struct.pack("<Q", len(text)) + text
 
 
@@ -162,21 +169,32 @@ def zstd_compress(data: memoryview, level: int = ZSTD_LEVEL) -> bytes:
     )
 
 
-def zstd_decompress(blob: memoryview | bytes, expected_size: int, where: str) -> bytes:
+def zstd_decompress_into(blob: memoryview | bytes, out: memoryview, where: str) -> None:
+    """Decompress the zstd frame `blob` into `out`, which must be exactly its content size.
+
+    The frame's claimed size is compared with `out` before anything is decompressed, and the
+    output goes straight into `out` in chunks of ZSTD_CHUNK_BYTES: a small frame that claims a huge
+    tensor never costs more than the tensor the header describes (no second copy as bytes)."""
     z = _zstd()
     try:
         claimed = z.frame_content_size(blob)
     except z.ZstdError as e:
         raise CheckpointError(f"{where}: corrupt zstd frame ({e})") from None
-    if claimed != expected_size:  # checked before the frame allocates what it claims
-        raise CheckpointError(f"{where}: zstd frame holds {claimed} bytes, expected {expected_size}")
+    if claimed != len(out):  # checked before the frame allocates what it claims
+        raise CheckpointError(f"{where}: zstd frame holds {claimed} bytes, expected {len(out)}")
+    got = 0
     try:
-        out = z.ZstdDecompressor().decompress(blob, max_output_size=expected_size)
+        with z.ZstdDecompressor().stream_reader(blob) as reader:
+            while got < len(out):
+                n = reader.readinto(out[got : got + ZSTD_CHUNK_BYTES])
+                if not n:
+                    break
+                got += n
+            trailing = reader.read(1)  # reading to the frame's end checks its checksum
     except z.ZstdError as e:
         raise CheckpointError(f"{where}: corrupt zstd frame ({e})") from None
-    if len(out) != expected_size:
-        raise CheckpointError(f"{where}: zstd frame holds {len(out)} bytes, expected {expected_size}")
-    return out
+    if got != len(out) or trailing:
+        raise CheckpointError(f"{where}: zstd frame holds {got + len(trailing)}+ bytes, expected {len(out)}")
 
 
 def read_head(url: str, where: str) -> tuple[bytes, int, dict[str, Any]]:

@@ -7,6 +7,7 @@ checks stored tensors against a header and undoes the zstd encoding. No file is 
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -14,10 +15,26 @@ from typing import Any
 import torch
 
 from coatstate import __version__
-from coatstate.checkpoint import container
+from coatstate.checkpoint import container, validate
+from coatstate.checkpoint import extra as run_state
 from coatstate.formats import schema
 from coatstate.formats.optimizer_state import CODES, EXPONENTS, FP4_NAMES, format_option, moment_of
 from coatstate.formats.schema import CheckpointError
+
+
+MAX_ZSTD_RATIO = 2**17
+"""zstd's format cannot expand a frame by more than about 32768 times (a 128 KiB block from a few
+bytes, plus frame overhead): a claim beyond this bound is refused before anything is allocated."""
+
+
+def dense_problem(t: torch.Tensor) -> str | None:
+    """Why `t` has no bytes a checkpoint can store (a sparse or meta tensor), or None."""
+    if t.layout != torch.strided:
+        layout = str(t.layout).removeprefix("torch.")
+        return f"a {layout} tensor (a checkpoint stores dense ones: .to_dense() it)"
+    if t.is_meta:
+        return "a meta tensor, which has no data (materialize it, e.g. with to_empty(), and fill it)"
+    return None
 
 
 def to_cpu(t: torch.Tensor) -> torch.Tensor:
@@ -25,6 +42,27 @@ def to_cpu(t: torch.Tensor) -> torch.Tensor:
     if t.device.type != "cpu":
         t = t.cpu()
     return t if t.is_contiguous() else t.contiguous()
+
+
+def numbered(sd: Mapping[str, Any]) -> tuple[dict[str, Any], dict[int, str]]:
+    """(`sd` with its parameters numbered 0.. in param-group order, {number: name}) for a state
+    dict keyed by parameter name, as torch.distributed.checkpoint.state_dict's
+    get_optimizer_state_dict returns it (`{"state": {"0.weight": ...}, "param_groups":
+    [{"params": ["0.weight", ...]}]}`); a state dict keyed by number is returned as it is."""
+    ids = [pid for g in sd["param_groups"] for pid in g["params"]]
+    if not any(isinstance(pid, str) for pid in ids):
+        return dict(sd), {}
+    index = {pid: i for i, pid in enumerate(ids)}
+    unknown = [k for k in sd["state"] if k not in index]
+    if len(index) != len(ids) or unknown:
+        raise ValueError(
+            f"a state dict keyed by parameter name must list each name in exactly one param group; "
+            f"state for {unknown[:3]} is listed in none" if unknown else "a name is listed twice"
+        )
+    state = {index[k]: v for k, v in sd["state"].items()}
+    groups = [dict(g, params=[index[p] for p in g["params"]]) for g in sd["param_groups"]]
+    names = {i: str(pid) for pid, i in index.items()}
+    return {**sd, "state": state, "param_groups": groups}, names
 
 
 def source(
@@ -47,7 +85,7 @@ def source(
                 pid += 1
         kind = type(obj).__name__
     elif isinstance(obj, Mapping) and "state" in obj and "param_groups" in obj:
-        sd, kind = dict(obj), None
+        (sd, names), kind = numbered(obj), None  # (keyed by name: the names are kept)
     else:
         raise TypeError(
             "save() takes a torch.optim.Optimizer or an optimizer state dict (a mapping with 'state' "
@@ -94,17 +132,24 @@ def _moment_formats(state: Mapping[str, Any], group: Mapping[str, Any]) -> dict[
 
 
 def flatten(
-    sd: Mapping[str, Any], shapes, names, model_sd, *, prepare=to_cpu, checksums: bool = True
+    sd: Mapping[str, Any], shapes, names, model_sd, *, prepare=to_cpu, checksums: bool = True, extra=None
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(tensors by key, header). `prepare` maps each tensor (a per-rank save keeps DTensors as
-    they are); checksums=False leaves them out of the header (a per-rank save adds its own)."""
+    they are); checksums=False leaves them out of the header (a per-rank save adds its own);
+    `extra`: the run's other state (checkpoint/extra.py), in the header's `extra`."""
+    def prepare_checked(t: torch.Tensor, where: str) -> torch.Tensor:
+        problem = dense_problem(t)
+        if problem:
+            raise TypeError(f"{where} is {problem}")
+        return prepare(t)
+
     tensors: dict[str, torch.Tensor] = {}
     groups, params = [], {}
     for g, group in enumerate(sd["param_groups"]):
         enc = {}
         for k, v in group.items():
             if isinstance(v, torch.Tensor):
-                tensors[schema.group_key(g, k)] = prepare(v)
+                tensors[schema.group_key(g, k)] = prepare_checked(v, f"param_groups[{g}].{k}")
                 enc[k] = {"$tensor": schema.group_key(g, k)}
             else:
                 enc[k] = schema.encode_value(v, f"param_groups[{g}].{k}")
@@ -119,7 +164,7 @@ def flatten(
         for name, v in pstate.items():
             if isinstance(v, torch.Tensor):
                 key = schema.state_key(pid, name)
-                tensors[key] = prepare(v)
+                tensors[key] = prepare_checked(v, f"state[{pid}].{name}")
                 entry[name] = {"$tensor": key}
             else:
                 entry[name] = schema.encode_value(v, f"state[{pid}].{name}")
@@ -143,8 +188,9 @@ def flatten(
         for name, v in model_sd.items():
             if not isinstance(v, torch.Tensor):
                 raise TypeError(f"model state dict entry {name!r} is a {type(v).__name__}, not a tensor")
-            tensors[schema.model_key(name)] = prepare(v)
+            tensors[schema.model_key(name)] = prepare_checked(v, f"model entry {name!r}")
             model_keys.append(name)
+    extra_header = run_state.flatten(extra, tensors, prepare_checked) if extra is not None else None
     compressed = any(p.get("compressed") for p in params.values())
     header = {
         "format": schema.FORMAT_NAME,
@@ -163,10 +209,31 @@ def flatten(
             k: {"dtype": schema.dtype_name(t.dtype), "shape": list(t.shape)} for k, t in tensors.items()
         },
     }
+    if extra_header is not None:  # (absent otherwise: headers without it are as they were)
+        header["extra"] = extra_header
     if checksums:
         for key, digest in schema.tensor_checksums(tensors).items():
             header["tensors"][key]["checksum"] = digest
     return tensors, header
+
+
+def check_writable(header: dict[str, Any], where: str) -> None:
+    """Refuse, before anything is written, a header that `validate_header` would refuse on read:
+    the writer checks exactly what the reader enforces, so no save succeeds into a file that no
+    reader opens. Checksums not computed yet (a per-rank save adds its own) stand in as zeros."""
+    unsummed = {k: {"checksum": "sha256:" + "0" * 64, **v} for k, v in header["tensors"].items()}
+    probe = dict(header, tensors=unsummed)
+    try:
+        if schema.json_depth(probe) > schema.MAX_JSON_DEPTH:  # (what loads_json refuses on read)
+            raise CheckpointError(f"{where}: a value is nested deeper than {schema.MAX_JSON_DEPTH} levels")
+        validate.validate_header(probe, where)
+    except CheckpointError as e:
+        problem = str(e).removeprefix(f"{where}: invalid header: ").removeprefix(f"{where}: ")
+        raise CheckpointError(
+            f"{where}: not saved: a reader would refuse this state ({problem}). Save the optimizer "
+            "itself rather than its state dict (the header then names its class, whose own values "
+            "are kept as they are), or fix the value named"
+        ) from None
 
 
 def encode_zstd(tensors: dict[str, torch.Tensor], header: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -210,10 +277,16 @@ def decode(stored: Mapping[str, torch.Tensor], header: Mapping[str, Any], where:
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"{where}: corrupt header entry for {key!r} ({e!r})") from None
         if info.get("encoding") == "zstd":
-            nbytes = dtype.itemsize * int(torch.Size(shape).numel())
-            raw = container.zstd_decompress(schema.tensor_bytes(t), nbytes, f"{where}: {key}")
-            t = torch.frombuffer(bytearray(raw), dtype=dtype) if nbytes else torch.empty(0, dtype=dtype)
-            t = t.reshape(shape)
+            # Python ints: a shape whose element count overflows int64 is a wrong size, not a crash
+            nbytes = dtype.itemsize * math.prod(shape)
+            if nbytes > len(t) * MAX_ZSTD_RATIO:
+                raise CheckpointError(
+                    f"{where}: tensor {key!r} claims {nbytes} bytes from {len(t)} compressed bytes, more "
+                    f"than a zstd frame can expand to (over {MAX_ZSTD_RATIO}:1): the file is corrupt"
+                )
+            blob = schema.tensor_bytes(t)
+            t = torch.empty(shape, dtype=dtype)
+            container.zstd_decompress_into(blob, schema.tensor_bytes(t), f"{where}: {key}")
         if t.dtype != dtype or list(t.shape) != shape:
             raise CheckpointError(
                 f"{where}: tensor {key!r} is {t.dtype} {list(t.shape)} in the file but "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import os
 import stat
@@ -18,6 +19,10 @@ from coatstate.formats.schema import CheckpointError
 TEST_PAUSE_ENV = "COATSTATE_TEST_PAUSE_MID_WRITE"
 """Test-only hook: when set to a path, every write pauses for 60 s after writing half of the
 temporary file, after creating that path (so a test can SIGKILL the writer at a known point)."""
+
+
+NAME_MAX = 255
+"""Bytes in one file name on Linux, macOS and Windows file systems."""
 
 
 class Location(str):
@@ -212,6 +217,13 @@ def check_directory(url: str) -> None:
     parent = os.path.dirname(path) if is_local(fs) else (path.rsplit("/", 1)[0] if "/" in path else "")
     if not parent or (is_local(fs) and os.path.isdir(parent)):
         return
+    if is_local(fs) and os.pardir in parent.split(os.sep):
+        # makedirs("missing/..") makes missing/ and the save then fails (the kernel resolves ".."
+        # after each directory exists, so that path names no directory that makedirs could make)
+        raise FileNotFoundError(
+            f"cannot save to {url}: directory {parent} does not exist (missing directories are made only "
+            "for paths without '..'; make it first, or give the path without '..')"
+        )
     try:
         fs.makedirs(parent, exist_ok=True)
     except FileExistsError:  # (a file where a directory should be)
@@ -230,40 +242,76 @@ def atomic_write(url: str, write: Callable[[BinaryIO], Any], total_hint: int = 0
     """Write `url` so that readers see the old object or the complete new one, never a mix.
 
     Local: temp file in the same directory, fsync, os.replace, fsync of the directory (POSIX
-    rename is atomic). Other filesystems: write `<name>.tmp-<uuid>`, then fs.mv onto the final
-    name: atomic on memory://; on object stores (s3, gcs) each object PUT/copy is atomic, so the
-    final key never holds a partial object. A crash leaves at most a stray temp object.
+    rename is atomic). Other filesystems: write `<name>.tmp-<uuid>`, then copy it onto the final
+    name (move_literal: `url` is never a glob pattern): atomic on memory://; on object stores
+    (s3, gcs) each object PUT/copy is atomic, so the final key never holds a partial object. A
+    crash leaves at most a stray temp object.
     """
     fs, path = url_to_fs(url)
-    tmp_name = f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:12]}"
-    tmp = sibling(fs, path, tmp_name)
+    tmp = sibling(fs, path, temp_name(os.path.basename(path)))
     hooked = (lambda f: _HalfwayHook(f, total_hint)) if os.environ.get(TEST_PAUSE_ENV) else (lambda f: f)
-    if is_local(fs):
-        directory = _existing_directory(path, url)
-        try:
-            with open(tmp, "wb") as f:
-                write(hooked(f))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        return
     try:
-        with fs.open(tmp, "wb") as f:
-            write(hooked(f))
-        fs.mv(tmp, path)
+        if is_local(fs):
+            _write_local(tmp, path, _existing_directory(path, url), lambda f: write(hooked(f)))
+            return
+        try:
+            with fs.open(tmp, "wb") as f:
+                write(hooked(f))
+            move_literal(fs, tmp, path)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                fs.rm_file(tmp)
+            raise
+    except OSError as e:
+        if e.errno is None:  # (ours, which names the path already)
+            raise
+        raise _naming(url, e) from e
+
+
+def _write_local(tmp: str, path: str, directory: str, write: Callable[[BinaryIO], Any]) -> None:
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
     except BaseException:
-        with contextlib.suppress(Exception):
-            fs.rm(tmp)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
         raise
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def temp_name(name: str) -> str:
+    """`.{name}.tmp-{random}`, with `name` cut short (at a UTF-8 character) where the whole would
+    pass NAME_MAX: a legal 255-byte file name must still be savable."""
+    suffix = f".tmp-{uuid.uuid4().hex[:12]}"
+    room = NAME_MAX - 1 - len(suffix)
+    encoded = name.encode("utf-8", "surrogateescape")
+    if len(encoded) > room:
+        name = encoded[:room].decode("utf-8", "ignore")
+    return f".{name}{suffix}"
+
+
+def _naming(url: str, e: OSError) -> OSError:
+    """`e` as an OSError of the same kind that names `url`, the user's path (the temp file it
+    was written through is ours), and on a full disk what to do."""
+    why = e.strerror or str(e)
+    if e.errno == errno.ENOSPC:
+        why += "; free space there or save elsewhere (the previous file at this path is untouched)"
+    return OSError(e.errno, f"cannot write {url}: {why}")
+
+
+def move_literal(fs: fsspec.AbstractFileSystem, src: str, dst: str) -> None:
+    """fs.mv without its glob expansion: fsspec's mv, copy and rm read `* ? [ ]` in a path as a
+    pattern, so a checkpoint named run*.safetensors would move onto nothing (or onto every match).
+    cp_file and rm_file take one literal path each; mv is this copy and delete on object stores."""
+    fs.cp_file(src, dst)
+    fs.rm_file(src)
 
 
 def sibling_sizes(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, int]:
@@ -287,4 +335,4 @@ def remove_quietly(url: str, names: Iterable[str]) -> None:
     fs, path = url_to_fs(url)
     for name in names:
         with contextlib.suppress(Exception):
-            fs.rm(sibling(fs, path, name))
+            fs.rm_file(sibling(fs, path, name))  # (rm_file: a name is never a glob pattern)

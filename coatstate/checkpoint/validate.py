@@ -17,8 +17,10 @@ from typing import Any
 
 import torch
 
+from coatstate.checkpoint import extra as run_state
 from coatstate.checkpoint.layout import num_rows, rank_file_pattern, stem_of
 from coatstate.formats import schema
+from coatstate.formats.defaults import MAX_GROUP_SIZE
 from coatstate.formats.group import group_layout
 from coatstate.formats.optimizer_state import CODES, DEFAULT_GROUP_SIZE, EXPONENTS, MOMENTS, SCALES
 from coatstate.formats.schema import CheckpointError
@@ -72,6 +74,8 @@ def _plain(v: Any, where: str, fail) -> Any:
             return tuple(_plain(x, where, fail) for x in v["$tuple"])
         if "$float" in v:
             return float(v["$float"])
+        if "$items" in v:
+            return [(k, _plain(x, where, fail)) for k, x in v["$items"]]
         if "$tensor" in v:
             return _Ref(v["$tensor"])
         return {k: _plain(x, f"{where}.{k}", fail) for k, x in v.items()}
@@ -97,6 +101,10 @@ def validate_header(header: Any, where: str) -> dict[str, Any]:
             fail("optimizer must be {'class': str or null, 'variant': ...}")
         if opt.get("variant") not in (None, "compressed", "full"):
             fail(f"optimizer.variant must be 'compressed' or 'full'; got {opt.get('variant')!r:.40}")
+    if not isinstance(header.get("library_version"), (str, type(None))):
+        fail(f"library_version must be a string or null; got {header.get('library_version')!r:.40}")
+    if header.get("created_unix") is not None and not _is_num(header["created_unix"]):
+        fail(f"created_unix must be a number or null; got {header.get('created_unix')!r:.40}")
     if header.get("checksum", schema.CHECKSUM_ALGORITHM) != schema.CHECKSUM_ALGORITHM:
         fail(f"checksum must be {schema.CHECKSUM_ALGORITHM!r}")
     if header.get("compression") not in (None, "zstd"):
@@ -112,7 +120,8 @@ def validate_header(header: Any, where: str) -> dict[str, Any]:
         referenced[key] = what
         return tensors[key]
 
-    group_of = _param_groups(header["param_groups"], fail, ref)
+    saved_class = (opt or {}).get("class")
+    group_of = _param_groups(header["param_groups"], fail, ref, saved_class in (None, *ADAMW_FAMILY))
     group_sizes = [g.get("group_size", DEFAULT_GROUP_SIZE) for g in header["param_groups"]]
     params = header["params"]
     if set(params) != {str(pid) for pid in group_of}:
@@ -131,6 +140,8 @@ def validate_header(header: Any, where: str) -> dict[str, Any]:
             fail("model must be null or a list of distinct names")
         for name in model:
             ref(schema.model_key(name), schema.model_key(name), f"model entry {name!r:.80}")
+    if header.get("extra") is not None:
+        run_state.check(header["extra"], fail, ref)
     unreferenced = sorted(set(tensors) - set(referenced))
     if unreferenced:
         fail(f"tensors {unreferenced[:3]} are listed but no state, param group or model entry names them")
@@ -165,10 +176,13 @@ def _check_params(params: dict, group_of: dict, group_sizes: list, fail) -> None
                 fail(f"params[{key}].compressed.{m}.format {f['format']!r} is not a format for {m}")
             if (
                 not _is_int(f.get("group_size"))
-                or f["group_size"] < 1
+                or not 1 <= f["group_size"] <= MAX_GROUP_SIZE
                 or not isinstance(f.get("expand"), bool)
             ):
-                fail(f"params[{key}].compressed.{m} needs a positive int group_size and a bool expand")
+                fail(
+                    f"params[{key}].compressed.{m} needs a positive int group_size (at most "
+                    f"{MAX_GROUP_SIZE}) and a bool expand"
+                )
             if f["format"] in _FP4_FORMATS and (f.get("expand") is not False or f["group_size"] % 2):
                 fail(
                     f"params[{key}].compressed.{m}: a 4-bit format needs expand false and an even group_size"
@@ -228,7 +242,10 @@ def _tensors(infos: dict, fail) -> dict[str, _Tensor]:
     return out
 
 
-def _check_group_values(g: int, values: dict[str, Any], fail) -> None:
+def _check_group_values(g: int, values: dict[str, Any], fail, adamw: bool) -> None:
+    """`adamw`: the file is AdamW's (or of unknown class): lr, eps, weight_decay and betas mean what
+    they mean there. Other optimizers give them other shapes (torch's Adafactor: eps=(None, 1e-3);
+    three betas elsewhere); their class checks its own values when it loads them."""
     where = f"param_groups[{g}]"
 
     def number(name: str, low: float = 0.0) -> None:
@@ -244,10 +261,10 @@ def _check_group_values(g: int, values: dict[str, Any], fail) -> None:
         if not _is_num(v) or not v >= low:
             fail(f"{where}.{name} must be a number >= {low:g}; got {v!r:.40}")
 
-    for name in ("lr", "eps", "weight_decay"):
+    for name in ("lr", "eps", "weight_decay") if adamw else ():
         if name in values:
             number(name)
-    if "betas" in values:
+    if "betas" in values and adamw:
         b = values["betas"]
         if not (isinstance(b, (tuple, list)) and len(b) == 2 and all(_is_num(x) and 0 <= x < 1 for x in b)):
             fail(f"{where}.betas must be two numbers in [0, 1); got {b!r:.60}")
@@ -257,8 +274,9 @@ def _check_group_values(g: int, values: dict[str, Any], fail) -> None:
     for name in ("foreach", "fused"):
         if name in values and not isinstance(values[name], (bool, type(None))):
             fail(f"{where}.{name} must be true, false or null")
-    if "group_size" in values and not (_is_int(values["group_size"]) and values["group_size"] >= 1):
-        fail(f"{where}.group_size must be a positive integer; got {values['group_size']!r:.40}")
+    size = values.get("group_size", 1)
+    if not (_is_int(size) and 1 <= size <= MAX_GROUP_SIZE):
+        fail(f"{where}.group_size must be an integer from 1 to {MAX_GROUP_SIZE}; got {size!r:.40}")
     if "min_numel" in values and not (_is_int(values["min_numel"]) and values["min_numel"] >= 0):
         fail(f"{where}.min_numel must be a non-negative integer")
     for name in ("exp_avg_format", "exp_avg_sq_format"):
@@ -270,7 +288,7 @@ def _check_group_values(g: int, values: dict[str, Any], fail) -> None:
         fail(f"{where}.master_seed must be an integer")
 
 
-def _param_groups(groups: list, fail, ref) -> dict[int, int]:
+def _param_groups(groups: list, fail, ref, adamw: bool) -> dict[int, int]:
     group_of: dict[int, int] = {}
     for g, group in enumerate(groups):
         if not isinstance(group, dict):
@@ -297,7 +315,7 @@ def _param_groups(groups: list, fail, ref) -> dict[int, int]:
                 values[k] = _plain(v, f"param_groups[{g}].{k}", fail)
                 if _contains_ref(values[k]):
                     fail(f"param_groups[{g}].{k}: a tensor may only be a hyperparameter's own value")
-        _check_group_values(g, values, fail)
+        _check_group_values(g, values, fail, adamw)
     return group_of
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import unicodedata
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +25,14 @@ def checkpoint_error(message: str) -> Exception:
     from coatstate.formats.schema import CheckpointError
 
     return CheckpointError(message)
+
+
+def printable(text: str) -> str:
+    """`text` with control and format characters escaped (`\\n`, `\\x1b`, `\\u202e`): what the
+    CLI prints of a file's strings or a user's path stays on its line and cannot drive the
+    terminal (a name holding a newline could print a fake `checksums: all verified` line)."""
+    shown = (c if c == " " or unicodedata.category(c)[0] not in "CZ" else ascii(c)[1:-1] for c in text)
+    return "".join(shown)
 
 
 def extension(path: str) -> str:

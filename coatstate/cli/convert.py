@@ -30,7 +30,7 @@ from coatstate.cli.common import (
 from coatstate.cli.locations import refuse_input_as_output
 
 MAX_GROUP_SIZE = 2**16
-"""A group lies within one row, so a larger group only pads rows; 65536 is wider than any model's."""
+"""formats.defaults.MAX_GROUP_SIZE (not imported: it brings torch, and --help must not)."""
 MAX_MIN_NUMEL = 2**63 - 1
 """A tensor's numel is an int64: any larger threshold means the same (nothing compressed)."""
 
@@ -94,6 +94,11 @@ def add_convert_parser(sub) -> None:
         help="parameters with fewer elements keep fp32 states, 0 to 2**63-1 (default 4096)",
     )
     c.add_argument("--zstd", action="store_true", help="zstandard-compress the tensors")
+    c.add_argument(
+        "--key",
+        help="in a .pt holding a dict ({'model': ..., 'optimizer': ..., 'step': ...}), the entry with the "
+        "optimizer state dict (default: the one entry that is one; the model comes from 'model')",
+    )
     c.add_argument(
         "--master-bits",
         choices=("none", "16", "24", "32"),
@@ -193,7 +198,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if not args.force and _exists(args.dst):
         raise UsageError(f"DST {args.dst} exists: convert replaces a file only when given --force")
     t0 = time.perf_counter()
-    ckpt = checkpoint.read(args.src)
+    ckpt = checkpoint.read(args.src, key=args.key)
     # again with the header that was read: a save may have replaced SRC in between
     refuse_input_as_output(args.src, args.dst, ckpt.header)
     sd = ckpt.optimizer
@@ -235,6 +240,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             model=model,
             compress="zstd" if args.zstd else None,
             param_names=names,
+            extra=ckpt.extra,  # (the run's other state goes with it)
         )
     else:
         if model is not None:

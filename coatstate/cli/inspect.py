@@ -4,12 +4,20 @@ tensor checked against its checksum); also describes a torch .pt optimizer state
 from __future__ import annotations
 
 import argparse
+import builtins
 import json
 import math
 import os
 from typing import Any
 
-from coatstate.cli.common import PT_EXTENSIONS, checkpoint_error, extension, human_bytes, stored_bytes
+from coatstate.cli.common import (
+    PT_EXTENSIONS,
+    checkpoint_error,
+    extension,
+    human_bytes,
+    printable,
+    stored_bytes,
+)
 
 VERIFIED = "all verified"
 NOT_VERIFIED = "not verified (--verify reads and checks every tensor)"
@@ -81,13 +89,37 @@ def _first_step(url: str, header: dict[str, Any]) -> float | None:
 
             return float(rank_read.read_tensor(url, header, key).reshape(-1)[0])
         for shard in header.get("shards") or []:
-            if key in shard["tensors"]:
-                file_url = storage.sibling_url(url, shard["file"])
+            if key in shard["tensors"]:  # (read()'s rule: no symlink out of the directory)
+                file_url = storage.sibling_inside(url, shard["file"], "shard")
         try:
             return _read_step(file_url, key, header["tensors"][key]["dtype"])
         except FileNotFoundError:
             raise checkpoint_error(f"{url}: shard {os.path.basename(file_url)} is missing") from None
     return None
+
+
+def check_sizes(url: str, header: dict[str, Any]) -> None:
+    """Without --verify too: every tensor's data offsets lie inside the file, and every shard or
+    rank file the root names has the size the root records (a truncated file is an error)."""
+    from coatstate.checkpoint import container, storage
+
+    _, start, st_header = container.read_head(url, url)
+    data_bytes = storage.file_size(url) - start
+    for key in st_header:
+        if key != "__metadata__":
+            container.tensor_span(st_header, key, data_bytes, url)
+    kinds = [("shard", s) for s in header.get("shards") or []]
+    kinds += [("rank file", f) for f in (header.get("per_rank") or {}).get("files", [])]
+    for what, part in kinds:
+        try:
+            size = storage.file_size(storage.sibling_inside(url, part["file"], what))
+        except FileNotFoundError:
+            raise checkpoint_error(f"{url}: {what} {part['file']} is missing") from None
+        if size != part["bytes"]:
+            raise checkpoint_error(
+                f"{url}: {what} {part['file']} is {size} bytes, the root records {part['bytes']}: truncated "
+                "or replaced"
+            )
 
 
 def summarize(header: dict[str, Any], *, file_bytes: int, step: float | None) -> dict[str, Any]:
@@ -144,6 +176,7 @@ def summarize(header: dict[str, Any], *, file_bytes: int, step: float | None) ->
         "compression": header.get("compression"),
         "shards": len(header.get("shards") or []) or None,
         "rank_files": len((header.get("per_rank") or {}).get("files", [])) or None,
+        "extra": sorted(header.get("extra") or {}) or None,  # save(..., extra=)'s keys
         "state_bytes_per_param": state_raw / elements if elements else None,
         "ratio_vs_fp32_adamw": state_raw / fp32_adamw if fp32_adamw else None,
     }
@@ -161,6 +194,9 @@ def _plain(value: Any) -> Any:
 
 
 def _print_summary(url: str, s: dict[str, Any], checksums: str, show_all: bool) -> None:
+    def print(line: str) -> None:  # every line of the report, whatever the file holds
+        builtins.print(printable(line))
+
     opt = s["optimizer"] or {}
     if s["format_version"] is None:
         print(f"{url}: torch.save optimizer state dict (read with weights_only=True)")
@@ -207,6 +243,8 @@ def _print_summary(url: str, s: dict[str, Any], checksums: str, show_all: bool) 
         f"({s['tensors']} tensors, compression {s['compression']}, "
         + (f"per rank: {s['rank_files']} files)" if s["rank_files"] else f"shards {s['shards'] or 1})")
     )
+    if s["extra"]:
+        print(f"extra (the run's other state): {', '.join(s['extra'])}")
     print(f"checksums: {checksums}")
 
 
@@ -241,6 +279,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             try:
                 if args.verify:
                     checkpoint.read(url, verify=True)
+                else:
+                    check_sizes(url, header)
                 s = summarize(header, file_bytes=stored_bytes(url, header), step=_first_step(url, header))
                 break
             except (shards.ShardMissing, FileNotFoundError):

@@ -15,7 +15,7 @@ import sys
 import warnings
 
 from coatstate.cli.clean import add_clean_parser
-from coatstate.cli.common import UsageError
+from coatstate.cli.common import UsageError, printable
 from coatstate.cli.convert import add_convert_parser
 from coatstate.cli.inspect import add_inspect_parser
 from coatstate.cli.plan import add_plan_parser
@@ -57,7 +57,7 @@ def _one_line(e: BaseException, files: list[str]) -> str:
     text = " ".join(str(e).split()) or type(e).__name__
     if files and not any(f and f in text for f in files):
         text = f"{files[0]}: {text}"
-    return text
+    return printable(text)  # (a path may hold a newline or an escape: still one line)
 
 
 def _quiet_stdout() -> None:

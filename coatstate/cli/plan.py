@@ -11,31 +11,12 @@ import os
 import stat
 
 from coatstate.cli.common import in_range, int_in
-from coatstate.planner.units import parse_bytes, parse_count
+from coatstate.planner.units import RANGES, parse_bytes, parse_count
 
 MAX_CONFIG_BYTES = 64 * 2**20
 """A model config is a few kB; anything this large is not one."""
 MAX_CONFIG_DEPTH = 64
 """Nesting a config may have (transformers' are a few levels deep)."""
-
-
-# Each range is what the planner can build and trace in seconds, wide enough for any model
-# trained today; a value outside it is a usage error before anything is read or built.
-RANGES = {
-    "params": (1, 10**15),
-    "layers": (1, 1024),
-    "hidden": (1, 2**17),
-    "heads": (1, 2**17),
-    "kv_heads": (1, 2**17),
-    "ffn": (1, 2**20),
-    "vocab": (1, 2**24),
-    "seq": (1, 2**22),
-    "batch": (1, 2**20),
-    "gpus": (1, 2**16),
-    "gpu_memory": (1, 2**50),
-    "loss_chunks": (1, 2**16),
-}
-"""The documented range of each numeric option of `coatstate plan` (docs/planner.md)."""
 
 
 def _int(name: str):
@@ -55,10 +36,11 @@ def add_plan_parser(sub) -> None:
         description="Predict training memory per GPU for torch AdamW, CompressedAdamW, CompressedAdamW "
         "+ compress_activations (also with gradient release, and with FP8 linear layers when "
         "coatstate.nn has them), from the model's real parameter shapes and a short CPU trace of its "
-        "activations (docs/planner.md). Prints the job, then one row per way of training: GB per GPU "
-        "of params, grads, master weights, optimizer states, saved activations, the step's transient "
-        "memory and the peak, whether it fits --gpu-memory, the fewest GPUs that hold it and the "
-        "largest micro-batch that fits (--json: the same as one JSON object).",
+        "activations (docs/planner.md). Prints a verdict line first (the GPUs torch AdamW needs "
+        "against coatstate's), the job, then one row per way of training: GB per GPU of params, "
+        "grads, master weights, optimizer states, saved activations, the step's transient memory and "
+        "the peak, the share of --gpu-memory left free, the fewest GPUs that hold it and the largest "
+        "micro-batch that fits; advice when nothing fits (--json: the same as one JSON object).",
     )
     p.add_argument(
         "model",
@@ -72,7 +54,8 @@ def add_plan_parser(sub) -> None:
     m.add_argument(
         "--params",
         type=in_range(parse_count, *RANGES["params"], "--params"),
-        help=f"total parameters, e.g. 6.7B (sets the vocabulary; {_span('params')})",
+        help=f"total parameters, e.g. 7B: alone, the published shape nearest to it (Llama-2-7B); "
+        f"with --layers and --hidden, the vocabulary takes the rest ({_span('params')})",
     )
     m.add_argument(
         "--layers",
@@ -190,13 +173,32 @@ def read_config(path: str) -> dict:
     return cfg
 
 
+CONFIG_RANGES = {"layers": "layers", "hidden": "hidden", "heads": "heads", "kv_heads": "kv_heads",
+                 "ffn": "ffn", "vocab": "vocab", "max_seq": "seq"}  # fmt: skip
+"""Each field of a config's shape, and the option whose range bounds it."""
+
+
+def check_config_ranges(shape, path: str) -> None:
+    """A config's numbers within the ranges the options have: a config with n_layer 1e8 is
+    refused at once, as `--layers 100000000` is, not built and traced for minutes."""
+    for field, option in CONFIG_RANGES.items():
+        low, high = RANGES[option]
+        value = getattr(shape, field)
+        if not low <= value <= high:
+            raise ValueError(
+                f"{path}: {field} {value:,} is outside what `plan` takes ({low:,} to {high:,}, as "
+                f"--{option.replace('_', '-')})"
+            )
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from coatstate import planner
 
-    if args.model is None and not (args.layers and args.hidden):
+    if args.model is None and not (args.layers or args.hidden or args.params):
         raise ValueError(
-            "give a model: a config JSON file, a transformers config name, module:factory, or the "
-            "numbers --layers and --hidden (with --params or --vocab)"
+            "give a model: a config JSON file, a transformers config name, module:factory, "
+            "--params alone (e.g. --params 7B: the published shape nearest to it), or the numbers "
+            "--layers and --hidden (with --params or --vocab)"
         )
     model = args.model
     if model is not None and (os.path.lexists(model) and not os.path.isdir(model)):
@@ -208,6 +210,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             shape = shape_from_config(cfg, loss_chunks=args.loss_chunks)
         except (KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"{model}: not a usable model config ({type(e).__name__}: {e})") from None
+        check_config_ranges(shape, model)
         model = spec_from_shape(shape, os.path.basename(model))
     shape = {
         k: getattr(args, k)

@@ -91,9 +91,11 @@ class CompressedAdamW(torch.optim.Optimizer):
     """AdamW with FP8 (COAT) first and second moments.
 
     A `torch.optim.Optimizer` with torch.optim.AdamW's semantics, defaults and hyperparameter
-    checks; with `compress=False` it steps exactly as torch.optim.AdamW. Which parameters keep
-    float32 moments is decided from each parameter's global shape, so sharding never changes
-    precision (`uncompressed_parameters()` lists them). Each default is in the signature; those
+    checks; with `compress=False` it steps exactly as torch.optim.AdamW on float32 parameters
+    (float64 and 16-bit parameters get float32 moments where torch keeps the parameter's dtype,
+    so their steps differ from torch's by rounding). Which parameters keep float32 moments is
+    decided from each parameter's global shape, so sharding never changes precision
+    (`uncompressed_parameters()` lists them). Each default is in the signature; those
     of coatstate's own options come from one table, coatstate.formats.defaults (the measurements
     behind them: docs/benchmarks.md).
 

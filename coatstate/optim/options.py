@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from coatstate.formats.defaults import MAX_GROUP_SIZE
 from coatstate.formats.master_weights import MASTER_BITS
 from coatstate.formats.optimizer_state import (
     MomentFormat,
@@ -50,6 +51,10 @@ def check_group(gi: int, group: dict[str, Any]) -> None:
         v, least = group[key], 1 if key == "group_size" else 0
         if isinstance(v, bool) or not isinstance(v, int) or v < least:
             raise ValueError(f"param group {gi}: {key} must be an int >= {least}; got {v!r:.40}")
+    if group["group_size"] > MAX_GROUP_SIZE:
+        raise ValueError(
+            f"param group {gi}: group_size must be at most {MAX_GROUP_SIZE}; got {group['group_size']!r:.40}"
+        )
     for key in ("exp_avg_format", "exp_avg_sq_format"):  # first: a bad format leaves expand "auto"
         try:
             parse_format(group[key])
@@ -75,6 +80,7 @@ def check_group(gi: int, group: dict[str, Any]) -> None:
 def settle_group(gi: int, group: dict) -> None:
     """Resolve a new param group's master_bits="auto" and check all its options: a bad option
     fails here, when the group is added, not at the first step."""
+    check_params(gi, group["params"])
     dtypes = {p.dtype for p in group["params"]}
     if group.get("master_bits") == "auto":  # resolved here: state dicts and checkpoints hold ints
         group["master_bits"] = 24 if torch.bfloat16 in dtypes and torch.float16 not in dtypes else None
@@ -103,8 +109,46 @@ def settle_group(gi: int, group: dict) -> None:
         )
 
 
+def _check_types(lr, betas, eps, weight_decay) -> None:
+    """Types first: a string lr ('3e-4' from a config file) or a single beta would otherwise fail
+    deep inside a comparison with a TypeError that names neither the argument nor the fix."""
+    for name, v in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
+        if not (_number(v) or (name == "lr" and isinstance(v, torch.Tensor))):
+            fix = f"{name}={float(v)!r}" if isinstance(v, str) and _parses(v) else f"{name}=<a float>"
+            raise TypeError(f"{name} must be a number; got {type(v).__name__} {v!r:.40}: pass {fix}")
+    if isinstance(betas, torch.Tensor) or not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise TypeError(
+            f"betas must be a pair of floats (beta1, beta2); got {type(betas).__name__} {betas!r:.40}: "
+            "pass e.g. betas=(0.9, 0.999)"
+        )
+    for i, b in enumerate(betas):
+        if not (_number(b) or isinstance(b, torch.Tensor)):
+            raise TypeError(f"betas[{i}] must be a float; got {type(b).__name__} {b!r:.40}")
+
+
+def _parses(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def check_params(gi: int, params: list) -> None:
+    """Only floating-point tensors have an AdamW update; an integer one would be stepped as if its
+    values were weights (or fail in a cast), so it is refused when its group is added."""
+    for i, p in enumerate(params):
+        if not (p.is_floating_point() or p.is_complex()):  # complex: refused at the step, with its own fix
+            raise TypeError(
+                f"param group {gi}: parameter {i} is a {p.dtype} tensor of shape {tuple(p.shape)}; "
+                "CompressedAdamW steps floating-point parameters only: leave it out (e.g. "
+                "[p for p in model.parameters() if p.is_floating_point()]) or register it as a buffer"
+            )
+
+
 def check_arguments(lr, betas, eps, weight_decay, unsupported_mode, group_size, formats) -> None:
     """torch.optim.AdamW's validation (same messages), plus coatstate's format options."""
+    _check_types(lr, betas, eps, weight_decay)
     if isinstance(lr, torch.Tensor):
         if lr.numel() != 1:
             raise ValueError(f"Tensor lr must be 1-element; got shape {tuple(lr.shape)}")
@@ -124,8 +168,8 @@ def check_arguments(lr, betas, eps, weight_decay, unsupported_mode, group_size, 
             "CompressedAdamW does not support capturable=True or differentiable=True: its "
             "states are requantized in place each step; use torch.optim.AdamW for those modes"
         )
-    if not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"group_size must be a positive int; got {group_size!r}")
+    if isinstance(group_size, bool) or not (isinstance(group_size, int) and 0 < group_size <= MAX_GROUP_SIZE):
+        raise ValueError(f"group_size must be an int from 1 to {MAX_GROUP_SIZE}; got {group_size!r}")
     for name, value in zip(("exp_avg_format", "exp_avg_sq_format"), formats, strict=True):
         try:
             parse_format(value)

@@ -8,9 +8,9 @@ thing: each gradient is scaled by min(1, max_grad_norm / norm), with the norm of
 iteration's gradients (no clipping on the first), which is documented as such.
 
 torch.nn.utils.clip_grad_norm_ after backward finds every gradient already freed: it returns
-tensor(0.) and clips nothing. No hook sees that call, so the constructor warns instead, once,
-when release is on without max_grad_norm: a warning a user who never clips can filter, rather
-than a silent clip-nothing for one who does.
+tensor(0.) and clips nothing. No hook sees that call, so the first optimizer built with release
+and without max_grad_norm says so once per process, as a note: most users never clip, and a
+warning on every construction would be noise to them.
 """
 
 from __future__ import annotations
@@ -29,11 +29,13 @@ _ACCUMULATION = (
 
 
 _NO_CLIP = (
-    "coatstate: gradient_release=True frees each gradient during backward, so "
-    "torch.nn.utils.clip_grad_norm_ called afterwards sees none: it returns tensor(0.) and clips "
-    "nothing. To clip, pass CompressedAdamW(..., max_grad_norm=...) (it clips by the previous "
-    "step's global norm); if you do not clip, ignore this warning."
+    "coatstate note (shown once): gradient_release=True frees each gradient during backward. If you "
+    "clip gradients, pass CompressedAdamW(..., max_grad_norm=...) (it clips by the previous step's "
+    "global norm): torch.nn.utils.clip_grad_norm_ called after backward would see no gradients and "
+    "clip nothing. If you do not clip, nothing to do."
 )
+_noted = False
+"""whether this process has shown _NO_CLIP"""
 
 
 class GradientRelease:
@@ -42,7 +44,9 @@ class GradientRelease:
     def __init__(self, optimizer: Any, max_grad_norm: float | None) -> None:
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be a positive float; got {max_grad_norm!r}")
-        if max_grad_norm is None:
+        global _noted
+        if max_grad_norm is None and not _noted:
+            _noted = True
             warnings.warn(_NO_CLIP, UserWarning, stacklevel=3)  # at the user's CompressedAdamW(...)
         self.optimizer = optimizer
         self.max_grad_norm = max_grad_norm

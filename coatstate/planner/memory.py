@@ -244,26 +244,14 @@ class Plan:
         )
 
     def table(self) -> str:
-        width = max([len("GB per GPU"), *(len(r.variant.name) for r in self.rows)]) + 2
-        head = f"{'GB per GPU':<{width}}" + "".join(f"{c[:11]:>12}" for c in (*COLUMNS, "peak"))
-        head += f"{'fits':>6}{'min GPUs':>10}{'max batch':>11}"
-        lines = [self.describe(), "", head]
-        for r in self.rows:
-            cells = "".join(f"{r.bytes[c] / GB:12.2f}" for c in (*COLUMNS, "peak"))
-            gpus = "-" if r.min_gpus is None else str(r.min_gpus)
-            fits = "yes" if r.fits else "no"
-            lines.append(f"{r.variant.name:<{width}}{cells}{fits:>6}{gpus:>10}{r.max_batch:>11}")
-        points = next(iter(self.activations.values())).trace_points
-        lines += [
-            "",
-            "min GPUs: fewest GPUs that hold the job at this micro-batch (FSDP2 when more than one);",
-            f"max batch: largest micro-batch on {self.setup['gpus']} GPU(s). Activations from a CPU trace "
-            f"at (batch, seq) = {', '.join(map(str, points))}, scaled (docs/planner.md).",
-        ]
-        lines += [f"note: {n}" for n in self.notes]
-        return "\n".join(lines)
+        """The verdict line, the job, the table and its legend (coatstate.planner.report)."""
+        from coatstate.planner.report import table
+
+        return table(self)
 
     def to_dict(self) -> dict[str, Any]:
+        from coatstate.planner.report import summary
+
         return {
             "model": self.model,
             "params": self.params,
@@ -283,4 +271,5 @@ class Plan:
             ],
             "trace_points": [list(p) for p in next(iter(self.activations.values())).trace_points],
             "notes": self.notes,
+            **summary(self),
         }

@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from coatstate.planner.units import check_range
+
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
@@ -43,6 +45,10 @@ class Shape:
         for name in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "max_seq", "loss_chunks"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive int; got {getattr(self, name)!r}")
+        for name, flag in (("layers", "layers"), ("hidden", "hidden"), ("heads", "heads"),
+                           ("kv_heads", "kv_heads"), ("ffn", "ffn"), ("vocab", "vocab"),
+                           ("max_seq", "seq"), ("loss_chunks", "loss_chunks")):  # fmt: skip
+            check_range(flag, getattr(self, name), name)
         if self.arch not in ("gpt", "llama"):
             raise ValueError(f"arch must be 'gpt' or 'llama'; got {self.arch!r}")
         if self.hidden % self.heads or self.heads % self.kv_heads:
@@ -67,6 +73,35 @@ class Shape:
 def default_ffn(arch: str, hidden: int) -> int:
     """GPT-2: 4x. Llama: 2/3 of 4x, rounded up to a multiple of 256 (7B: 4096 -> 11008)."""
     return 4 * hidden if arch == "gpt" else 256 * math.ceil(8 * hidden / 3 / 256)
+
+
+KNOWN_SHAPES = {  # arch: (name, layers, hidden, heads, kv_heads, ffn, vocab) of published models
+    "llama": [
+        ("Llama-3.2-1B", 16, 2048, 32, 8, 8192, 128256),
+        ("Llama-3.2-3B", 28, 3072, 24, 8, 8192, 128256),
+        ("Llama-2-7B", 32, 4096, 32, 32, 11008, 32000),
+        ("Llama-2-13B", 40, 5120, 40, 40, 13824, 32000),
+        ("Llama-2-70B", 80, 8192, 64, 8, 28672, 32000),
+    ],
+    "gpt": [
+        ("GPT-2", 12, 768, 12, 12, 3072, 50257),
+        ("GPT-2-medium", 24, 1024, 16, 16, 4096, 50257),
+        ("GPT-2-large", 36, 1280, 20, 20, 5120, 50257),
+        ("GPT-2-xl", 48, 1600, 25, 25, 6400, 50257),
+    ],
+}
+"""The shapes `--params` alone picks from: the published model nearest in parameter count."""
+
+
+def shape_for_params(arch: str, params: int, max_seq: int = 2048, loss_chunks: int = 1) -> tuple[Shape, str]:
+    """(the Shape, its name) of the published `arch` model nearest to `params` (on a log scale),
+    for `coatstate plan --params 7B` without --layers and --hidden."""
+    candidates = []
+    for name, layers, hidden, heads, kv, ffn, vocab in KNOWN_SHAPES[arch]:
+        shape = Shape(arch, layers, hidden, heads, kv, ffn, vocab, max_seq, arch == "gpt", loss_chunks)
+        candidates.append((abs(math.log(shape.total_params() / params)), name, shape))
+    _, name, shape = min(candidates, key=lambda c: c[0])
+    return shape, name
 
 
 def shape_from_numbers(
@@ -111,8 +146,31 @@ def shape_from_numbers(
     return Shape(vocab=vocab, **base)
 
 
+CONFIG_RANGES = {  # config key: the flag whose range it gets
+    "n_layer": "layers", "num_hidden_layers": "layers",
+    "n_embd": "hidden", "hidden_size": "hidden",
+    "n_head": "heads", "num_attention_heads": "heads", "num_key_value_heads": "kv_heads",
+    "n_inner": "ffn", "intermediate_size": "ffn",
+    "vocab_size": "vocab",
+    "n_positions": "seq", "n_ctx": "seq", "max_position_embeddings": "seq",
+}  # fmt: skip
+
+
+def check_config(cfg: dict[str, Any]) -> None:
+    """A config's numbers get the flags' types and ranges before anything is built: n_layer 1e8
+    would otherwise build for minutes, a float or a string fail deep inside torch."""
+    for key, flag in CONFIG_RANGES.items():
+        v = cfg.get(key)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"config {key} must be an integer; got {type(v).__name__} {v!r:.40}")
+        check_range(flag, v, f"config {key}")
+
+
 def shape_from_config(cfg: dict[str, Any], *, loss_chunks: int = 1) -> Shape:
     """A Shape from a transformers-style config dict (GPT-2 or Llama keys)."""
+    check_config(cfg)
     get = lambda *keys, default=None: next((cfg[k] for k in keys if cfg.get(k) is not None), default)  # noqa: E731
     if "n_embd" in cfg or cfg.get("model_type") == "gpt2":
         d = get("n_embd", "hidden_size")

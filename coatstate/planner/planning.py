@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from coatstate.planner.memory import Plan, Row, Variant, optimizer_bytes
-from coatstate.planner.models import PlannerLM, Shape, shape_from_config, shape_from_numbers
+from coatstate.planner.models import PlannerLM, Shape, shape_for_params, shape_from_config, shape_from_numbers
 from coatstate.planner.trace import ActivationModel, Progress, find_layers, trace
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -129,8 +129,18 @@ def resolve_model(
     if callable(model):
         return spec_from_factory(model)
     if model is None:
+        if params and not (layers or hidden) and not any((heads, kv_heads, ffn, vocab)):
+            shape, name = shape_for_params(arch, params, max_seq=max_seq, loss_chunks=loss_chunks)
+            return spec_from_shape(
+                shape,
+                f"{name}'s shape ({shape.layers} layers x {shape.hidden}), nearest to {params / 1e9:g}B",
+            )
         if not (layers and hidden):
-            raise ValueError("plain numbers need layers and hidden (and params or vocab)")
+            missing = " and ".join(f"--{k}" for k, v in (("layers", layers), ("hidden", hidden)) if not v)
+            raise ValueError(
+                f"a model from numbers needs {missing} (or --params alone, which picks the published "
+                "shape nearest to it)"
+            )
         shape = shape_from_numbers(
             arch=arch,
             layers=layers,

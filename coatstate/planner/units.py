@@ -20,6 +20,35 @@ _UNITS = {
 }
 _COUNT_SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
 
+# Each range is what the planner can build and trace in seconds, wide enough for any model
+# trained today; a value outside it is a usage error before anything is read or built.
+RANGES = {
+    "params": (1, 10**15),
+    "layers": (1, 1024),
+    "hidden": (1, 2**17),
+    "heads": (1, 2**17),
+    "kv_heads": (1, 2**17),
+    "ffn": (1, 2**20),
+    "vocab": (1, 2**24),
+    "seq": (1, 2**22),
+    "batch": (1, 2**20),
+    "gpus": (1, 2**16),
+    "gpu_memory": (1, 2**50),
+    "loss_chunks": (1, 2**16),
+}
+"""The documented range of each numeric option of `coatstate plan` (docs/planner.md)."""
+
+
+def check_range(name: str, value: int, where: str) -> None:
+    """ValueError when a model number (from flags, a config or a Shape) is outside RANGES[name]:
+    a config with n_layer 1e8 is refused before anything is built, as --layers 1e8 is."""
+    low, high = RANGES[name]
+    if not low <= value <= high:
+        raise ValueError(
+            f"{where}={value:,} is outside {low:,} to {high:,}, the range of --{name.replace('_', '-')}; "
+            "fix the value (docs/planner.md lists the ranges)"
+        )
+
 
 def parse_bytes(text: str) -> int:
     """'80GB', '141 GiB', '8e10' -> bytes (a bare number is bytes; GB = 1e9, GiB = 2**30)."""
