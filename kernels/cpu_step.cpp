@@ -3,138 +3,21 @@
 // Built at run time by coatstate.kernels.cpu_step (the C++ compiler torch.compile uses, no torch
 // headers) and called through ctypes. It computes what coatstate.optim.reference_step computes,
 // bit for bit: the same float32 operations in the same order, per group of one row. The codec's
-// math is IEEE basic operations and integer arithmetic only (formats/portable_math.py), built with
+// math (cpu_codec.h) is IEEE basic operations and integer arithmetic only, built with
 // -ffp-contract=off, so its bits do not depend on the vector width; the update's lerp and addcmul
 // round as torch's eager kernels do on this machine (the launcher probes whether those use FMA).
 //
-// Every loop below runs over one group (at most group_size elements) held in per-thread scratch
-// arrays: the data stays in L1, and each loop is simple enough for the compiler to vectorize.
+// Each thread takes a contiguous run of groups. A group (at most group_size elements) passes
+// through three loops over per-thread scratch that stays in L1: decode the moments, update (which
+// also reads the gradient and reads and writes the parameter), encode. Every loop is branch-free
+// and vectorizes (check with -fopt-info-vec-missed); the format and parameter mode are template
+// arguments picked once per call, so no per-element test remains.
 
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <vector>
+#include <cstdlib>
 
-namespace {
+#include "cpu_codec.h"
 
-// ---- bit views ----------------------------------------------------------------------------
-
-inline float as_float(uint32_t b) { float f; std::memcpy(&f, &b, 4); return f; }
-inline uint32_t as_bits(float f) { uint32_t b; std::memcpy(&b, &f, 4); return b; }
-inline float copy_sign(float mag, float sign_of) {
-  return as_float((as_bits(mag) & 0x7FFFFFFFu) | (as_bits(sign_of) & 0x80000000u));
-}
-inline bool is_finite(float x) { return (as_bits(x) & 0x7F800000u) != 0x7F800000u; }
-
-// ---- portable log2 / exp2 (formats/portable_math.py spells out the same operations) --------
-
-// float32 constants as hex literals, exactly the values formats/portable_math.py uses
-constexpr float kSqrt2 = 0x1.6a09e6p+0f;
-// 2 / (ln2 (2n + 1)): log2(m) = s (C1 + C3 s^2 + C5 s^4 + C7 s^6 + C9 s^8), s = (m - 1) / (m + 1)
-constexpr float kLog2C[5] = {0x1.715476p+1f, 0x1.ec709ep-1f, 0x1.2776c6p-1f, 0x1.a61762p-2f, 0x1.484b14p-2f};
-// (ln2)^n / n!, n = 0..7: 2^f for |f| <= 1/2
-constexpr float kExp2C[8] = {0x1p+0f,         0x1.62e430p-1f, 0x1.ebfbe0p-3f,  0x1.c6b08ep-5f,
-                             0x1.3b2ab6p-7f,  0x1.5d87fep-10f, 0x1.430912p-13f, 0x1.ffcbfcp-17f};
-
-// log2 of the mantissa m in [sqrt(1/2), sqrt(2)): the part of log2 that depends on m alone
-inline float log2_mantissa(float m) {
-  float s = (m - 1.0f) / (m + 1.0f);
-  float s2 = s * s;
-  float p = kLog2C[4];
-  p = p * s2 + kLog2C[3];
-  p = p * s2 + kLog2C[2];
-  p = p * s2 + kLog2C[1];
-  p = p * s2 + kLog2C[0];
-  return s * p;
-}
-
-// log2 of x >= 0 (x = 0: -inf, +inf: +inf, NaN: NaN), subnormals included
-inline float log2_portable(float x) {
-  bool sub = x < 1.17549435e-38f;  // below 2^-126: scaled up by 2^23 first (exact)
-  float xs = sub ? x * 8388608.0f : x;
-  uint32_t b = as_bits(xs);
-  int32_t e = (int32_t)((b >> 23) & 0xFF) - 127 - (sub ? 23 : 0);
-  float m = as_float((b & 0x7FFFFFu) | 0x3F800000u);
-  bool high = m >= kSqrt2;
-  m = high ? m * 0.5f : m;
-  e = high ? e + 1 : e;
-  float r = log2_mantissa(m) + (float)e;
-  r = x == 0.0f ? -INFINITY : r;
-  r = (x == INFINITY || x != x) ? x : r;
-  return r;
-}
-
-// 2^y (y = -inf: 0, +inf: +inf, NaN: NaN)
-inline float exp2_portable(float y) {
-  float yc = y < -151.0f ? -151.0f : (y > 129.0f ? 129.0f : y);
-  float n = (yc + 12582912.0f) - 12582912.0f;  // round to nearest even: exact for |y| < 2^22
-  float f = yc - n;                            // exact, |f| <= 1/2
-  float p = kExp2C[7];
-  for (int i = 6; i >= 0; --i) p = p * f + kExp2C[i];
-  int32_t ni = yc == yc ? (int32_t)n : 0;
-  int32_t n1 = ni < -100 ? -100 : (ni > 127 ? 127 : ni);  // p * 2^n1 stays a normal float
-  int32_t n2 = ni - n1;                                    // then one rounding into subnormals
-  return (p * as_float((uint32_t)(n1 + 127) << 23)) * as_float((uint32_t)(n2 + 127) << 23);
-}
-
-// ---- FP8 codes ------------------------------------------------------------------------------
-
-struct Fp8 {
-  int mbits, bias;    // mantissa bits; exponent bias (7 for E4M3, 15 for E5M2)
-  float max;          // largest finite magnitude
-  float sub_scale;    // 2^(emin - mbits): the subnormal spacing
-  float inv_sub;      // its inverse
-  float min_normal;   // 2^emin
-};
-const Fp8 kE4M3 = {3, 7, 448.0f, 0.001953125f, 512.0f, 0.015625f};
-const Fp8 kE5M2 = {2, 15, 57344.0f, 1.52587890625e-05f, 65536.0f, 6.103515625e-05f};
-
-// value of an FP8 code (NaN codes: NaN; E5M2's Inf codes: Inf)
-inline float fp8_value(uint32_t code, const Fp8& f) {
-  uint32_t mag = code & 0x7Fu;
-  uint32_t field = mag >> f.mbits;
-  float normal = as_float((mag << (23 - f.mbits)) + ((uint32_t)(127 - f.bias) << 23));
-  float sub = (float)(int32_t)(mag & ((1u << f.mbits) - 1)) * f.sub_scale;
-  float v = field == 0 ? sub : normal;
-  uint32_t top = (uint32_t)(0x7Fu >> f.mbits);  // all-ones exponent field
-  bool special = f.mbits == 3 ? mag == 0x7Fu : field == top;
-  bool inf = f.mbits == 2 && mag == 0x7Cu;
-  v = special ? (inf ? INFINITY : NAN) : v;
-  return copy_sign(v, as_float((code & 0x80u) << 24));
-}
-
-// code of y rounded to nearest even onto the FP8 grid, saturating (NaN: 0x7F)
-inline uint32_t fp8_code(float y, const Fp8& f) {
-  float mag = std::fabs(y);
-  mag = mag > f.max ? f.max : mag;
-  // below the normal range the grid is uniform: round mag / spacing to an integer
-  float q = (mag * f.inv_sub + 12582912.0f) - 12582912.0f;
-  uint32_t sub = (uint32_t)(int32_t)q;
-  uint32_t b = as_bits(mag);
-  uint32_t drop = 23 - f.mbits;
-  b = b + ((1u << (drop - 1)) - 1) + ((b >> drop) & 1u);
-  uint32_t normal = (((b >> 23) - (uint32_t)(127 - f.bias)) << f.mbits) | ((b >> drop) & ((1u << f.mbits) - 1));
-  uint32_t code = mag < f.min_normal ? sub : normal;
-  code |= (as_bits(y) >> 24) & 0x80u;
-  return y != y ? 0x7Fu : code;
-}
-
-// ---- 4-bit codes ----------------------------------------------------------------------------
-
-inline float e2m1_level(uint32_t i) {  // {0, .5, 1, 1.5, 2, 3, 4, 6}[i & 7]
-  uint32_t j = i & 7u;
-  float big = as_float((((j >> 1) + 126u) << 23) | ((j & 1u) << 22));
-  return j >= 2 ? big : (float)(int32_t)j * 0.5f;
-}
-inline float ue3m1_level(uint32_t i) {  // (1 + (i & 1) / 2) * 2^(i >> 1)
-  return as_float((((i >> 1) + 127u) << 23) | ((i & 1u) << 22));
-}
-
-inline uint32_t mix32(uint32_t h) {
-  h ^= h >> 16; h *= 0x85EBCA6Bu; h ^= h >> 13; h *= 0xC2B2AE35u; return h ^ (h >> 16);
-}
-
-}  // namespace
+using namespace coat;
 
 extern "C" {
 
@@ -171,285 +54,346 @@ struct CoatStep {
 
 namespace {
 
-constexpr float kMinScale = 1.17549435e-38f;   // 2^-126: formats.group.MIN_SCALE
-constexpr float kMinScale4 = 7.52316385e-37f;  // 2^-120: formats.fp4_moment.MIN_SCALE
+constexpr float kMinScale = 0x1p-126f;   // formats.group.MIN_SCALE
+constexpr float kMinScale4 = 0x1p-120f;  // formats.fp4_moment.MIN_SCALE
 constexpr float kFloat32Max = 3.40282347e+38f;
 
-struct Scratch {
-  std::vector<float> p, g, m, v, vmax, tmp;
-  explicit Scratch(int n) : p(n), g(n), m(n), v(n), vmax(n), tmp(n) {}
+// Where one group lies: its row, first column, index among the moment's groups, length, and
+// its first element's offset in the whole parameter (the stochastic roundings' counter).
+struct Group {
+  int64_t row, col0, index, base, offset;
+  int n;
 };
 
-const Fp8& fp8_of(int kind) { return kind == 1 ? kE4M3 : kE5M2; }
-
-// values of one group of a moment into x[0..n)
-void decode(const CoatMoment& mo, int64_t row, int64_t col0, int64_t gidx, int64_t cols, int n, float* x) {
-  float scale = mo.scales[gidx];
-  if (mo.kind <= 2) {
-    const Fp8& f = fp8_of(mo.kind);
-    const uint8_t* c = mo.codes + row * cols + col0;
-    if (!mo.exponents) {
-      for (int j = 0; j < n; ++j) x[j] = fp8_value(c[j], f) * scale;
-    } else {
-      float inv_k = 16.0f / (float)mo.exponents[gidx];
-      float log_scale = log2_portable(scale);
-      for (int j = 0; j < n; ++j) {
-        float q = fp8_value(c[j], f);
-        float r = exp2_portable(log2_portable(std::fabs(q)) * inv_k + log_scale);
-        r = r > kFloat32Max ? kFloat32Max : r;
-        r = q != 0.0f ? r : 0.0f;
-        x[j] = copy_sign(r, q);
-      }
-    }
-  } else {
-    const uint8_t* c = mo.codes + row * ((cols + 1) / 2) + col0 / 2;
-    bool sq = mo.kind == 4;
-    float step = scale / (sq ? 192.0f : 6.0f);
-    for (int j = 0; j < n; ++j) {
-      uint32_t code = (c[j >> 1] >> ((j & 1) * 4)) & 15u;
-      float lev = sq ? ue3m1_level(code) : e2m1_level(code);
-      lev = (!sq && code >= 8) ? -lev : lev;
-      float u = lev * step;
-      x[j] = sq ? u * u : u;
-    }
-  }
-  if (mo.second)
-    for (int j = 0; j < n; ++j) x[j] = x[j] != x[j] ? INFINITY : x[j];
+const Log2Fp8Table<3> kLog2E4M3;
+const Log2Fp8Table<2> kLog2E5M2;
+template <int MB> const Log2Fp8Table<MB>& log2_table() {
+  if constexpr (MB == 3) return kLog2E4M3; else return kLog2E5M2;
 }
 
-// encode x[0..n) into one group of a moment; rounding offsets (ue3m1) from the group's first
-// element `offset` in the whole parameter
-void encode(const CoatMoment& mo, const CoatStep& a, int64_t row, int64_t col0, int64_t gidx,
-            int64_t cols, int n, const float* x, float* mag, int64_t offset) {
-  if (mo.kind <= 2) {
-    const Fp8& f = fp8_of(mo.kind);
-    uint8_t* c = mo.codes + row * cols + col0;
-    uint32_t mx_bits = 0;  // magnitudes compare as their bit patterns
+// ---- decode: the group's moment values into x[0..n) ---------------------------------------
+
+template <int MB, bool EXPAND>
+void decode_fp8(const CoatMoment& mo, const CoatStep& a, const Group& gr, float* __restrict x) {
+  const uint8_t* __restrict c = mo.codes + gr.base;
+  const float scale = mo.scales[gr.index];
+  const int n = gr.n;
+  const bool second = mo.second;
+  if (!EXPAND) {
     for (int j = 0; j < n; ++j) {
-      mag[j] = is_finite(x[j]) ? std::fabs(x[j]) : 0.0f;
-      uint32_t b = as_bits(mag[j]);
-      mx_bits = b > mx_bits ? b : mx_bits;
+      float r = fp8_value<MB>(c[j]) * scale;
+      x[j] = (r != r) & second ? INFINITY : r;  // (not &&: a branch)
     }
-    float mx = as_float(mx_bits);
-    if (!mo.exponents) {
-      float s = mx / f.max;
-      s = s < kMinScale ? kMinScale : (s > mo.scale_max ? mo.scale_max : s);
-      s = mx > 0.0f ? s : 0.0f;
-      float inv = s > 0.0f ? 1.0f / s : 0.0f;
-      for (int j = 0; j < n; ++j) c[j] = (uint8_t)fp8_code(is_finite(x[j]) ? x[j] * inv : NAN, f);
-      mo.scales[gidx] = s;
-      return;
-    }
-    uint32_t mn_bits = 0x7F800000u;
-    for (int j = 0; j < n; ++j) {
-      uint32_t b = mag[j] > 0.0f ? as_bits(mag[j]) : 0x7F800000u;
-      mn_bits = b < mn_bits ? b : mn_bits;
-    }
-    float mn = as_float(mn_bits);
-    float log_mx = log2_portable(mx);
-    float log_range = log_mx - log2_portable(mn);
-    float k16 = std::floor(mo.k_numerator / log_range);
-    k16 = k16 < 1.0f ? 1.0f : (k16 > 255.0f ? 255.0f : k16);
-    k16 = mx > 0.0f ? k16 : 16.0f;
-    float inv_k = 16.0f / k16;
-    float k = k16 / 16.0f;
-    float s = exp2_portable(log_mx - mo.log2_max * inv_k);
-    s = s < kMinScale ? kMinScale : s;
-    s = mx > 0.0f ? s : 0.0f;
-    float log_s = log2_portable(s);
-    for (int j = 0; j < n; ++j) {
-      float y = exp2_portable(k * (log2_portable(mag[j]) - log_s));
-      y = mag[j] > 0.0f ? y : 0.0f;
-      y = copy_sign(y, x[j]);
-      c[j] = (uint8_t)fp8_code(is_finite(x[j]) ? y : NAN, f);
-    }
-    mo.scales[gidx] = s;
-    mo.exponents[gidx] = (uint8_t)k16;
     return;
   }
-  // 4-bit: u = sqrt(x) for ue3m1_sqrt, x for e2m1
-  bool sq = mo.kind == 4;
-  uint32_t mx_bits = 0;
-  bool all_finite = true;
+  float mant[1 << MB];  // a loop-invariant copy: the selects read registers
+  for (int i = 0; i < (1 << MB); ++i) mant[i] = log2_table<MB>().mantissa[i];
+  const float inv_k = 16.0f / (float)mo.exponents[gr.index];
+  const float log_scale = log2_portable(scale);
   for (int j = 0; j < n; ++j) {
-    float u = sq ? std::sqrt(x[j]) : x[j];
-    bool fin = is_finite(u);
-    all_finite = all_finite && fin;
-    mag[j] = fin ? u : 0.0f;
-    uint32_t b = as_bits(mag[j]) & 0x7FFFFFFFu;
+    uint32_t code = c[j];
+    float r = exp2_portable(fp8_log2_abs<MB>(code, mant) * inv_k + log_scale);
+    r = r > kFloat32Max ? kFloat32Max : r;
+    r = (code & 0x7Fu) != 0 ? r : 0.0f;
+    r = as_float((as_bits(r) & 0x7FFFFFFFu) | ((code & 0x80u) << 24));
+    x[j] = (r != r) & second ? INFINITY : r;  // (not &&: a branch)
+  }
+}
+
+template <bool SQ>
+void decode_fp4(const CoatMoment& mo, const CoatStep& a, const Group& gr, float* __restrict x) {
+  const uint8_t* __restrict c = mo.codes + gr.row * ((a.cols + 1) / 2) + gr.col0 / 2;
+  const float step = mo.scales[gr.index] / (SQ ? 192.0f : 6.0f);
+  const bool second = mo.second;
+  const int pairs = (gr.n + 1) / 2;  // an odd group's last high nibble lands in scratch padding
+  for (int j = 0; j < pairs; ++j) {
+    for (int h = 0; h < 2; ++h) {
+      uint32_t code = (c[j] >> (4 * h)) & 15u;
+      float u = (SQ ? ue3m1_level(code) : with_sign_of(e2m1_level(code), as_float(code << 28))) * step;
+      float r = SQ ? u * u : u;
+      x[2 * j + h] = second && r != r ? INFINITY : r;
+    }
+  }
+}
+
+// ---- encode: x[0..n) into the group's codes, scale (and exponent) -------------------------
+
+template <int MB, bool EXPAND>
+void encode_fp8(const CoatMoment& mo, const CoatStep& a, const Group& gr, const float* __restrict x) {
+  using F = Fp8<MB>;
+  uint8_t* __restrict c = mo.codes + gr.base;
+  const int n = gr.n;
+  int32_t mx_bits = 0, mn_bits = 0x7F800000;  // non-negative floats compare as their bits
+  for (int j = 0; j < n; ++j) {
+    int32_t b = (int32_t)(as_bits(x[j]) & 0x7FFFFFFFu);
+    b = b < 0x7F800000 ? b : 0;  // NaN and Inf are left out
+    mx_bits = b > mx_bits ? b : mx_bits;
+    int32_t nz = b != 0 ? b : 0x7F800000;  // the minimum is over nonzero magnitudes
+    mn_bits = nz < mn_bits ? nz : mn_bits;
+  }
+  const float mx = as_float((uint32_t)mx_bits);
+  if (!EXPAND) {
+    float s = mx / F::max;
+    s = s < kMinScale ? kMinScale : (s > mo.scale_max ? mo.scale_max : s);
+    s = mx > 0.0f ? s : 0.0f;
+    const float inv = s > 0.0f ? 1.0f / s : 0.0f;
+    for (int j = 0; j < n; ++j) c[j] = (uint8_t)fp8_code<MB>(is_finite(x[j]) ? x[j] * inv : NAN);
+    mo.scales[gr.index] = s;
+    return;
+  }
+  const float mn = as_float((uint32_t)mn_bits);
+  const float log_mx = log2_portable(mx);
+  const float log_range = log_mx - log2_portable(mn);
+  float k16 = std::floor(mo.k_numerator / log_range);
+  k16 = k16 < 1.0f ? 1.0f : (k16 > 255.0f ? 255.0f : k16);
+  k16 = mx > 0.0f ? k16 : 16.0f;
+  const float k = k16 / 16.0f;
+  float s = exp2_portable(log_mx - mo.log2_max * (16.0f / k16));
+  s = s < kMinScale ? kMinScale : s;
+  s = mx > 0.0f ? s : 0.0f;
+  const float log_s = log2_portable(s);
+  for (int j = 0; j < n; ++j) {
+    // the twin takes log2 of 0 for a non-finite x, but its code is NaN either way; a select
+    // before log2 would let gcc thread jumps through log2's own selects, and not vectorize
+    float y = exp2_portable(k * (log2_portable(std::fabs(x[j])) - log_s));
+    y = x[j] != 0.0f ? y : 0.0f;
+    y = with_sign_of(y, x[j]);
+    c[j] = (uint8_t)fp8_code<MB>(is_finite(x[j]) ? y : NAN);
+  }
+  mo.scales[gr.index] = s;
+  mo.exponents[gr.index] = (uint8_t)k16;
+}
+
+// u = sqrt(x) (ue3m1_sqrt, rounded stochastically) or x (e2m1, to nearest); codes[] is scratch
+template <bool SQ>
+void encode_fp4(const CoatMoment& mo, const CoatStep& a, const Group& gr, const float* __restrict x,
+                uint32_t* __restrict codes) {
+  const int n = gr.n;
+  int32_t mx_bits = 0, finite = 0;
+  for (int j = 0; j < n; ++j) {
+    float u = SQ ? std::sqrt(x[j]) : x[j];
+    int32_t b = (int32_t)(as_bits(u) & 0x7FFFFFFFu);
+    finite += b < 0x7F800000;
+    b = b < 0x7F800000 ? b : 0;
     mx_bits = b > mx_bits ? b : mx_bits;
   }
-  float mx = as_float(mx_bits);
-  float s = mx > 0.0f ? (mx < kMinScale4 ? kMinScale4 : mx) : 0.0f;
-  float top = sq ? 192.0f : 6.0f;
-  float to_units = s > 0.0f ? top / s : 0.0f;
-  uint8_t* c = mo.codes + row * ((cols + 1) / 2) + col0 / 2;
-  for (int j = 0; j < n; j += 2) {
-    uint32_t pair = 0;
-    for (int h = 0; h < 2 && j + h < n; ++h) {
-      float u = mag[j + h];
-      float y = std::fabs(u) * to_units;
-      y = y > top ? top : y;
-      uint32_t code;
-      if (sq) {
-        uint64_t off = (uint64_t)(offset + j + h) & 0xFFFFFFFFu;
-        uint32_t hash = mix32((uint32_t)((off >> 1) * 0x85EBCA77u) ^ a.rounding_key);
-        uint64_t r = ((uint64_t)((hash >> ((off & 1) * 16)) & 0xFFFFu) << 6) | 32u;
-        int64_t i = (int64_t)(((uint64_t)as_bits(y) + r) >> 22) - 254;
-        code = (uint32_t)(i < 0 ? 0 : (i > 15 ? 15 : i));
-      } else {  // nearest of {0, .5, 1, 1.5, 2, 3, 4, 6}, ties to the even index
-        const float mids[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
-        uint32_t idx = 0;
-        for (int t = 0; t < 7; ++t) idx += y > mids[t] ? 1u : 0u;
-        float mid = mids[idx > 6 ? 6 : idx];
-        idx += (y == mid && (idx & 1u)) ? 1u : 0u;
-        code = idx | (u < 0.0f ? 8u : 0u);
-      }
-      pair |= code << (4 * h);
-    }
-    c[j >> 1] = (uint8_t)pair;
-  }
-  mo.scales[gidx] = all_finite ? s : NAN;
-}
-
-inline float bf16_to_float(uint16_t h) { return as_float((uint32_t)h << 16); }
-
-// float32 -> bfloat16 to nearest even (the NaN bits as torch's cast gives them)
-inline uint16_t round_bf16(float x, uint16_t nan_bits) {
-  uint64_t b = as_bits(x);
-  uint16_t r = (uint16_t)(((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16) & 0xFFFFu);
-  return x != x ? nan_bits : r;
-}
-
-inline float correction_scale(uint16_t w) {  // ulp(w) / 256 (formats.master_weights)
-  int32_t field = (w >> 7) & 0xFF;
-  field = field < 16 ? 16 : field;
-  return as_float((uint32_t)(field - 15) << 23);
-}
-
-void step_group(CoatStep& a, Scratch& s, int64_t row, int64_t col0, int64_t gidx, int n, int64_t* bad) {
-  int64_t base = row * a.cols + col0;
-  float* p = s.p.data();
-  float* g = s.g.data();
-  float* m = s.m.data();
-  float* v = s.v.data();
-  if (a.param_bf16) {
-    const uint16_t* w = (const uint16_t*)a.param + base;
-    if (a.master_bits == 24) {
-      const int8_t* c = (const int8_t*)a.correction + base;
-      for (int j = 0; j < n; ++j) p[j] = bf16_to_float(w[j]) + (float)c[j] * correction_scale(w[j]);
-    } else if (a.master_bits == 32) {
-      const int16_t* r = (const int16_t*)a.correction + base;
-      for (int j = 0; j < n; ++j) {
-        float x = as_float(((uint32_t)w[j] << 16) + (uint32_t)(int32_t)r[j]);
-        float wf = bf16_to_float(w[j]);
-        p[j] = wf != wf ? wf : x;
-      }
-    } else {
-      for (int j = 0; j < n; ++j) p[j] = bf16_to_float(w[j]);
-    }
-  } else {
-    std::memcpy(p, (const float*)a.param + base, sizeof(float) * n);
-  }
-  if (a.grad_bf16) {
-    const uint16_t* gg = (const uint16_t*)a.grad + base;
-    for (int j = 0; j < n; ++j) g[j] = bf16_to_float(gg[j]);
-  } else {
-    std::memcpy(g, (const float*)a.grad + base, sizeof(float) * n);
-  }
-  if (a.has_inv_scale)
-    for (int j = 0; j < n; ++j) g[j] = g[j] * a.inv_scale;
-  if (a.maximize)
-    for (int j = 0; j < n; ++j) g[j] = -g[j];
-  decode(a.m, row, col0, gidx, a.cols, n, m);
-  decode(a.v, row, col0, gidx, a.cols, n, v);
-  if (a.weight_decay)
-    for (int j = 0; j < n; ++j) p[j] = p[j] * a.decay;
-  // torch's lerp: weight < 1/2 steps from the start, otherwise back from the end
-  bool from_start = std::fabs(a.lerp_weight) < 0.5f;
-  float coeff = from_start ? a.lerp_weight : a.lerp_weight - 1.0f;
-  if (a.fma_lerp) {
-    for (int j = 0; j < n; ++j) m[j] = std::fma(coeff, g[j] - m[j], from_start ? m[j] : g[j]);
-  } else {
-    for (int j = 0; j < n; ++j) m[j] = (from_start ? m[j] : g[j]) + coeff * (g[j] - m[j]);
-  }
-  if (a.fma_addcmul) {
-    for (int j = 0; j < n; ++j) v[j] = std::fma(a.one_minus_beta2 * g[j], g[j], v[j] * a.beta2);
-  } else {
-    for (int j = 0; j < n; ++j) v[j] = v[j] * a.beta2 + a.one_minus_beta2 * g[j] * g[j];
-  }
-  const float* den_src = v;
-  if (a.amsgrad) {
-    float* vm = s.vmax.data();
-    decode(a.vmax, row, col0, gidx, a.cols, n, vm);
-    for (int j = 0; j < n; ++j) vm[j] = (vm[j] != vm[j] || v[j] != v[j]) ? NAN : (v[j] > vm[j] ? v[j] : vm[j]);
-    den_src = vm;
-  }
-  int64_t nonfinite = 0;
+  const float mx = as_float((uint32_t)mx_bits);
+  const float s = mx > 0.0f ? (mx < kMinScale4 ? kMinScale4 : mx) : 0.0f;
+  constexpr float top = SQ ? 192.0f : 6.0f;
+  const float to_units = s > 0.0f ? top / s : 0.0f;
+  const uint32_t key = a.rounding_key, off0 = (uint32_t)gr.offset;  // offsets count mod 2^32
   for (int j = 0; j < n; ++j) {
-    float denom = std::sqrt(den_src[j]) / a.bc2_sqrt + a.eps;
-    p[j] = p[j] + (a.neg_step_size * m[j]) / denom;
-    float t = m[j] + v[j];
-    nonfinite += (t - t) != 0.0f ? 1 : 0;
+    float u = SQ ? std::sqrt(x[j]) : x[j];
+    u = is_finite(u) ? u : 0.0f;
+    float y = std::fabs(u) * to_units;
+    y = y > top ? top : y;
+    if (SQ) {
+      uint32_t off = off0 + (uint32_t)j;
+      uint32_t hash = mix32(((off >> 1) * 0x85EBCA77u) ^ key);
+      uint32_t r = (((hash >> ((off & 1u) * 16)) & 0xFFFFu) << 6) | 32u;
+      int32_t i = (int32_t)((as_bits(y) + r) >> 22) - 254;  // y <= 192: no carry out of 32 bits
+      codes[j] = (uint32_t)(i < 0 ? 0 : (i > 15 ? 15 : i));
+    } else {
+      codes[j] = e2m1_index(y) | (u < 0.0f ? 8u : 0u);
+    }
   }
-  *bad += nonfinite;
-  int64_t offset = a.first_element + base;
-  encode(a.m, a, row, col0, gidx, a.cols, n, m, s.tmp.data(), offset);
-  encode(a.v, a, row, col0, gidx, a.cols, n, v, s.tmp.data(), offset);
-  if (a.amsgrad) encode(a.vmax, a, row, col0, gidx, a.cols, n, s.vmax.data(), s.tmp.data(), offset);
-  if (!a.param_bf16) {
-    std::memcpy((float*)a.param + base, p, sizeof(float) * n);
+  codes[n] = 0;  // an odd group's last high nibble is 0
+  uint8_t* __restrict c = mo.codes + gr.row * ((a.cols + 1) / 2) + gr.col0 / 2;
+  for (int j = 0; j < (n + 1) / 2; ++j) c[j] = (uint8_t)(codes[2 * j] | (codes[2 * j + 1] << 4));
+  mo.scales[gr.index] = finite == n ? s : NAN;
+}
+
+// ---- the update -----------------------------------------------------------------------------
+
+enum ParamMode { kFloat32, kBf16, kMaster16, kMaster24, kMaster32 };
+
+// the parameter's (and correction's) pointers, copied out of CoatStep: stores through them could
+// alias the struct, and reloading its fields every element stops vectorization
+struct ParamPtrs {
+  float* __restrict p32;
+  uint16_t* __restrict w;
+  int8_t* __restrict c8;
+  int16_t* __restrict c16;
+};
+
+template <int PM>
+COAT_INLINE float load_param(const ParamPtrs& q, int64_t i) {
+  if (PM == kFloat32) return q.p32[i];
+  uint32_t w = q.w[i];
+  float wf = bf16_to_float(w);
+  if (PM == kMaster24) return wf + (float)q.c8[i] * correction_scale(w);
+  if (PM == kMaster32) {
+    float x = as_float((w << 16) + (uint32_t)(int32_t)q.c16[i]);
+    return wf != wf ? wf : x;
+  }
+  return wf;
+}
+
+template <int PM>
+COAT_INLINE void store_param(const ParamPtrs& q, int64_t i, float p, uint32_t offset, uint32_t nan, uint32_t key) {
+  if (PM == kFloat32) {
+    q.p32[i] = p;
     return;
   }
-  uint16_t* w = (uint16_t*)a.param + base;
-  if (a.master_bits == 24) {
-    int8_t* c = (int8_t*)a.correction + base;
-    for (int j = 0; j < n; ++j) {
-      uint16_t h = round_bf16(p[j], a.bf16_nan);
-      float d = std::nearbyint((p[j] - bf16_to_float(h)) / correction_scale(h));
-      d = d < -128.0f ? -128.0f : (d > 127.0f ? 127.0f : d);
-      d = is_finite(d) ? d : 0.0f;
-      w[j] = h;
-      c[j] = (int8_t)(int32_t)d;
-    }
-  } else if (a.master_bits == 32) {
-    int16_t* r = (int16_t*)a.correction + base;
-    for (int j = 0; j < n; ++j) {
-      uint32_t b = as_bits(p[j]);
-      uint32_t high = (uint32_t)(((uint64_t)b + 0x8000u) >> 16);
-      r[j] = (int16_t)(uint16_t)(b - (high << 16));
-      w[j] = p[j] != p[j] ? a.bf16_nan : (uint16_t)high;
-    }
-  } else if (a.master_bits == 16) {
-    for (int j = 0; j < n; ++j) {
-      uint32_t off = (uint32_t)(uint64_t)(offset + j);
-      uint32_t bits = as_bits(p[j]) + (mix32((off * 0x85EBCA77u) ^ a.master_key) & 0xFFFFu);
-      w[j] = p[j] != p[j] ? a.bf16_nan : (uint16_t)(bits >> 16);
-    }
+  uint16_t* __restrict w = q.w;
+  if (PM == kMaster24) {
+    uint32_t h = round_bf16(p, nan);
+    float d = std::nearbyint((p - bf16_to_float(h)) / correction_scale(h));
+    d = d < -128.0f ? -128.0f : (d > 127.0f ? 127.0f : d);
+    d = is_finite(d) ? d : 0.0f;
+    w[i] = (uint16_t)h;
+    q.c8[i] = (int8_t)(int32_t)d;
+  } else if (PM == kMaster32) {
+    uint32_t b = as_bits(p);
+    uint32_t high = (b + 0x8000u) >> 16;  // wraps only for NaN bits; the remainder is b mod 2^16 anyway
+    q.c16[i] = (int16_t)(uint16_t)(b - (high << 16));
+    w[i] = (uint16_t)(p != p ? nan : high);
+  } else if (PM == kMaster16) {
+    uint32_t bits = as_bits(p) + (mix32((offset * 0x85EBCA77u) ^ key) & 0xFFFFu);
+    w[i] = (uint16_t)(p != p ? nan : bits >> 16);
   } else {
-    for (int j = 0; j < n; ++j) w[j] = round_bf16(p[j], a.bf16_nan);
+    w[i] = (uint16_t)round_bf16(p, nan);
   }
 }
+
+// torch's single-tensor AdamW on one group: m, v (and vm) in scratch, p and g in place
+template <int PM, bool GRAD_BF16, bool FMA_LERP, bool FMA_ADDCMUL>
+int64_t update(const CoatStep& a, const Group& gr, float* __restrict m, float* __restrict v,
+               float* __restrict vm) {
+  const int n = gr.n;
+  const int64_t base = gr.base;
+  const float* __restrict g32 = (const float*)a.grad + base;
+  const uint16_t* __restrict g16 = (const uint16_t*)a.grad + base;
+  // torch's lerp: weight < 1/2 steps from the start, otherwise back from the end
+  const bool from_start = std::fabs(a.lerp_weight) < 0.5f;
+  const float coeff = from_start ? a.lerp_weight : a.lerp_weight - 1.0f;
+  const float inv_scale = a.has_inv_scale ? a.inv_scale : 1.0f, decay = a.decay;
+  const bool maximize = a.maximize;
+  const bool scaled = a.has_inv_scale, decayed = a.weight_decay, amsgrad = a.amsgrad;
+  const float beta2 = a.beta2, omb2 = a.one_minus_beta2, bc2 = a.bc2_sqrt, eps = a.eps, nstep = a.neg_step_size;
+  const uint32_t off0 = (uint32_t)gr.offset, nan = a.bf16_nan, key = a.master_key;
+  const ParamPtrs q = {(float*)a.param + base, (uint16_t*)a.param + base, (int8_t*)a.correction + base,
+                       (int16_t*)a.correction + base};
+  int64_t nonfinite = 0;
+  for (int j = 0; j < n; ++j) {
+    float p = load_param<PM>(q, j);
+    float g = GRAD_BF16 ? bf16_to_float(g16[j]) : g32[j];
+    g = scaled ? g * inv_scale : g;
+    g = maximize ? -g : g;
+    p = decayed ? p * decay : p;
+    float mj = m[j], vj = v[j];
+    float start = from_start ? mj : g;
+    mj = FMA_LERP ? std::fma(coeff, g - mj, start) : start + coeff * (g - mj);
+    vj = FMA_ADDCMUL ? std::fma(omb2 * g, g, vj * beta2) : vj * beta2 + omb2 * g * g;
+    float den = vj;
+    if (amsgrad) {
+      float mx = (vm[j] != vm[j] || vj != vj) ? NAN : (vj > vm[j] ? vj : vm[j]);
+      vm[j] = mx;
+      den = mx;
+    }
+    float denom = std::sqrt(den) / bc2 + eps;
+    p = p + (nstep * mj) / denom;
+    float t = mj + vj;
+    nonfinite += (t - t) != 0.0f;
+    m[j] = mj;
+    v[j] = vj;
+    store_param<PM>(q, j, p, off0 + (uint32_t)j, nan, key);
+  }
+  return nonfinite;
+}
+
+using DecodeFn = void (*)(const CoatMoment&, const CoatStep&, const Group&, float*);
+using EncodeFn = void (*)(const CoatMoment&, const CoatStep&, const Group&, const float*, uint32_t*);
+using UpdateFn = int64_t (*)(const CoatStep&, const Group&, float*, float*, float*);
+
+template <int MB, bool EXPAND>
+void encode_fp8_(const CoatMoment& mo, const CoatStep& a, const Group& gr, const float* x, uint32_t*) {
+  encode_fp8<MB, EXPAND>(mo, a, gr, x);
+}
+
+DecodeFn decoder(const CoatMoment& mo) {
+  bool ex = mo.exponents != nullptr;
+  switch (mo.kind) {
+    case 1: return ex ? decode_fp8<3, true> : decode_fp8<3, false>;
+    case 2: return ex ? decode_fp8<2, true> : decode_fp8<2, false>;
+    case 3: return decode_fp4<false>;
+    default: return decode_fp4<true>;
+  }
+}
+
+EncodeFn encoder(const CoatMoment& mo) {
+  bool ex = mo.exponents != nullptr;
+  switch (mo.kind) {
+    case 1: return ex ? encode_fp8_<3, true> : encode_fp8_<3, false>;
+    case 2: return ex ? encode_fp8_<2, true> : encode_fp8_<2, false>;
+    case 3: return encode_fp4<false>;
+    default: return encode_fp4<true>;
+  }
+}
+
+template <int PM>
+UpdateFn updater_for(const CoatStep& a) {
+  int which = (a.grad_bf16 ? 4 : 0) | (a.fma_lerp ? 2 : 0) | (a.fma_addcmul ? 1 : 0);
+  constexpr UpdateFn table[8] = {
+      update<PM, false, false, false>, update<PM, false, false, true>, update<PM, false, true, false>,
+      update<PM, false, true, true>,   update<PM, true, false, false>,  update<PM, true, false, true>,
+      update<PM, true, true, false>,   update<PM, true, true, true>};
+  return table[which];
+}
+
+UpdateFn updater(const CoatStep& a) {
+  if (!a.param_bf16) return updater_for<kFloat32>(a);
+  switch (a.master_bits) {
+    case 16: return updater_for<kMaster16>(a);
+    case 24: return updater_for<kMaster24>(a);
+    case 32: return updater_for<kMaster32>(a);
+    default: return updater_for<kBf16>(a);
+  }
+}
+
+constexpr int64_t kMinElementsPerThread = 1 << 15;  // below it, a second thread costs more than it saves
 
 }  // namespace
 
-extern "C" int coat_adamw_step(CoatStep* a) {
-  const int64_t gs = a->group_size;
-  const int64_t per_row = a->cols > 0 ? (a->cols + gs - 1) / gs : 1;
-  const int64_t total = a->rows * per_row;
+extern "C" int coat_adamw_step(CoatStep* ap) {
+  const CoatStep& a = *ap;
+  const int64_t gs = a.group_size;
+  const int64_t per_row = a.cols > 0 ? (a.cols + gs - 1) / gs : 1;
+  const int64_t total = a.rows * per_row;
+  const DecodeFn dm = decoder(a.m), dv = decoder(a.v), dvm = a.amsgrad ? decoder(a.vmax) : nullptr;
+  const EncodeFn em = encoder(a.m), ev = encoder(a.v), evm = a.amsgrad ? encoder(a.vmax) : nullptr;
+  const UpdateFn up = updater(a);
+  int64_t threads = a.rows * a.cols / kMinElementsPerThread;
+  threads = threads < 1 ? 1 : (threads > a.threads ? a.threads : threads);
   int64_t bad = 0;
-#pragma omp parallel num_threads(a->threads) reduction(+ : bad)
+#pragma omp parallel num_threads((int)threads) reduction(+ : bad)
   {
-    Scratch s((int)gs);
+    // scratch: m, v, vm as float and the 4-bit codes, each padded by a vector for odd groups
+    const int64_t stride = (gs + 64) & ~int64_t(15);
+    float* buf = (float*)std::aligned_alloc(64, sizeof(float) * 4 * stride);
+    float *m = buf, *v = buf + stride, *vm = buf + 2 * stride;
+    uint32_t* codes = (uint32_t*)(buf + 3 * stride);
 #pragma omp for schedule(static)
-    for (int64_t gidx = 0; gidx < total; ++gidx) {
-      int64_t row = gidx / per_row;
-      int64_t col0 = (gidx - row * per_row) * gs;
-      int64_t n = a->cols - col0 < gs ? a->cols - col0 : gs;
-      if (n > 0) step_group(*a, s, row, col0, gidx, (int)n, &bad);
+    for (int64_t index = 0; index < total; ++index) {
+      Group gr;
+      gr.index = index;
+      gr.row = index / per_row;
+      gr.col0 = (index - gr.row * per_row) * gs;
+      gr.n = (int)(a.cols - gr.col0 < gs ? a.cols - gr.col0 : gs);
+      if (gr.n <= 0) continue;
+      gr.base = gr.row * a.cols + gr.col0;
+      gr.offset = a.first_element + gr.base;
+      dm(a.m, a, gr, m);
+      dv(a.v, a, gr, v);
+      if (dvm) dvm(a.vmax, a, gr, vm);
+      bad += up(a, gr, m, v, vm);
+      em(a.m, a, gr, m, codes);
+      ev(a.v, a, gr, v, codes);
+      if (evm) evm(a.vmax, a, gr, vm, codes);
     }
+    std::free(buf);
   }
-  a->nonfinite = bad;
+  ap->nonfinite = bad;
   return 0;
 }
 

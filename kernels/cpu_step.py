@@ -35,10 +35,13 @@ from ..formats.optimizer_state import CODES, EXPONENTS, MASTER_CORRECTION, SCALE
 logger = logging.getLogger("coatstate")
 
 SOURCE = Path(__file__).with_name("cpu_step.cpp")
+HEADERS = (Path(__file__).with_name("cpu_codec.h"),)
 FLAGS = (
     "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17",
     # bits: no a*b+c contracted into an FMA; no errno or trap semantics, which stop vectorization
     "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math",
+    # gcc's jump threading splits the codec's selects into branches, which do not vectorize
+    "-fno-thread-jumps",
 ) + (("-mprefer-vector-width=512",) if os.uname().machine == "x86_64" else ())  # fmt: skip
 _KINDS = {FP8Format.E4M3: 1, FP8Format.E5M2: 2, FP4Format.E2M1: 3, FP4Format.UE3M1_SQRT: 4}
 _MASK32 = 0xFFFFFFFF
@@ -118,7 +121,7 @@ def _machine_key() -> str:
 def build(cxx: str) -> Path:
     """Compile kernels/cpu_step.cpp with `cxx` (once per source, flags, compiler and CPU) and
     return the shared library's path; a CalledProcessError carries the compiler's message."""
-    source = SOURCE.read_bytes()
+    source = b"\0".join(path.read_bytes() for path in (SOURCE, *HEADERS))
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(), _machine_key().encode()]))
     target = _cache_dir() / f"cpu_step_{key.hexdigest()[:20]}.so"
