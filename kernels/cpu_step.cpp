@@ -73,11 +73,11 @@ template <int MB> const Log2Fp8Table<MB>& log2_table() {
 
 // ---- decode: the group's moment values into x[0..n) ---------------------------------------
 
-template <int MB, bool EXPAND>
+template <int MB, bool EXPAND, int N>
 void decode_fp8(const CoatMoment& mo, const CoatStep& a, const Group& gr, float* __restrict x) {
   const uint8_t* __restrict c = mo.codes + gr.base;
   const float scale = mo.scales[gr.index];
-  const int n = gr.n;
+  const int n = N ? N : gr.n;  // N: a full group of the default size, known to the compiler
   const bool second = mo.second;
   if (!EXPAND) {
     for (int j = 0; j < n; ++j) {
@@ -100,12 +100,12 @@ void decode_fp8(const CoatMoment& mo, const CoatStep& a, const Group& gr, float*
   }
 }
 
-template <bool SQ>
+template <bool SQ, int N>
 void decode_fp4(const CoatMoment& mo, const CoatStep& a, const Group& gr, float* __restrict x) {
   const uint8_t* __restrict c = mo.codes + gr.row * ((a.cols + 1) / 2) + gr.col0 / 2;
   const float step = mo.scales[gr.index] / (SQ ? 192.0f : 6.0f);
   const bool second = mo.second;
-  const int pairs = (gr.n + 1) / 2;  // an odd group's last high nibble lands in scratch padding
+  const int pairs = ((N ? N : gr.n) + 1) / 2;  // an odd group's last high nibble lands in scratch padding
   for (int j = 0; j < pairs; ++j) {
     for (int h = 0; h < 2; ++h) {
       uint32_t code = (c[j] >> (4 * h)) & 15u;
@@ -118,11 +118,11 @@ void decode_fp4(const CoatMoment& mo, const CoatStep& a, const Group& gr, float*
 
 // ---- encode: x[0..n) into the group's codes, scale (and exponent) -------------------------
 
-template <int MB, bool EXPAND>
+template <int MB, bool EXPAND, int N>
 void encode_fp8(const CoatMoment& mo, const CoatStep& a, const Group& gr, const float* __restrict x) {
   using F = Fp8<MB>;
   uint8_t* __restrict c = mo.codes + gr.base;
-  const int n = gr.n;
+  const int n = N ? N : gr.n;  // N: a full group of the default size, known to the compiler
   int32_t mx_bits = 0, mn_bits = 0x7F800000;  // non-negative floats compare as their bits
   for (int j = 0; j < n; ++j) {
     int32_t b = (int32_t)(as_bits(x[j]) & 0x7FFFFFFFu);
@@ -165,10 +165,10 @@ void encode_fp8(const CoatMoment& mo, const CoatStep& a, const Group& gr, const 
 }
 
 // u = sqrt(x) (ue3m1_sqrt, rounded stochastically) or x (e2m1, to nearest); codes[] is scratch
-template <bool SQ>
+template <bool SQ, int N>
 void encode_fp4(const CoatMoment& mo, const CoatStep& a, const Group& gr, const float* __restrict x,
                 uint32_t* __restrict codes) {
-  const int n = gr.n;
+  const int n = N ? N : gr.n;  // N: a full group of the default size, known to the compiler
   int32_t mx_bits = 0, finite = 0;
   for (int j = 0; j < n; ++j) {
     float u = SQ ? std::sqrt(x[j]) : x[j];
@@ -257,10 +257,10 @@ COAT_INLINE void store_param(const ParamPtrs& q, int64_t i, float p, uint32_t of
 }
 
 // torch's single-tensor AdamW on one group: m, v (and vm) in scratch, p and g in place
-template <int PM, bool GRAD_BF16, bool FMA_LERP, bool FMA_ADDCMUL>
+template <int N, int PM, bool GRAD_BF16, bool FMA_LERP, bool FMA_ADDCMUL>
 int64_t update(const CoatStep& a, const Group& gr, float* __restrict m, float* __restrict v,
                float* __restrict vm) {
-  const int n = gr.n;
+  const int n = N ? N : gr.n;  // N: a full group of the default size, known to the compiler
   const int64_t base = gr.base;
   const float* __restrict g32 = (const float*)a.grad + base;
   const uint16_t* __restrict g16 = (const uint16_t*)a.grad + base;
@@ -306,50 +306,78 @@ using DecodeFn = void (*)(const CoatMoment&, const CoatStep&, const Group&, floa
 using EncodeFn = void (*)(const CoatMoment&, const CoatStep&, const Group&, const float*, uint32_t*);
 using UpdateFn = int64_t (*)(const CoatStep&, const Group&, float*, float*, float*);
 
-template <int MB, bool EXPAND>
+template <int MB, bool EXPAND, int N>
 void encode_fp8_(const CoatMoment& mo, const CoatStep& a, const Group& gr, const float* x, uint32_t*) {
-  encode_fp8<MB, EXPAND>(mo, a, gr, x);
+  encode_fp8<MB, EXPAND, N>(mo, a, gr, x);
 }
 
+template <int N>
 DecodeFn decoder(const CoatMoment& mo) {
   bool ex = mo.exponents != nullptr;
   switch (mo.kind) {
-    case 1: return ex ? decode_fp8<3, true> : decode_fp8<3, false>;
-    case 2: return ex ? decode_fp8<2, true> : decode_fp8<2, false>;
-    case 3: return decode_fp4<false>;
-    default: return decode_fp4<true>;
+    case 1: return ex ? decode_fp8<3, true, N> : decode_fp8<3, false, N>;
+    case 2: return ex ? decode_fp8<2, true, N> : decode_fp8<2, false, N>;
+    case 3: return decode_fp4<false, N>;
+    default: return decode_fp4<true, N>;
   }
 }
 
+template <int N>
 EncodeFn encoder(const CoatMoment& mo) {
   bool ex = mo.exponents != nullptr;
   switch (mo.kind) {
-    case 1: return ex ? encode_fp8_<3, true> : encode_fp8_<3, false>;
-    case 2: return ex ? encode_fp8_<2, true> : encode_fp8_<2, false>;
-    case 3: return encode_fp4<false>;
-    default: return encode_fp4<true>;
+    case 1: return ex ? encode_fp8_<3, true, N> : encode_fp8_<3, false, N>;
+    case 2: return ex ? encode_fp8_<2, true, N> : encode_fp8_<2, false, N>;
+    case 3: return encode_fp4<false, N>;
+    default: return encode_fp4<true, N>;
   }
 }
 
-template <int PM>
+template <int N, int PM>
 UpdateFn updater_for(const CoatStep& a) {
   int which = (a.grad_bf16 ? 4 : 0) | (a.fma_lerp ? 2 : 0) | (a.fma_addcmul ? 1 : 0);
   constexpr UpdateFn table[8] = {
-      update<PM, false, false, false>, update<PM, false, false, true>, update<PM, false, true, false>,
-      update<PM, false, true, true>,   update<PM, true, false, false>,  update<PM, true, false, true>,
-      update<PM, true, true, false>,   update<PM, true, true, true>};
+      update<N, PM, false, false, false>, update<N, PM, false, false, true>, update<N, PM, false, true, false>,
+      update<N, PM, false, true, true>,   update<N, PM, true, false, false>,  update<N, PM, true, false, true>,
+      update<N, PM, true, true, false>,   update<N, PM, true, true, true>};
   return table[which];
 }
 
+template <int N>
 UpdateFn updater(const CoatStep& a) {
-  if (!a.param_bf16) return updater_for<kFloat32>(a);
+  if (!a.param_bf16) return updater_for<N, kFloat32>(a);
   switch (a.master_bits) {
-    case 16: return updater_for<kMaster16>(a);
-    case 24: return updater_for<kMaster24>(a);
-    case 32: return updater_for<kMaster32>(a);
-    default: return updater_for<kBf16>(a);
+    case 16: return updater_for<N, kMaster16>(a);
+    case 24: return updater_for<N, kMaster24>(a);
+    case 32: return updater_for<N, kMaster32>(a);
+    default: return updater_for<N, kBf16>(a);
   }
 }
+
+// The functions one group runs, picked once per call: for groups of any length (N = 0) or for full
+// groups of the default size (N = 128), whose loops the compiler lays out without remainders.
+struct Kernels {
+  DecodeFn dm, dv, dvm;
+  UpdateFn up;
+  EncodeFn em, ev, evm;
+  template <int N>
+  static Kernels make(const CoatStep& a) {
+    return {decoder<N>(a.m), decoder<N>(a.v), a.amsgrad ? decoder<N>(a.vmax) : nullptr, updater<N>(a),
+            encoder<N>(a.m), encoder<N>(a.v), a.amsgrad ? encoder<N>(a.vmax) : nullptr};
+  }
+  int64_t run(const CoatStep& a, const Group& gr, float* m, float* v, float* vm, uint32_t* codes) const {
+    dm(a.m, a, gr, m);
+    dv(a.v, a, gr, v);
+    if (dvm) dvm(a.vmax, a, gr, vm);
+    int64_t bad = up(a, gr, m, v, vm);
+    em(a.m, a, gr, m, codes);
+    ev(a.v, a, gr, v, codes);
+    if (evm) evm(a.vmax, a, gr, vm, codes);
+    return bad;
+  }
+};
+
+constexpr int kDefaultGroup = 128;  // formats.defaults.GROUP_SIZE
 
 constexpr int64_t kMinElementsPerThread = 1 << 15;  // below it, a second thread costs more than it saves
 
@@ -360,9 +388,7 @@ extern "C" int coat_adamw_step(CoatStep* ap) {
   const int64_t gs = a.group_size;
   const int64_t per_row = a.cols > 0 ? (a.cols + gs - 1) / gs : 1;
   const int64_t total = a.rows * per_row;
-  const DecodeFn dm = decoder(a.m), dv = decoder(a.v), dvm = a.amsgrad ? decoder(a.vmax) : nullptr;
-  const EncodeFn em = encoder(a.m), ev = encoder(a.v), evm = a.amsgrad ? encoder(a.vmax) : nullptr;
-  const UpdateFn up = updater(a);
+  const Kernels any = Kernels::make<0>(a), full = Kernels::make<kDefaultGroup>(a);
   int64_t threads = a.rows * a.cols / kMinElementsPerThread;
   threads = threads < 1 ? 1 : (threads > a.threads ? a.threads : threads);
   int64_t bad = 0;
@@ -383,13 +409,7 @@ extern "C" int coat_adamw_step(CoatStep* ap) {
       if (gr.n <= 0) continue;
       gr.base = gr.row * a.cols + gr.col0;
       gr.offset = a.first_element + gr.base;
-      dm(a.m, a, gr, m);
-      dv(a.v, a, gr, v);
-      if (dvm) dvm(a.vmax, a, gr, vm);
-      bad += up(a, gr, m, v, vm);
-      em(a.m, a, gr, m, codes);
-      ev(a.v, a, gr, v, codes);
-      if (evm) evm(a.vmax, a, gr, vm, codes);
+      bad += (gr.n == kDefaultGroup ? full : any).run(a, gr, m, v, vm, codes);
     }
     std::free(buf);
   }
