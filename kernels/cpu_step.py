@@ -225,8 +225,10 @@ def _moment(state: dict, name: str, fmt: MomentFormat, second: bool) -> _Moment:
 
 
 def _float32(x: float | torch.Tensor) -> float:
-    """A scalar as the float32 torch's CPU kernels compute with."""
-    return torch.as_tensor(x, dtype=torch.float32).item()
+    """A scalar as the float32 torch's CPU kernels compute with: a tensor's value; a Python float
+    as is, since a ctypes c_float field rounds it to nearest as torch does (torch.as_tensor would
+    cost microseconds a call, several calls a parameter)."""
+    return x.item() if isinstance(x, torch.Tensor) else x
 
 
 def supports(param: torch.Tensor, grad: torch.Tensor, state: dict, formats: dict, amsgrad: bool) -> bool:
