@@ -2,7 +2,7 @@
 
 Trains a byte-level GPT on the Python standard library's own source (found on this machine, no
 download) with CompressedAdamW (or torch AdamW) and, optionally, FP8 saved activations. The
-command above took 133 s on 2 CPU cores shared with another job (the optimizer step: under a tenth of it). It
+command above takes about 133 s on 2 busy CPU cores (the optimizer: 1/14 of a step). It
 prints a progress bar, then a table: loss, optimizer-state bytes, activation bytes autograd
 saved (and what compress_activations held of them), step time, optimizer-step time and tokens/s;
 --compare trains again with the other optimizer and prints its row beside. --save/--resume
