@@ -1,119 +1,184 @@
 """python benchmarks/optimizer_cpu.py
 
-CPU step time of coatstate.CompressedAdamW (its pure-torch step, coatstate/optim/reference_step.py) against
-torch.optim.AdamW(foreach=True) and AdamW(foreach=False), on a GPT-shaped set of fp32 parameters
-(default 51.5M: vocab 50304, width 512, 8 layers, as benchmarks/common.py's gpt_shapes builds them) with
-random fp32 gradients. Median of --steps timed steps after --warmup. A last row times
-CompressedAdamW with its step on whole tensors instead of row blocks (what the blocks buy).
-Prints a table and writes benchmarks/results/optimizer_cpu.json.
+CPU step time of coatstate.CompressedAdamW (its compiled CPU step, kernels/cpu_step.cpp) beside
+torch.optim.AdamW(fused=True) and AdamW(foreach=True), on a GPT-shaped set of fp32 parameters
+(benchmarks/common.py's gpt_shapes) with random gradients. Every variant lives in memory at once
+and the variants take turns: each round runs each of them for --steps steps, in an order that
+rotates from round to round, so a noisy neighbour slows them alike. Reported per variant: the
+median of the rounds' medians with the rounds' min-max, ns per parameter, the ratio to torch
+fused, and the bytes-moved floor from this machine's measured copy bandwidth. Then, in fresh
+processes, the first step's time with inductor's cache directory cold and warm.
+Prints a table per thread count and writes benchmarks/results/optimizer_cpu.json.
 
-    python benchmarks/optimizer_cpu.py --dim 128 --layers 1 --steps 2 --out /tmp/cpu.json   # smoke run
+    python benchmarks/optimizer_cpu.py --dim 64 --layers 1 --rounds 2 --threads 1 --out /tmp/cpu.json  # smoke
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 import coatstate
-from coatstate.optim import reference_step as adamw_twin
+from coatstate.optim import optimizer_state_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import gpt_shapes, result_meta  # noqa: E402
+from common import gpt_shapes, median_range, result_meta  # noqa: E402
 
-WHOLE = "coatstate CompressedAdamW (expansion on), whole-tensor twin"
-"""The CPU step as it was before it worked in cache-sized row blocks (coatstate/optim/reference_step.py)."""
+FOURBIT = dict(exp_avg_format="e2m1", exp_avg_sq_format="ue3m1_sqrt")
+PLAIN = dict(exp_avg_expand=False, exp_avg_sq_expand=False)
+# name: (make optimizer, parameter dtype, bytes a step reads and writes per parameter)
+VARIANTS = {
+    "torch AdamW fused=True": (lambda ps: torch.optim.AdamW(ps, fused=True), torch.float32, 28.0),
+    "torch AdamW foreach=True": (lambda ps: torch.optim.AdamW(ps, foreach=True), torch.float32, 28.0),
+    "coatstate defaults (FP8, expansion)": (lambda ps: coatstate.CompressedAdamW(ps), torch.float32, 16.16),
+    "coatstate plain E4M3": (lambda ps: coatstate.CompressedAdamW(ps, **PLAIN), torch.float32, 16.13),
+    "coatstate 4-bit (e2m1 / ue3m1_sqrt)": (lambda ps: coatstate.CompressedAdamW(ps, **FOURBIT), torch.float32, 14.13),
+    "coatstate bf16 params, 24-bit master": (lambda ps: coatstate.CompressedAdamW(ps), torch.bfloat16, 12.16),
+    "coatstate compress=False": (lambda ps: coatstate.CompressedAdamW(ps, compress=False), torch.float32, 28.0),
+}  # fmt: skip
+REFERENCE = "torch AdamW fused=True"
+TWIN = "coatstate defaults, pure-torch twin (fused=False)"
+"""the oracle, timed with --twin: what the CPU step was before the compiled one"""
 
-OPTIMIZERS = {
-    "torch AdamW foreach=True": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True),
-    "torch AdamW foreach=False": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=False),
-    "coatstate CompressedAdamW (expansion on)": lambda ps: coatstate.CompressedAdamW(
-        ps, lr=1e-3, exp_avg_expand=True, exp_avg_sq_expand=True
-    ),
-    "coatstate CompressedAdamW (expansion off)": lambda ps: coatstate.CompressedAdamW(
-        ps, lr=1e-3, exp_avg_expand=False, exp_avg_sq_expand=False
-    ),
-    WHOLE: lambda ps: coatstate.CompressedAdamW(ps, lr=1e-3, exp_avg_expand=True, exp_avg_sq_expand=True),
-}
-REFERENCE = "torch AdamW foreach=True"
 
-
-def time_optimizer(make, shapes, steps: int, warmup: int) -> dict:
-    g = torch.Generator().manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(s, generator=g) * 0.02) for s in shapes]
-    grads = [[torch.randn(s, generator=g) * 1e-3 for s in shapes] for _ in range(2)]  # two sets, alternated
-    opt = make(params)
+def copy_bandwidth(threads: int, mib: int = 512, repeats: int = 5) -> float:
+    """Bytes per second that Tensor.copy_ reads plus writes (write-allocate not counted)."""
+    torch.set_num_threads(threads)
+    src = torch.rand(mib * 2**18)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
     times = []
-    for i in range(warmup + steps):
-        for p, gr in zip(params, grads[i % 2], strict=True):
-            p.grad = gr
+    for _ in range(repeats):
         t = time.perf_counter()
-        opt.step()
+        dst.copy_(src)
         times.append(time.perf_counter() - t)
-    n = sum(p.numel() for p in params)
-    timed = times[warmup:]
-    return {
-        "state_bytes": coatstate.optim.optimizer_state_bytes(opt),
-        "state_bytes_per_param": coatstate.optim.optimizer_state_bytes(opt) / n,
-        "step_ms": 1e3 * statistics.median(timed),
-        "step_ms_min": 1e3 * min(timed),
-        "first_step_ms": 1e3 * times[0],
-        "ns_per_param": 1e9 * statistics.median(timed) / n,
-    }
+    return 2 * src.numel() * 4 / statistics.median(times)
+
+
+class Variant:
+    def __init__(self, name, make, dtype, shapes, grads):
+        gen = torch.Generator().manual_seed(0)
+        self.name = name
+        self.params = [torch.nn.Parameter((torch.randn(s, generator=gen) * 0.02).to(dtype)) for s in shapes]
+        self.grads = [[g.to(dtype) for g in gs] for gs in grads]
+        self.opt = make(self.params)
+        self.times: list[float] = []
+
+    def run(self, steps: int, step_index: int) -> float:
+        """Median seconds of `steps` steps, gradients alternating between two sets."""
+        times = []
+        for i in range(steps):
+            for p, g in zip(self.params, self.grads[(step_index + i) % 2], strict=True):
+                p.grad = g
+            t = time.perf_counter()
+            self.opt.step()
+            times.append(time.perf_counter() - t)
+        return statistics.median(times)
+
+
+def time_variants(names, shapes, threads: int, rounds: int, steps: int) -> dict:
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(1)
+    grads = [[torch.randn(s, generator=gen) * 1e-3 for s in shapes] for _ in range(2)]
+    variants = []
+    for name in names:
+        make, dtype, _ = VARIANTS.get(name, (lambda ps: coatstate.CompressedAdamW(ps, fused=False), torch.float32, 0))
+        v = Variant(name, make, dtype, shapes, grads)
+        v.run(1, 0)  # warm-up: states created, the CPU step built and loaded
+        variants.append(v)
+    per_round = {v.name: [] for v in variants}
+    for r in range(rounds):
+        for v in variants[r % len(variants) :] + variants[: r % len(variants)]:
+            per_round[v.name].append(v.run(steps, r))
+    n = sum(p.numel() for p in variants[0].params)
+    out = {}
+    for v in variants:
+        out[v.name] = {
+            "step_ms": median_range([1e3 * t for t in per_round[v.name]]),
+            "ns_per_param": median_range([1e9 * t / n for t in per_round[v.name]]),
+            "state_bytes_per_param": optimizer_state_bytes(v.opt) / n,
+        }
+    return out
+
+
+_FIRST_STEP = """
+import time, torch, coatstate
+torch.set_num_threads({threads})
+ps = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in {shapes!r}]
+for p in ps:
+    p.grad = torch.randn_like(p) * 1e-3
+opt = coatstate.CompressedAdamW(ps)
+t = time.perf_counter()
+opt.step()
+print(time.perf_counter() - t)
+"""
+
+
+def first_step_seconds(shapes, threads: int) -> dict:
+    """A fresh process's first CompressedAdamW step: with an empty cache directory (the kernel is
+    compiled), then again with that directory warm."""
+    code = _FIRST_STEP.format(threads=threads, shapes=[tuple(s) for s in shapes])
+    out = {}
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
+        for label in ("cold", "warm"):
+            res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+            out[label] = float(res.stdout.split()[-1])
+    return out
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dim", type=int, default=512)
+    ap.add_argument("--dim", type=int, default=384)
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=3, help="steps per variant per round")
+    ap.add_argument("--threads", type=int, nargs="+", default=[2, 1])
+    ap.add_argument("--twin", action="store_true", help="also time the pure-torch twin (slow)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "optimizer_cpu.json"))
     args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     shapes = gpt_shapes(d=args.dim, layers=args.layers)
     n = sum(torch.Size(s).numel() for s in shapes)
-    meta = result_meta(args, device="cpu") | {"threads": torch.get_num_threads()}
-    print(f"{n / 1e6:.1f}M params in {len(shapes)} tensors; {meta['machine']}, {meta['threads']} threads")
-
-    rows = []
-    for name, make in OPTIMIZERS.items():
-        block = adamw_twin.ROW_BLOCK_ELEMENTS
-        if name == WHOLE:
-            adamw_twin.ROW_BLOCK_ELEMENTS = 2**62  # every tensor in one piece
-        try:
-            r = {"name": name} | time_optimizer(make, shapes, args.steps, args.warmup)
-        finally:
-            adamw_twin.ROW_BLOCK_ELEMENTS = block
-        rows.append(r)
-        print(f"  {name}: {r['step_ms']:.0f} ms", flush=True)
-    ref = next(r["step_ms"] for r in rows if r["name"] == REFERENCE)
-    report = {
-        "meta": meta,
-        "params": n,
-        "tensors": len(shapes),
-        "steps": args.steps,
-        "warmup": args.warmup,
-        "reference": REFERENCE,
-        "reference_ms": ref,
-        "rows": rows,
-    }
-
-    print(f"\n{'optimizer':<62}{'state B/param':>14}{'step ms':>10}{'ns/param':>10}{'vs foreach':>11}")
-    for r in rows:
-        print(
-            f"{r['name']:<62}{r['state_bytes_per_param']:>14.3f}{r['step_ms']:>10.0f}{r['ns_per_param']:>10.2f}"
-            f"{r['step_ms'] / ref:>10.2f}x"
-        )
+    names = list(VARIANTS) + ([TWIN] if args.twin else [])
+    meta = result_meta(args, device="cpu")
+    print(f"{n / 1e6:.1f}M params in {len(shapes)} tensors; {meta['machine']}")
+    report = {"meta": meta, "params": n, "tensors": len(shapes), "reference": REFERENCE, "by_threads": {}}
+    for threads in args.threads:
+        bandwidth = copy_bandwidth(threads)
+        rows = time_variants(names, shapes, threads, args.rounds, args.steps)
+        ref = rows[REFERENCE]["ns_per_param"]["median"]
+        print(f"\n{threads} thread(s): copy bandwidth {bandwidth / 1e9:.1f} GB/s, {args.rounds} rounds")
+        print(f"{'optimizer':<52}{'B/param':>8}{'ns/param [min-max]':>24}{'vs fused':>10}{'floor ns':>10}")
+        for name, r in rows.items():
+            moved = VARIANTS.get(name, (None, None, 16.16))[2]
+            r["bytes_moved_per_param"] = moved
+            r["floor_ns_per_param"] = 1e9 * moved / bandwidth
+            r["vs_reference"] = r["ns_per_param"]["median"] / ref
+            s = r["ns_per_param"]
+            span = f"{s['median']:.2f} [{s['min']:.2f}-{s['max']:.2f}]"
+            print(
+                f"{name:<52}{r['state_bytes_per_param']:>8.2f}{span:>24}{r['vs_reference']:>9.2f}x"
+                f"{r['floor_ns_per_param']:>10.2f}"
+            )
+        first = first_step_seconds(shapes, threads)
+        print(f"first step of a fresh process: cold cache {first['cold']:.2f} s, warm {first['warm']:.2f} s")
+        report["by_threads"][str(threads)] = {
+            "copy_bandwidth_bytes_per_s": bandwidth,
+            "rounds": args.rounds,
+            "steps_per_round": args.steps,
+            "rows": rows,
+            "first_step_s": first,
+        }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))

@@ -51,6 +51,7 @@ from report_gpu import (
     section_plan_check,
     section_table7,
 )
+from report_cpu import section_optimizer_cpu
 from report_host import section_activation_host, section_host_primitives
 from report_kernels import section_kernel_static
 from report_linear import section_fp8_width
@@ -62,33 +63,6 @@ from report_states import (
     section_parity_gpu,
     section_parity_step_profile,
 )
-
-
-def section_optimizer_cpu(data: dict, path: Path) -> str:
-    date, machine = provenance(data, path)
-    rows = data["rows"]
-    return "\n".join(
-        [
-            "## Optimizer step (CPU)",
-            f"{machine}, {date}, torch {data['meta'].get('torch', '?')}, {data['params'] / 1e6:.1f}M "
-            "GPT-shaped fp32 params. Source: `python benchmarks/optimizer_cpu.py` -> "
-            "`benchmarks/results/optimizer_cpu.json`.",
-            "",
-            _md_table(
-                ["optimizer", "state B/param", "step ms (median)", "vs AdamW(foreach=True)"],
-                [
-                    [
-                        r["name"],
-                        f"{r['state_bytes_per_param']:.3f}",
-                        f"{r['step_ms']:.1f}",
-                        f"{r['step_ms'] / data['reference_ms']:.2f}x",
-                    ]
-                    for r in rows
-                ],
-            ),
-            "",
-        ]
-    )
 
 
 def _flags(args: dict) -> str:

@@ -1,104 +1,92 @@
-"""log2 and exp2 whose float32 results depend only on their inputs, on every CPU.
+"""log2 and exp2 in float32 from IEEE basic operations: the same bits on every CPU and code path.
 
-torch's CPU log2/exp2 run vectorized approximations in a loop's body and the C library in its
-scalar tail; the two can differ in the last bit of a float32 result, so the codec's bits would
-depend on where a value falls in a tensor, on the thread split and on the machine's vector width
-(ATEN_CPU_CAPABILITY). Here both are taken in float64 (every code path within a couple of ulps)
-and rounded once to float32. That rounding is the same in every code path unless the float64
-result lies within AMBIGUITY_ULPS of a float32 rounding boundary (about two values in a
-million); those few are recomputed from IEEE basic operations alone (frexp, +, *, /), which every
-code path rounds identically and which are accurate to far better than that margin, so the
-choice of branch never changes a bit either.
+The expanded FP8 codec is defined by these two functions (docs/FORMAT.md, "Bits"). Each is a
+fixed sequence of float32 additions, multiplications, one division and exact bit manipulations,
+every one rounded once to nearest even, so the result depends only on the input: not on the
+vector width (ATEN_CPU_CAPABILITY), the thread split or where a value falls in a tensor.
+torch's eager kernels run each operation below as its own pass (nothing can fuse a multiply and
+an add into an FMA), and kernels/cpu_step.cpp spells out the same sequence in C++ built with
+contraction off. Accuracy against float64 math (tests/test_portable_math.py): log2 within 3 ulp
+(1.25 where |log2 x| >= 1), exp2 within 1.25 ulp; an FP8 code's step is 2**20 ulp.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 
-AMBIGUITY_ULPS = 512
-"""float64 ulps around a float32 rounding boundary (relative 2**-43 to 2**-44) inside which the
-exact-arithmetic path decides: more than torch's float64 error (a couple of ulps) plus the exact
-path's (some 2**-48 relative)."""
-_DROPPED_BITS = 29  # float64 keeps 52 mantissa bits, float32 23
-_HALF = 1 << (_DROPPED_BITS - 1)
-_SMALLEST_NORMAL = 2.0**-126  # below it float32 rounds at a fixed spacing: decided exactly
+LOG2_COEFFICIENTS = tuple(
+    float.fromhex(h) for h in ("0x1.715476p+1", "0x1.ec709ep-1", "0x1.2776c6p-1", "0x1.a61762p-2", "0x1.484b14p-2")
+)
+"""float32(2 / (ln2 (2n + 1))), n = 0..4: log2(m) = s * sum(c_n s^2n) with s = (m - 1) / (m + 1);
+for m in [sqrt(1/2), sqrt(2)), |s| < 0.172 and the next term is below 2**-26."""
+EXP2_COEFFICIENTS = tuple(
+    float.fromhex(h)
+    for h in (
+        "0x1p+0", "0x1.62e430p-1", "0x1.ebfbe0p-3", "0x1.c6b08ep-5",
+        "0x1.3b2ab6p-7", "0x1.5d87fep-10", "0x1.430912p-13", "0x1.ffcbfcp-17",
+    )
+)  # fmt: skip
+"""float32((ln 2)**n / n!), n = 0..7: 2**f for |f| <= 1/2 (the next term is below 2**-28)."""
+SQRT2 = float.fromhex("0x1.6a09e6p+0")
+"""float32(sqrt(2)): mantissas at or above it are halved, so |s| stays small."""
+_ROUNDING_SHIFTER = 12582912.0  # 1.5 * 2**23: (y + it) - it rounds y to an integer, ties to even
+_SMALLEST_NORMAL = 2.0**-126
 
-_LN2 = math.log(2.0)
-# log(m) = 2 * atanh(s), s = (m - 1) / (m + 1): with m in [sqrt(1/2), sqrt(2)), |s| < 0.172, so
-# ten odd terms of the series leave a truncation error below 2**-55
-_ATANH_TERMS = 10
-# exp(t) for |t| <= ln(2) / 2: the Taylor series to t**14 / 14! leaves less than 2**-55
-_EXP_TERMS = 14
-# float32 results of exp2 underflow to zero below 2**-150 and overflow above 2**128
-_EXP2_INPUT_LIMIT = 200.0
+
+def _f32(value: float, like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(value, dtype=torch.float32, device=like.device)
+
+
+def log2_mantissa(m: torch.Tensor) -> torch.Tensor:
+    """log2 of float32 mantissas in [sqrt(1/2), sqrt(2)): the part of log2 that m alone decides."""
+    s = (m - 1.0) / (m + 1.0)
+    s2 = s * s
+    p = _f32(LOG2_COEFFICIENTS[4], m).expand_as(s)
+    for c in LOG2_COEFFICIENTS[3::-1]:
+        p = p * s2 + c
+    return s * p
 
 
 def log2(x: torch.Tensor) -> torch.Tensor:
-    """log2 of a float tensor as float32: -inf at 0, NaN below 0 or at NaN, +inf at +inf."""
-    xd = x.double()
-    return _settle(torch.log2(xd), xd, _exact_log2)
+    """log2 of a non-negative float tensor as float32: -inf at 0, +inf at +inf, NaN at NaN.
+    Subnormal inputs are scaled by 2**23 first (exactly); negative inputs are not defined."""
+    x = x.float()
+    sub = x < _SMALLEST_NORMAL
+    xs = torch.where(sub, x * 8388608.0, x)
+    bits = xs.view(torch.int32)
+    e = ((bits >> 23) & 0xFF) - 127 - torch.where(sub, 23, 0).to(torch.int32)
+    m = ((bits & 0x7FFFFF) | 0x3F800000).view(torch.float32)
+    high = m >= SQRT2
+    m = torch.where(high, m * 0.5, m)
+    e = e + high.to(torch.int32)
+    r = log2_mantissa(m) + e.float()
+    r = torch.where(x == 0, -torch.inf, r)
+    return torch.where((x == torch.inf) | torch.isnan(x), x, r)
+
+
+def exp2(y: torch.Tensor) -> torch.Tensor:
+    """2**y of a float tensor as float32: 0 at -inf, +inf at +inf, NaN at NaN."""
+    yc = y.float().clamp(-151.0, 129.0)
+    n = (yc + _ROUNDING_SHIFTER) - _ROUNDING_SHIFTER
+    f = yc - n  # exact: |f| <= 1/2
+    p = _f32(EXP2_COEFFICIENTS[7], f).expand_as(f)
+    for c in EXP2_COEFFICIENTS[6::-1]:
+        p = p * f + c
+    ni = torch.where(torch.isnan(n), 0.0, n).to(torch.int32)
+    n1 = ni.clamp(-100, 127)  # p * 2**n1 stays a normal number; the second factor rounds once
+    n2 = ni - n1
+    return (p * ((n1 + 127) << 23).view(torch.float32)) * ((n2 + 127) << 23).view(torch.float32)
 
 
 def log2_of_fp8(codes: torch.Tensor) -> torch.Tensor:
-    """log2 |code| of FP8 codes as float32, from a 256-entry table (-inf at zero, NaN at NaN)."""
+    """log2 |code| of FP8 codes as float32, from a 256-entry table of `log2` (-inf at zero, NaN at NaN)."""
     table = _fp8_log2_table(codes.dtype, codes.device)
     return table[codes.view(torch.uint8).long()]
 
 
 @functools.lru_cache(maxsize=None)
 def _fp8_log2_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    values = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).double().abs()
-    logs = [math.log2(v) if v > 0 else (-math.inf if v == 0 else math.nan) for v in values.tolist()]
-    return torch.tensor(logs, dtype=torch.float64).float().to(device)
-
-
-def exp2(y: torch.Tensor) -> torch.Tensor:
-    """2**y of a float tensor as float32: 0 at -inf, +inf at +inf, NaN at NaN."""
-    yd = y.double()
-    return _settle(torch.exp2(yd), yd, _exact_exp2)
-
-
-def _settle(approx: torch.Tensor, arg: torch.Tensor, exact) -> torch.Tensor:
-    """Round float64 `approx` to float32, recomputing with `exact` where the rounding is close.
-
-    Infinities, zeros and the canonical NaN have no low mantissa bits, so they are never close;
-    anything else that reaches `exact` (a NaN payload, an underflow) comes out the same there."""
-    dropped = approx.view(torch.int64) & ((1 << _DROPPED_BITS) - 1)
-    close = dropped.sub_(_HALF).abs_() <= AMBIGUITY_ULPS
-    if exact is _exact_exp2:
-        close |= approx < _SMALLEST_NORMAL  # float32's fixed spacing there (log2 never lands there)
-    rounded = approx.float()
-    if bool(close.any()):
-        where = close.nonzero(as_tuple=True)
-        rounded[where] = exact(arg[where]).float()
-    return rounded
-
-
-def _exact_log2(xd: torch.Tensor) -> torch.Tensor:
-    """float64 log2 of positive finite float64 values from basic operations only."""
-    mant, expo = torch.frexp(xd)  # mant in [0.5, 1), exact
-    small = mant < math.sqrt(0.5)
-    mant = torch.where(small, mant * 2.0, mant)  # exact: a power-of-two scaling
-    expo = expo.double() - small.double()
-    s = (mant - 1.0) / (mant + 1.0)
-    s2 = s * s
-    poly = torch.full_like(s, 1.0 / (2 * _ATANH_TERMS - 1))
-    for n in range(_ATANH_TERMS - 2, -1, -1):
-        poly = poly * s2 + 1.0 / (2 * n + 1)
-    return (s * poly) * (2.0 / _LN2) + expo
-
-
-def _exact_exp2(yd: torch.Tensor) -> torch.Tensor:
-    """float64 2**y of finite float64 values from basic operations only."""
-    clamped = yd.clamp(-_EXP2_INPUT_LIMIT, _EXP2_INPUT_LIMIT)
-    whole = torch.round(clamped)
-    t = (clamped - whole) * _LN2  # the subtraction is exact; |t| <= ln(2) / 2
-    poly = torch.full_like(t, 1.0 / math.factorial(_EXP_TERMS))
-    for n in range(_EXP_TERMS - 1, -1, -1):
-        poly = poly * t + 1.0 / math.factorial(n)
-    # 2**whole as a float64 bit pattern: exact, where pow() would be one more approximation
-    power = ((whole.to(torch.int64) + 1023) << 52).view(torch.float64)
-    return poly * power
+    values = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float().abs()
+    return log2(values).to(device)

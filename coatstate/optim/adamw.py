@@ -39,7 +39,7 @@ from coatstate.optim.moments import (
     moment_formats,
 )
 from coatstate.optim.options import check_arguments, check_master_arguments
-from coatstate.optim.reference_step import adamw_step_reference
+from coatstate.optim.reference_step import adamw_step_cpu, adamw_step_reference
 from coatstate.optim.state_dict import convert_param_state
 
 logger = logging.getLogger("coatstate")
@@ -344,7 +344,9 @@ class CompressedAdamW(CompressedOptimizer):
             state = self._init_state(p, group, on_device=False)
             state["step"] += 1
             g = local_tensor(p.grad)
-            bad = adamw_step_reference(
+            # the compiled CPU step where it applies (fused=None), else the pure-torch twin
+            step_fn = adamw_step_reference if group.get("fused") is False else adamw_step_cpu
+            bad = step_fn(
                 local_tensor(p),
                 g,
                 local_state(state),

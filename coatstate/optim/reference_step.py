@@ -25,6 +25,11 @@ from coatstate.formats.optimizer_state import (
 )
 
 
+def _correctly_rounded_sqrt(x: torch.Tensor) -> torch.Tensor:
+    """float32 sqrt rounded to nearest (a float64 sqrt rounded once more is exact for float32)."""
+    return x.double().sqrt().float()
+
+
 def _adamw_step_block(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -74,13 +79,18 @@ def _adamw_step_block(
     bias_correction2 = 1 - beta2**step
     step_size = lr / bias_correction1
     bias_correction2_sqrt = bias_correction2**0.5
+    # torch's CPU float32 sqrt can be 1 ulp off (a vectorized approximation): compressed moments
+    # take the correctly rounded one, which the compiled CPU step computes too; uncompressed ones
+    # keep torch's, to stay torch.optim.AdamW's bits
+    compressed = formats["exp_avg_sq"] is not None
+    sqrt = _correctly_rounded_sqrt if compressed else torch.sqrt
     if amsgrad:
         max_exp_avg_sq = read_moment(state, "max_exp_avg_sq", group_size, formats["max_exp_avg_sq"], shape)
         torch.maximum(max_exp_avg_sq, exp_avg_sq, out=max_exp_avg_sq)
-        denom = (max_exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+        denom = (sqrt(max_exp_avg_sq) / bias_correction2_sqrt).add_(eps)
         write_moment(state, "max_exp_avg_sq", max_exp_avg_sq, formats["max_exp_avg_sq"])
     else:
-        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+        denom = (sqrt(exp_avg_sq) / bias_correction2_sqrt).add_(eps)
     p.addcdiv_(exp_avg, denom, value=-step_size)
 
     total = exp_avg + exp_avg_sq
@@ -137,4 +147,22 @@ def adamw_step_reference(
         part = param[r : r + block_rows]
         first = first_element + r * (param.numel() // rows)
         bad += _adamw_step_block(part, grad[r : r + block_rows], block, formats, first_element=first, **hyper)
+    return bad
+
+
+def adamw_step_cpu(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    state: dict,
+    formats: dict[str, MomentFormat | None],
+    first_element: int = 0,
+    **hyper: Any,
+) -> int:
+    """adamw_step_reference's step through the compiled CPU kernel (coatstate.kernels.cpu_step)
+    where it covers the parameter, bit for bit the same; the twin otherwise."""
+    from coatstate.kernels import cpu_step
+
+    bad = cpu_step.adamw_step(param, grad, state, formats, first_element=first_element, **hyper)
+    if bad is None:
+        bad = adamw_step_reference(param, grad, state, formats, first_element=first_element, **hyper)
     return bad
