@@ -71,14 +71,13 @@ CUDA = torch.cuda.is_available()
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from common import result_meta  # noqa: E402
 from corpus_python import joined_files, load_corpus, validation_tokens, window_batch  # noqa: E402
-from parity_plot import plot  # noqa: E402
-from parity_stats import print_report  # noqa: E402
 from parity_variants import BF16_MODEL, OPTIMIZER_OPTIONS, OPTION_KEYS, RECIPES, RETIRED, VARIANTS  # noqa: E402
+from report_common import plot_parity, print_report  # noqa: E402
 from state_reconstruction import state_reconstruction  # noqa: E402
 
 FINAL_VAL = "every held-out file"
 """The final validation point reads all held-out tokens (whole batches); the curve's points the
-first --val-tokens of them (on those alone AdamW's seeds spread too far: parity_gpu_val1M.json)."""
+first --val-tokens of them (on those alone AdamW's seeds spread too far)."""
 SAMPLING = "random windows"
 """Recorded in the config: results of another batch design are refused, never mixed."""
 TRAINING_KEYS = (  # the config keys that change what a run computes: runs in one --out must agree
@@ -511,12 +510,12 @@ def launch(args, argv) -> int:
 
 # -- report ----------------------------------------------------------------------------------------
 def report(args) -> None:
-    """The seed table and the expansion measure (parity_stats.print_report), then the PNG."""
+    """The seed table and the expansion measure (report_common.print_report), then the PNG."""
     data = read_results(args.out)
     print_report(data, [*VARIANTS, *RETIRED])
     if args.png:
         try:
-            plot(data, Path(args.png))
+            plot_parity(data, Path(args.png))
             print(f"wrote {args.png}")
         except ImportError:
             print("matplotlib is not importable: no PNG written", file=sys.stderr)
