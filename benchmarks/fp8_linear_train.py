@@ -19,7 +19,7 @@ seq 2048) with fp32 master weights under bfloat16 autocast, all in one run:
                          compress_activations around compiled blocks packs, not seeing their kind)
   coatstate_compiled_ca_hp  the same with E4M3 output gradients and the weight-gradient GEMM in
                          bf16 (weight_grad="high_precision"): the recipe whose gradient cosines
-                         clear 0.999 (fp8_linear_parity.py), priced here
+                         clear 0.999 (experiments/fp8_linear_parity.py), priced here
   coatstate_compiled_graphs[_all]_cg  the CompiledActivations methods with CUDA graphs
                          (CompiledActivations(cudagraphs=True)): one graph launch per block
 The head stays bf16 everywhere (as torchtitan's float8 does). Per method: tokens/s (median of
@@ -151,7 +151,8 @@ def build(method: str, cfg: LlamaConfig, device: torch.device, lr: float = 3e-4)
             notes["compiled"] = True
         return model, torch.optim.AdamW(model.parameters(), lr=lr, fused=fused), no_ctx, notes
     config = None
-    if method.endswith("_hp"):  # dx and dW cosine >= 0.999 (fp8_linear_parity.py --grad-cosine), priced
+    # dx and dW cosine >= 0.999 (experiments/fp8_linear_parity.py --grad-cosine), priced
+    if method.endswith("_hp"):
         config = FP8LinearConfig(grad_fmt="e4m3", weight_grad="high_precision")
         notes["fp8_config"] = "grad_fmt e4m3, weight_grad high_precision"
     convert_to_fp8(model, filter_fn=_not_head, config=config)

@@ -32,7 +32,7 @@ each invocation merges into --out (default benchmarks/results/parity_gpu.json), 
 runs, then prints the seed table (mean, std, paired difference to adamw with its 95% interval)
 and draws --png. Runs on one GPU go one after another: three at once on one H200
 (CUDA_VISIBLE_DEVICES=0,0,0 --gpus 3) took 405 s together against about 103 s each alone (learned
-positions; rotary runs take about 150 s alone: benchmarks/parity_step_profile.py found 18 ms of
+positions; rotary runs take about 150 s alone: benchmarks/experiments/parity_step_profile.py found 18 ms of
 the 81 ms step in the rotation's per-element cos and sin; tables made once took 16 ms off, but
 changed the compiled block's bits, so the rotation stays as it is and the runs one design), and
 such runs keep their losses but not their tokens/s (`gpu_shared_by`).
