@@ -81,7 +81,7 @@ case "$LANE" in
     defaults) lane_defaults 0 ;;
     fp8) lane_fp8 0 ;;
     fsdp)
-        step 0,1 110 fsdp_train torchrun --standalone --nproc-per-node 2 benchmarks/fsdp_train.py \
+        step 0,1 110 fsdp_train torchrun --standalone --nproc-per-node 2 benchmarks/experiments/fsdp_train.py \
             --steps 6 --warmup 2 --out "$OUT/fsdp_train.json" ;;
     *) echo "usage: bash benchmarks/gpu_suite.sh all | a | b | step | defaults | fp8 | fsdp" >&2; exit 2 ;;
 esac

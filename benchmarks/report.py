@@ -162,34 +162,6 @@ def section_fp8_linear_train(data: dict, path: Path) -> str:
     ])  # fmt: skip
 
 
-def section_fp8_width(data: dict, path: Path) -> str:
-    """Per width: bf16 and FP8 MLP times with their floors, the paired ratio, and the crossover."""
-    date, machine = provenance(data, path)
-    args, peaks = data["meta"]["args"], data["matmul_tflops"]
-    cell = lambda w: fmt_spread(w, ".3f") if w else "failed"
-    by = {(r["width"], r["variant"]): r for r in data["rows"]}
-    rows = [
-        [d, cell(by[d, "bf16"]["wall_ms"]), _f(by[d, "bf16"]["floor_ms"], ".3f"),
-         cell(by[d, "fp8"]["wall_ms"]), _f(by[d, "fp8"]["floor_ms"], ".3f"),
-         fmt_spread(data["ratios"].get(str(d)), suffix="x")]
-        for d in sorted({r["width"] for r in data["rows"]})
-    ]  # fmt: skip
-    pays = data["fp8_pays_from_width"]
-    verdict = f"at every width from {pays} on" if pays else "at no width"
-    return "\n".join([
-        "## From which width FP8Linear pays",
-        f"{machine}, {date}: one MLP d -> 4d -> d, forward and backward, {args['tokens']:,} tokens, "
-        f"{'eager' if args['eager'] else 'torch.compile'}; median of {data['meta']['rounds']} interleaved "
-        "rounds [min-max]. Floor: the GEMM FLOPs at the matmul rate measured in the same run (bf16 "
-        f"{_f(peaks.get('bf16'), '.0f')}, FP8 {_f(peaks.get('fp8'), '.0f')} TFLOP/s). " + source(data, path),
-        "",
-        _md_table(["width", "bf16 ms", "floor", "FP8Linear ms", "floor", "bf16 / FP8"], rows),
-        "",
-        f"FP8Linear is faster {verdict}. `convert_to_fp8` keeps narrower layers (`min_features`) in bf16.",
-        "",
-    ])  # fmt: skip
-
-
 # -------------------------------------------------------------------------------- checkpoints
 def section_checkpoint_io(data: dict, path: Path) -> str:
     date, machine = provenance(data, path)
@@ -223,63 +195,6 @@ def section_checkpoint_io(data: dict, path: Path) -> str:
     ax.invert_yaxis()
     ax.set_xlabel(f"bytes per parameter ({data['params'] / 1e6:.0f}M-param synthetic state)")
     return "\n".join(out + [_save(fig, png), ""])
-
-
-def section_checkpoint_scale(data: dict, path: Path) -> str:
-    """checkpoint_scale.py: per-rank saves, blocking vs async vs DCP async_save, and loads."""
-    meta, rows = data["meta"], data["rows"]
-    table = [[r["world_size"], r["variant"], fmt_spread(r["blocked_s"], ".3f"),
-              fmt_spread(r["total_s"], ".3f"), fmt_spread(r["gbps"])] for r in rows]  # fmt: skip
-    return "\n".join([
-        f"## Per-rank checkpoints at scale ({meta['device']})",
-        f"{meta['machine']}, {meta['date']}: {rows[0]['params'] / 1e6:.0f}M parameters, "
-        f"{rows[0]['bytes'] / 1e6:.0f} MB per checkpoint, {data['args']['rounds']} interleaved rounds, "
-        "median [min-max]. `floor` writes and fsyncs a file of the same size from one cache-hot 1 MiB "
-        "block (the disk's bandwidth in the same run); `blocked` is the time the training loop waits "
-        "per save. " + source(data, path, "checkpoint_scale"),
-        "",
-        _md_table(["ranks", "variant", "blocked s", "total s", "GB/s"], table),
-        "",
-    ])  # fmt: skip
-
-
-def _per_gpu(values) -> str:
-    """One number where every rank agrees, else min-max over ranks."""
-    values = values if isinstance(values, list) else [values]
-    lo, hi = min(values), max(values)
-    return f"{lo:.2f}" if round(lo, 2) == round(hi, 2) else f"{lo:.2f}-{hi:.2f}"
-
-
-def section_fsdp_train(data: dict, path: Path) -> str:
-    """fsdp_train.py: FSDP2 equivalence checks (bit for bit) and throughput per optimizer."""
-    date, machine = provenance(data, path)
-    meta, runs, eq = data["meta"], data["runs"], data["equivalence"]
-    cfg, world = meta["config"], meta["world_size"]
-    verdict = lambda r: "bit for bit" if r["bit_exact"] else f"DIFFERS in {len(r['differing'])} tensors"
-    base = next(r for r in runs if r["variant"] == "torch")
-    metrics = {
-        "tokens/s, all GPUs": lambda r: f"{r['tokens_per_s']:,.0f}",
-        "step ms": lambda r: f"{r['step_ms']:.1f}",
-        "vs torch tokens/s": lambda r: f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x",
-        "peak GiB per GPU": lambda r: _per_gpu(r["peak_gib_per_gpu"]),
-        "optimizer state MiB per GPU": lambda r: _per_gpu(r["optimizer_state_mib_per_gpu"]),
-    }
-    return "\n".join([
-        "## FSDP2 training",
-        f"{machine} x {world}, {date}, torch {meta.get('torch', '?')}. Equivalence: a small MLP with an "
-        f"uneven row count sharded with fully_shard, {cfg['check_steps']} steps of CompressedAdamW, every "
-        "parameter and state tensor compared. Throughput: a "
-        f"{runs[0]['params'] / 1e9:.2f}B GPT ({cfg['layers']} x {cfg['dim']}), batch {cfg['batch']} x seq "
-        f"{cfg['seq']} per GPU, bf16 compute, median of {cfg['steps']} steps; coatstate = CompressedAdamW "
-        "+ compress_activations, torch = AdamW(fused=True). Source: `torchrun --standalone "
-        f"--nproc-per-node {world} benchmarks/fsdp_train.py` -> `benchmarks/results/{path.name}`.",
-        "",
-        _md_table(["check", "tensors", "result"],
-                  [[k, r["tensors"], verdict(r)] for k, r in eq.items() if isinstance(r, dict)]),
-        "",
-        _md_table(["", *(r["variant"] for r in runs)], [[k, *map(f, runs)] for k, f in metrics.items()]),
-        "",
-    ])  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------ accuracy
@@ -335,10 +250,7 @@ SECTIONS = {  # result file stem -> its section of docs/benchmarks.md, in the pa
     "activation_memory": section_activation_memory,
     "activation_memory_llama": section_activation_memory,
     "fp8_linear_train_rounds": section_fp8_linear_train,
-    "fp8_width": section_fp8_width,
     "checkpoint_io": section_checkpoint_io,
-    "checkpoint_scale_cuda": section_checkpoint_scale,
-    "fsdp_train": section_fsdp_train,
     "one_gpu_7b": section_one_gpu,
     "one_gpu_13b": section_one_gpu,
 }

@@ -1,6 +1,7 @@
 """python benchmarks/experiments/activation_grad_error.py      (CPU, 2 cores: about 15 minutes)
 python benchmarks/experiments/activation_grad_error.py --train-steps 600 \
-    --out benchmarks/experiments/results/activation_grad_error_600.json   (about 15 minutes more: a later state)
+    --out benchmarks/experiments/results/activation_grad_error_600.json
+    (about 15 minutes more: a later state)
 
 Where do FP8 saved activations cost gradient accuracy? parity_gpu.py's GPT (its classes; by default
 4 layers x 256, 4 heads, seq 256, batch 8) is trained --train-steps with torch AdamW, bf16 autocast,

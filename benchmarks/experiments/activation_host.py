@@ -2,8 +2,9 @@
 
     python benchmarks/experiments/activation_host.py                  # 24 layers, as GPT-2-medium; ~1 min
     python benchmarks/experiments/activation_host.py --rounds 5       # quicker, noisier
-    python benchmarks/experiments/activation_host.py --baseline old.json   # also compare with a run on older code
-    python benchmarks/experiments/activation_host.py --device cuda --out benchmarks/experiments/results/activation_host_cuda.json
+    python benchmarks/experiments/activation_host.py --baseline old.json  # also against older code
+    python benchmarks/experiments/activation_host.py --device cuda \
+        --out benchmarks/experiments/results/activation_host_cuda.json
 
 On the H200 the GPT-2-medium step is host-bound with compression on (benchmarks/activation_memory.py:
 the GPU time per step is that of the uncompressed step, the host's is not), so what counts is the

@@ -2,7 +2,7 @@
 per-rank, beside the floor of reading its bytes; optionally against an older tree.
 
     python benchmarks/experiments/checkpoint_load.py                         # this tree, CPU, ~1 min
-    python benchmarks/experiments/checkpoint_load.py --old /tmp/old_tree     # interleaved with an older checkout
+    python benchmarks/experiments/checkpoint_load.py --old /tmp/old_tree  # interleaved with an older checkout
 
 Each round runs one process per tree (in an order that alternates between rounds), which saves the
 GPT-shaped set's state (benchmarks/common.py's gpt_shapes at --scale, after one step) in

@@ -57,7 +57,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--dim", type=int, default=256)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "experiments" / "results" / "fp4_reconstruction.json"))
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/experiments/results/fp4_reconstruction.json"))
     return ap.parse_args(argv)
 
 

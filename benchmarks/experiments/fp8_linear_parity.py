@@ -371,7 +371,8 @@ def main(argv=None) -> dict:
         f"{main_run}: fp8 / bf16 - 1 = {rel:+.4%} (tolerance {TOLERANCE:.0%}): {'PASS' if passed else 'FAIL'}"
     )
     result = dict(
-        command="python benchmarks/experiments/fp8_linear_parity.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        command="python benchmarks/experiments/fp8_linear_parity.py "
+        + " ".join(sys.argv[1:] if argv is None else argv),
         config=vars(args) | {"heads": cfg.heads, "vocab": cfg.vocab},
         params=sum(p.numel() for p in base.parameters()),
         compared=main_run,

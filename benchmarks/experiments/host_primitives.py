@@ -1,7 +1,8 @@
 """Host time of the primitive calls compress_activations' hot path is made of, per call.
 
     python benchmarks/experiments/host_primitives.py                      # CPU: the torch calls only
-    python benchmarks/experiments/host_primitives.py --device cuda --out benchmarks/experiments/results/host_primitives_cuda.json
+    python benchmarks/experiments/host_primitives.py --device cuda \
+        --out benchmarks/experiments/results/host_primitives_cuda.json
 
 Why: an eager step with compress_activations is host-bound (benchmarks/activation_memory.py), so
 its overhead is a count of calls times what each costs on the machine that issues them. This prints

@@ -1,8 +1,9 @@
 """Where a training step's GPU time goes: kernel time per kernel family, one profiled step per variant.
 
-    python benchmarks/experiments/kernel_breakdown.py fp8      # FP8 training methods (fp8_linear_train.py), Llama 1.06B
-    python benchmarks/experiments/kernel_breakdown.py gpt      # activation_memory.py variants, GPT-2-medium shape
-    python benchmarks/experiments/kernel_breakdown.py llama --variants "compiled: none,compiled: CompiledActivations"
+    python benchmarks/experiments/kernel_breakdown.py fp8  # fp8_linear_train.py's methods, Llama 1.06B
+    python benchmarks/experiments/kernel_breakdown.py gpt  # activation_memory.py variants, GPT-2-medium shape
+    python benchmarks/experiments/kernel_breakdown.py llama \
+        --variants "compiled: none,compiled: CompiledActivations"
 
 A diagnostic beside the timed benchmarks (rounds.py's medians are the figures to quote): each
 variant runs a few warm-up steps, then one step under torch.profiler; its CUDA kernels are summed

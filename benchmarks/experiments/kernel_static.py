@@ -39,7 +39,8 @@ from coatstate.formats.optimizer_state import MomentFormat  # noqa: E402
 from coatstate.kernels import adamw_fused as K  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]
 from common import result_meta  # noqa: E402
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")

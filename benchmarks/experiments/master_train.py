@@ -29,7 +29,8 @@ import time
 
 import torch
 
-sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]
 from llama import Llama, LlamaConfig  # noqa: E402
 from whole_state_step import state_split  # noqa: E402
 

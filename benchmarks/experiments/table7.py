@@ -1,7 +1,7 @@
-"""torchrun --standalone --nproc-per-node 4 benchmarks/experiments/table7.py               # 4 GPUs: COAT's Table 7
-torchrun --standalone --nproc-per-node 2 benchmarks/experiments/table7.py --layers 8    # 2 GPUs, 8 of the 32 layers
+"""torchrun --standalone --nproc-per-node 4 benchmarks/experiments/table7.py  # 4 GPUs: COAT's Table 7
+torchrun --standalone --nproc-per-node 2 benchmarks/experiments/table7.py --layers 8  # 2 GPUs, 8 layers
 torchrun --standalone --nproc-per-node 2 benchmarks/experiments/table7.py --smoke       # tiny, CPU, gloo
-python benchmarks/experiments/table7.py --smoke                                         # the same; starts torchrun itself
+python benchmarks/experiments/table7.py --smoke  # the same; starts torchrun itself
 
 COAT's Table 7 (Xi et al. 2024) on Llama-2-7B shapes: memory and speed per GPU under FSDP2.
 The model is benchmarks/llama.py at 7B shapes (32 layers, d 4096, 32 heads, SwiGLU 11008,
@@ -438,7 +438,8 @@ def main(argv=None) -> None:
     mesh, device = torchrun_setup(args.smoke)
     world, cfg = dist.get_world_size(), model_config(args)
     meta = result_meta(device=str(device)) | {
-        "command": "torchrun ... benchmarks/experiments/table7.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "torchrun ... benchmarks/experiments/table7.py "
+        + " ".join(sys.argv[1:] if argv is None else argv),
         "world_size": world,
         "model": {**dataclasses.asdict(cfg), "params": cfg.params},
         "batch": args.batch,

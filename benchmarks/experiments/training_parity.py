@@ -17,7 +17,7 @@ optimizer and compress_activations only). Prints the losses and relative differe
 benchmarks/experiments/results/training_parity.json. About 5
 minutes on 2 CPU cores. Exits 1 if a variant misses the bound.
 
-    python benchmarks/experiments/training_parity.py --steps 20 --dim 64 --out /tmp/parity.json   # a quick smoke run
+    python benchmarks/experiments/training_parity.py --steps 20 --dim 64 --out /tmp/parity.json  # quick
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def main(argv=None) -> int:
         help="comma-separated variant numbers to run (1-5, as listed above; AdamW and the "
         "references are added)",
     )
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "experiments" / "results" / "training_parity.json"))
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/experiments/results/training_parity.json"))
     ap.add_argument(
         "--plot",
         default=None,

@@ -1,7 +1,7 @@
 """FSDP2 + CompressedAdamW on several GPUs: equivalence with one process, then GPT throughput and memory.
 
-    torchrun --standalone --nproc-per-node 2 benchmarks/fsdp_train.py            # 2 GPUs, NCCL
-    torchrun --standalone --nproc-per-node 2 benchmarks/fsdp_train.py --smoke    # tiny, CPU, gloo
+    torchrun --standalone --nproc-per-node 2 benchmarks/experiments/fsdp_train.py            # 2 GPUs, NCCL
+    torchrun --standalone --nproc-per-node 2 benchmarks/experiments/fsdp_train.py --smoke    # tiny, CPU, gloo
 
 1. Equivalence (--check-steps, 10): a small MLP with an uneven row count (131 rows: 66 + 65 per
    rank) sharded with fully_shard, CompressedAdamW (the fused Triton step on CUDA, run on each
@@ -14,7 +14,7 @@
    FSDP2 (bf16 compute, fp32 reduce) with CompressedAdamW + compress_activations against FSDP2
    with torch.optim.AdamW(fused=True), and CompressedAdamW alone (what the optimizer buys).
    Tokens/s over all ranks (median step after --warmup) and peak allocated memory per GPU, side
-   by side; JSON to --out (benchmarks/results/fsdp_train.json).
+   by side; JSON to --out (benchmarks/experiments/results/fsdp_train.json).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from common import log_rank0, result_meta, token_batch, torchrun_setup  # noqa: E402
 from models import GPT, ModelConfig, add_shape_args  # noqa: E402
 
@@ -66,7 +66,7 @@ def _parse() -> argparse.Namespace:
         default="coatstate,coatstate_optimizer,torch",
         help=f"comma-separated, of {list(VARIANTS)}",
     )
-    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/fsdp_train.json)")
+    p.add_argument("--out", default=None, help="JSON path (default experiments/results/fsdp_train.json)")
     args = p.parse_args()
     unknown = set(args.variants.split(",")) - set(VARIANTS)
     if unknown:

@@ -1,9 +1,9 @@
 """Per-rank checkpoints at 1, 2 and 4 ranks: time the training loop is blocked per save, write
 throughput beside the disk's own, and load time.
 
-    python benchmarks/checkpoint_scale.py                       # CPU, gloo, 1/2/4 ranks, ~28M params
-    python benchmarks/checkpoint_scale.py --device cuda         # one GPU, the 1.31B GPT-shaped set
-    python benchmarks/checkpoint_scale.py --smoke               # a few seconds (CI)
+    python benchmarks/experiments/checkpoint_scale.py  # CPU, gloo, 1/2/4 ranks, ~28M params
+    python benchmarks/experiments/checkpoint_scale.py --device cuda  # one GPU, the 1.31B GPT-shaped set
+    python benchmarks/experiments/checkpoint_scale.py --smoke               # a few seconds (CI)
 
 Each rank holds a GPT-shaped parameter set (benchmarks/common.py's gpt_shapes) sharded on
 dim 0 (DTensors, as FSDP2 holds them; on CUDA, world size 1, plain tensors) and a CompressedAdamW
@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from common import fmt_median_range, median_range, result_meta, stepped_optimizer  # noqa: E402
 
 VARIANTS = ("blocking", "async", "dcp_async", "floor", "floor_mem", "load")

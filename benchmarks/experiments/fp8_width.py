@@ -1,4 +1,4 @@
-"""python benchmarks/fp8_width.py          (CUDA, compute capability >= 8.9; `--smoke` on CPU)
+"""python benchmarks/experiments/fp8_width.py          (CUDA, compute capability >= 8.9; `--smoke` on CPU)
 
 From which width on does FP8Linear pay? Issue #34 measured the full recipe at 0.81x of AdamW's
 tokens/s in the 100M-parameter parity runs (width 768) and 1.45x on the 1B Llama (width 2048).
@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]
 from common import result_meta  # noqa: E402
 from rounds import Variant, paired, run_rounds  # noqa: E402
 
@@ -111,7 +112,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--eager", action="store_true", help="no torch.compile")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--smoke", action="store_true", help="tiny widths on CPU, emulated FP8, eager")
-    ap.add_argument("--out", default="benchmarks/results/fp8_width.json")
+    ap.add_argument("--out", default="benchmarks/experiments/results/fp8_width.json")
     args = ap.parse_args(argv)
     if args.smoke:
         args.widths, args.tokens, args.rounds, args.steps, args.warmup = "64,128", 256, 2, 2, 1
