@@ -8,7 +8,7 @@ steps with structured gradients (lognormal row/column scales, Zipf-sampled embed
 moments look like Adam's, compresses the state with coatstate.optim.compress_adamw_state_dict,
 and measures file sizes, save/load MB/s (with fsync, on --dir), what zstd buys (whole file and
 FP8 codes alone, levels 1/3/9, against random FP8 codes), and the sha256 checksum cost. Then
-(--stdlib-steps, default 300) it trains the model of benchmarks/training_parity.py on the Python
+(--stdlib-steps, default 300) it trains examples/train_gpt.py's byte-level GPT on the Python
 standard library's source with torch.optim.AdamW and with CompressedAdamW and compares
 coatstate.save of the CompressedAdamW state (plain and zstd) against torch.save of the AdamW
 state dict: the size ratio (target <= 0.28) and what zstd buys on real FP8 states.
@@ -33,8 +33,12 @@ import torch
 import coatstate.checkpoint as ck
 from coatstate.optim import compress_adamw_state_dict
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent / "examples")]
 from common import result_meta  # noqa: E402
+
+STDLIB_RUN = dict(layers=2, dim=256, seq=128, batch=16, lr=2e-3, seed=0)
+"""examples/train_gpt.py's byte-level GPT on the standard library's source, for the stdlib section."""
 
 VOCAB, WIDTH, CONTEXT = 50304, 768, 1024
 
@@ -109,15 +113,16 @@ def zstd_gains(data: bytes) -> dict[str, float]:
 
 
 def stdlib_model(steps: int) -> dict:
-    """The training-parity model (benchmarks/training_parity.py) after `steps` steps, once with
-    torch.optim.AdamW and once with CompressedAdamW: each optimizer's own state, file sizes and
-    what zstd buys on real FP8 states."""
-    import training_parity  # the same model, corpus, seed and batches as the parity run
+    """examples/train_gpt.py's GPT (STDLIB_RUN) after `steps` steps, once with torch.optim.AdamW
+    and once with CompressedAdamW: each optimizer's own state, file sizes and what zstd buys on
+    real FP8 states."""
+    import train_gpt
 
-    runs = {
-        name: training_parity.train_variant(name, False, progress=False, steps=steps)
-        for name in ("adamw", "compressed")
-    }
+    runs = {}
+    for name in ("adamw", "compressed"):
+        argv = [f"--{k}={v}" for k, v in {**STDLIB_RUN, "steps": steps}.items()]
+        args = train_gpt.parser().parse_args([*argv, "--optimizer", name, "--device", "cpu"])
+        runs[name] = train_gpt.train(args, progress=False)
     adamw_opt, comp_opt = runs["adamw"]["opt"], runs["compressed"]["opt"]
     names = [n for n, _ in runs["compressed"]["model"].named_parameters()]
     buf = io.BytesIO()

@@ -10,7 +10,7 @@ val_pct: a split by file, the same on every machine. joined_files() joins the tr
 byte 0 after each) and window_batch() draws a step's rows from them: random windows whose offsets
 come from (seed, step) alone, so any step's batch is reproducible without replaying the run (what
 nanoGPT's get_batch does; batches cut from one concatenated stream held one or two files each, and
-AdamW's seeds spread too far on them to resolve anything: parity_gpu_contiguous.json).
+AdamW's seeds spread too far on them to resolve anything).
 validation_tokens() gives the held-out files in name order. Torch only (numpy may be absent).
 """
 

@@ -7,7 +7,7 @@ seq 2048) with fp32 master weights under bfloat16 autocast, all in one run:
   torchao       torchao.float8.convert_to_float8_training (tensorwise scaling), torch.compile'd
                 blocks (how torchao is meant to run; then torchao_eager if that fails), fused AdamW
   coatstate     coatstate.nn.convert_to_fp8 + compress_activations + CompressedAdamW (eager)
-  coatstate_fp8_only  (diagnostic, same batch only) convert_to_fp8 + fused AdamW: the GEMM speedup alone
+  coatstate_fp8_only  (diagnostic) convert_to_fp8 + fused AdamW: the GEMM speedup alone
   coatstate_compiled     convert_to_fp8 + CompressedAdamW, blocks torch.compile'd as torchao's are
                          (inductor fuses FP8Linear's amax/scale/cast/transposes around the GEMMs)
   coatstate_compiled_ca  the same inside compress_activations, entered OUTSIDE the compiled blocks
@@ -19,24 +19,18 @@ seq 2048) with fp32 master weights under bfloat16 autocast, all in one run:
                          compress_activations around compiled blocks packs, not seeing their kind)
   coatstate_compiled_ca_hp  the same with E4M3 output gradients and the weight-gradient GEMM in
                          bf16 (weight_grad="high_precision"): the recipe whose gradient cosines
-                         clear 0.999 (fp8_linear_parity.py), priced here
+                         clear 0.999 (experiments/fp8_linear_parity.py), priced here
   coatstate_compiled_graphs[_all]_cg  the CompiledActivations methods with CUDA graphs
                          (CompiledActivations(cudagraphs=True)): one graph launch per block
-The head stays bf16 everywhere (as torchtitan's float8 does). Per method: tokens/s (median of
-the timed steps, CUDA-synchronized) and peak allocated memory at the same batch; then the largest
-batch it fits (doubling, then bisection, each probe two steps) and tokens/s there; for the methods
-under compress_activations, what its last step packed and kept. Writes
-benchmarks/results/fp8_linear_train.json (after every method, so a cut-off run keeps the rest).
-Time on an H200: seven methods with `--budget-s 300` took 326 s (each compiled method 35-74 s
-with its compilation and batch search); no batch search starts after --budget-s.
+The head stays bf16 everywhere (as torchtitan's float8 does). Every method is built at once and
+timed interleaved over --rounds rounds (benchmarks/rounds.py): tokens/s median [min-max] over
+rounds, speedups vs bf16 as the median of per-round ratios, GPU busy fraction from torch.profiler,
+own peak memory; for the methods under compress_activations, what its last step packed and kept.
 
     python benchmarks/fp8_linear_train.py --rounds 5 --steps 6 --methods bf16,coatstate_compiled_ca
 
---rounds R instead builds every method at once and times them interleaved in R rounds
-(benchmarks/rounds.py): tokens/s median [min-max] over rounds, speedups vs bf16 as the median of
-per-round ratios, GPU busy fraction from torch.profiler; no batch search. --inductor
-'coordinate_descent_tuning=1' gives every compiled method (bf16's and torchao's too) those
-inductor options.
+--inductor 'coordinate_descent_tuning=1' gives every compiled method (bf16's and torchao's too)
+those inductor options. Writes benchmarks/results/fp8_linear_train_rounds.json.
 """
 
 from __future__ import annotations
@@ -44,17 +38,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import gc
 import json
 import os
 import platform
-import statistics
 import sys
 import time
-import traceback
 from pathlib import Path
 
-# Fewer fragmentation failures in the batch search; the same allocator for every method.
+# The same allocator for every method, with fewer fragmentation failures.
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import torch  # noqa: E402
@@ -151,7 +142,8 @@ def build(method: str, cfg: LlamaConfig, device: torch.device, lr: float = 3e-4)
             notes["compiled"] = True
         return model, torch.optim.AdamW(model.parameters(), lr=lr, fused=fused), no_ctx, notes
     config = None
-    if method.endswith("_hp"):  # dx and dW cosine >= 0.999 (fp8_linear_parity.py --grad-cosine), priced
+    # dx and dW cosine >= 0.999 (experiments/fp8_linear_parity.py --grad-cosine), priced
+    if method.endswith("_hp"):
         config = FP8LinearConfig(grad_fmt="e4m3", weight_grad="high_precision")
         notes["fp8_config"] = "grad_fmt e4m3, weight_grad high_precision"
     convert_to_fp8(model, filter_fn=_not_head, config=config)
@@ -184,40 +176,6 @@ def train_step(model, opt, ctx, idx, tgt, device) -> torch.Tensor:
     opt.step()
     opt.zero_grad(set_to_none=True)
     return loss.detach()
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def run_steps(model, opt, ctx, batch, cfg, device, warmup, steps) -> dict:
-    """Median step time and peak memory over `steps` timed steps after `warmup` steps."""
-    g = torch.Generator(device=device).manual_seed(batch)
-    idx = torch.randint(0, cfg.vocab, (batch, cfg.seq + 1), device=device, generator=g)
-    x, y = idx[:, :-1], idx[:, 1:]
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    losses, times = [], []
-    for i in range(warmup + steps):
-        t0 = time.perf_counter()
-        loss = train_step(model, opt, ctx, x, y, device)
-        _sync(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-        losses.append(loss)
-    step_s = statistics.median(times)
-    out = dict(
-        batch=batch,
-        step_ms=1e3 * step_s,
-        tokens_per_s=batch * cfg.seq / step_s,
-        loss=float(losses[-1]),
-        finite=bool(torch.isfinite(torch.stack(losses)).all()),
-    )
-    if device.type == "cuda":
-        out["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
-        out["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
-    return out
 
 
 def _state_bytes(obj) -> int:
@@ -320,103 +278,13 @@ def summarize_rounds(results: dict) -> dict:
     return summary
 
 
-def _free(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def fits(model, opt, ctx, batch, cfg, device) -> bool:
-    """Two steps at `batch` without running out of memory (the optimizer state already exists)."""
-    try:
-        run_steps(model, opt, ctx, batch, cfg, device, warmup=0, steps=2)
-        return True
-    except RuntimeError as e:  # OutOfMemoryError, or cuBLAS failing to get its workspace
-        if not isinstance(e, torch.cuda.OutOfMemoryError) and "ALLOC_FAILED" not in str(e):
-            raise
-        opt.zero_grad(set_to_none=True)
-        return False
-    finally:
-        _free(device)
-
-
-def largest_batch(model, opt, ctx, start, cfg, device, limit) -> int:
-    lo, hi = start, None  # lo fits; hi (if known) does not
-    while hi is None and lo * 2 <= limit:
-        if fits(model, opt, ctx, lo * 2, cfg, device):
-            lo *= 2
-        else:
-            hi = lo * 2
-    if hi is None:
-        return lo
-    while hi - lo > max(1, lo // 8):
-        mid = (lo + hi) // 2
-        if fits(model, opt, ctx, mid, cfg, device):
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
-
-def measure(method, cfg, device, args, deadline: float) -> dict:
-    t0 = time.perf_counter()
-    left = torch.cuda.memory_allocated() / GIB if device.type == "cuda" else 0.0
-    model, opt, ctx, notes = build(method, cfg, device)
-    res = dict(notes=notes, params=sum(p.numel() for p in model.parameters()))
-    res["allocated_before_gib"] = left  # anything an earlier method left behind (should be ~0)
-    res["same_batch"] = run_steps(model, opt, ctx, args.batch, cfg, device, args.warmup, args.steps)
-    graphs = notes.pop("compiled_activations", None)
-    if graphs is not None:  # what CompiledActivations did, per compiled graph (at compile time)
-        res["compiled_activations"] = _graphs_summary(graphs)
-    if isinstance(ctx, _Compressing):  # what the last step's context compressed and kept
-        res["activations"] = ctx.summary()
-        print(
-            f"{method:22s} compress_activations: {res['activations']['packed']} tensors packed, "
-            f"{res['activations']['mib_original']:.0f} -> {res['activations']['mib_packed']:.0f} MiB, "
-            f"{res['activations']['kept']} kept",
-            flush=True,
-        )
-    print(
-        f"{method:22s} batch {args.batch:3d}: {res['same_batch']['tokens_per_s']:9.0f} tok/s, "
-        f"peak {res['same_batch'].get('peak_allocated_gib', float('nan')):6.2f} GiB",
-        flush=True,
-    )
-    if args.max_batch and device.type == "cuda" and method != "coatstate_fp8_only":
-        if time.perf_counter() > deadline:
-            res["largest_batch_skipped"] = f"time budget of {args.budget_s:.0f} s spent"
-        else:
-            try:
-                best = largest_batch(model, opt, ctx, args.batch, cfg, device, args.batch_limit)
-                res["largest_batch"] = run_steps(model, opt, ctx, best, cfg, device, 1, args.steps)
-            except Exception as e:  # keep the same-batch numbers whatever the search hits
-                res["largest_batch_error"] = f"{type(e).__name__}: {e}"
-                print(f"{method:22s} batch search FAILED: {res['largest_batch_error']}", flush=True)
-                return _finish(res, t0, model, opt, device)
-            print(
-                f"{method:22s} largest batch {best:3d}: {res['largest_batch']['tokens_per_s']:9.0f} tok/s, "
-                f"peak {res['largest_batch']['peak_allocated_gib']:6.2f} GiB",
-                flush=True,
-            )
-    return _finish(res, t0, model, opt, device)
-
-
-def _finish(res: dict, t0: float, model, opt, device) -> dict:
-    res["seconds"] = time.perf_counter() - t0
-    del model, opt
-    torch._dynamo.reset()  # compiled code holds the method's modules: free them for the next one
-    _free(device)
-    return res
-
-
 def own_peak_gib(r: dict) -> float:
-    """A method's peak minus what earlier methods left allocated when it started. On the H200
-    (torch 2.11) every compiled method left ~3.5 GiB (its blocks' fp32 parameters, by size) alive
-    after dynamo's reset, not reproducible on CPU; the raw peak is reported beside this one."""
-    return r["same_batch"]["peak_allocated_gib"] - r.get("allocated_before_gib", 0.0)
+    """A method's peak at the common batch (what a warm-up step adds, plus its own state)."""
+    return r["same_batch"]["peak_allocated_gib"]
 
 
 def summarize(results: dict) -> dict:
-    """Speedup and memory reduction (own peaks) against bf16 at the same batch; the largest batches."""
+    """Speedup and memory reduction (own peaks) against bf16 at the same batch."""
     summary = {}
     bf16 = results.get("bf16", {})
     base = bf16.get("same_batch")
@@ -428,18 +296,12 @@ def summarize(results: dict) -> dict:
         if "peak_allocated_gib" in s:
             summary[method]["own_peak_gib"] = own_peak_gib(r)
             summary[method]["memory_reduction_vs_bf16"] = own_peak_gib(bf16) / own_peak_gib(r)
-        if "largest_batch" in r:
-            summary[method]["largest_batch"] = r["largest_batch"]["batch"]
-            summary[method]["tokens_per_s_at_largest_batch"] = r["largest_batch"]["tokens_per_s"]
     return summary
 
 
 def print_table(results: dict, summary: dict) -> None:
     nan = float("nan")
-    print(
-        f"\n{'method':22s} {'tok/s':>9s} {'speedup':>8s} {'own peak':>9s} {'mem. red.':>9s} "
-        f"{'max batch':>9s} {'tok/s there':>11s}"
-    )
+    print(f"\n{'method':22s} {'tok/s':>9s} {'speedup':>8s} {'own peak':>9s} {'mem. red.':>9s}")
     for method, r in results.items():
         if "same_batch" not in r:
             print(f"{method:22s} {r['error']}")
@@ -453,28 +315,18 @@ def print_table(results: dict, summary: dict) -> None:
             spread += " (host-bound)" if m.get("host_bound") else ""
         print(
             f"{method:22s} {s['tokens_per_s']:9.0f} {m.get('speedup_vs_bf16', nan):8.2f} "
-            f"{m.get('own_peak_gib', nan):9.2f} {m.get('memory_reduction_vs_bf16', nan):9.2f} "
-            f"{m.get('largest_batch', '-'):>9} {m.get('tokens_per_s_at_largest_batch', nan):11.0f}{spread}"
+            f"{m.get('own_peak_gib', nan):9.2f} {m.get('memory_reduction_vs_bf16', nan):9.2f}{spread}"
         )
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[2])
-    ap.add_argument("--smoke", action="store_true", help="tiny model on CPU, no batch search")
+    ap.add_argument("--smoke", action="store_true", help="tiny model on CPU")
     ap.add_argument("--batch", type=int, default=8, help="the common batch (sequences of --seq)")
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--batch-limit", type=int, default=256, help="largest batch the search tries")
-    ap.add_argument("--no-max-batch", dest="max_batch", action="store_false")
-    ap.add_argument("--budget-s", type=float, default=300.0, help="no new batch search after this")
-    ap.add_argument(
-        "--rounds",
-        type=int,
-        default=0,
-        help="time all methods interleaved over this many rounds in one process (benchmarks/rounds.py: "
-        "medians, min-max, paired speedups; --steps per round, no batch search); 0: one after another",
-    )
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (benchmarks/rounds.py)")
     ap.add_argument(
         "--inductor",
         default="",
@@ -488,17 +340,16 @@ def main(argv=None) -> dict:
     ap.add_argument(
         "--out",
         default=None,
-        help="JSON path (default: benchmarks/results/fp8_linear_train.json, "
+        help="JSON path (default: benchmarks/results/fp8_linear_train_rounds.json, "
         "/tmp/fp8_linear_train_smoke.json with --smoke)",
     )
     args = ap.parse_args(argv)
-    deadline = time.perf_counter() + args.budget_s
     INDUCTOR_OPTIONS.update(inductor_options(args.inductor))
 
     if args.smoke:
         device = torch.device("cpu")
         cfg = LlamaConfig(vocab=256, dim=64, layers=2, heads=2, hidden=176, seq=64, loss_chunks=2)
-        args.batch, args.warmup, args.steps, args.max_batch = 2, 1, 2, False
+        args.batch, args.warmup, args.steps = 2, 1, 2
         args.rounds = min(args.rounds, 2)
         torch.set_num_threads(1)  # (two threads on a shared 2-core host spin against each other)
         out = Path(args.out or "/tmp/fp8_linear_train_smoke.json")
@@ -507,7 +358,7 @@ def main(argv=None) -> dict:
             raise SystemExit("needs a CUDA GPU (use --smoke for a tiny CPU run)")
         device = torch.device("cuda")
         cfg = LlamaConfig(seq=args.seq)
-        out = Path(args.out or HERE / "results" / "fp8_linear_train.json")
+        out = Path(args.out or HERE / "results" / "fp8_linear_train_rounds.json")
     print(f"Llama-style model, {cfg.params / 1e9:.3f}B params, seq {cfg.seq}, {device}", flush=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     result = dict(
@@ -526,37 +377,15 @@ def main(argv=None) -> dict:
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise SystemExit(f"--methods: unknown {', '.join(unknown)}; choose from {', '.join(METHODS)}")
-    if args.rounds:
-        result["method"] = "rounds"
-        result["rounds"] = args.rounds
+    result["method"] = "rounds"
+    result["rounds"] = args.rounds
 
-        def partial(rounds_so_far: dict) -> None:
-            out.write_text(json.dumps(dict(result, partial_rounds=rounds_so_far), indent=1) + "\n")
+    def partial(rounds_so_far: dict) -> None:
+        out.write_text(json.dumps(dict(result, partial_rounds=rounds_so_far), indent=1) + "\n")
 
-        result["results"] = measure_interleaved(methods, cfg, device, args, partial)
-        result["summary"] = summarize_rounds(result["results"])
-        out.write_text(json.dumps(result, indent=1) + "\n")
-        print_table(result["results"], result["summary"])
-        print(f"wrote {out}")
-        return result
-    for method in methods:
-        try:
-            result["results"][method] = measure(method, cfg, device, args, deadline)
-        except Exception as e:  # a peer that does not run here is reported, the others still measured
-            err = dict(error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(limit=4))
-            result["results"][method] = err
-            print(f"{method:22s} FAILED: {err['error']}", flush=True)
-            _free(device)
-            if (
-                method == "torchao"
-                and "torchao_eager" not in methods
-                and "ModuleNotFound" not in err["error"]
-            ):
-                methods.append("torchao_eager")  # compiling may be what failed
-        result["summary"] = summarize(result["results"])
-        out.write_text(
-            json.dumps(result, indent=1) + "\n"
-        )  # after every method: a cut-off run keeps the rest
+    result["results"] = measure_interleaved(methods, cfg, device, args, partial)
+    result["summary"] = summarize_rounds(result["results"])
+    out.write_text(json.dumps(result, indent=1) + "\n")
     print_table(result["results"], result["summary"])
     print(f"wrote {out}")
     return result

@@ -32,7 +32,7 @@ lane_a() {  # (H200 times in brackets)
     step "$g" 280 gpu_tests python -m pytest -q -m gpu tests  # (~200 s)
     step "$g" 200 optimizer_step python benchmarks/optimizer_step.py --rounds 3 \
         --out "$OUT/optimizer_step.json"  # (3 rounds: 130 s; 5 ran past 150 s, torchao is slow)
-    step "$g" 40 activation_kernels python benchmarks/activation_kernels.py \
+    step "$g" 40 activation_kernels python benchmarks/experiments/activation_kernels.py \
         --out "$OUT/activation_kernels.json"  # (15 s)
 }
 
@@ -69,7 +69,7 @@ lane_fp8() {  # the FP8 recipe the parity harness judged, beside its neighbours,
     local g=$1 m="bf16,coatstate_compiled,coatstate_compiled_graphs,coatstate_compiled_graphs_cg"
     step "$g" 300 fp8_linear_train_rounds python benchmarks/fp8_linear_train.py --rounds 5 --steps 6 \
         --methods "$m,coatstate_compiled_ca" --out "$OUT/fp8_linear_train_rounds.json"  # (137 s)
-    step "$g" 120 kernel_breakdown_fp8_graphs python benchmarks/kernel_breakdown.py fp8 \
+    step "$g" 120 kernel_breakdown_fp8_graphs python benchmarks/experiments/kernel_breakdown.py fp8 \
         --methods coatstate_compiled,coatstate_compiled_graphs --out "$OUT/kernel_breakdown_fp8_graphs.json"
 }
 
@@ -81,7 +81,7 @@ case "$LANE" in
     defaults) lane_defaults 0 ;;
     fp8) lane_fp8 0 ;;
     fsdp)
-        step 0,1 110 fsdp_train torchrun --standalone --nproc-per-node 2 benchmarks/fsdp_train.py \
+        step 0,1 110 fsdp_train torchrun --standalone --nproc-per-node 2 benchmarks/experiments/fsdp_train.py \
             --steps 6 --warmup 2 --out "$OUT/fsdp_train.json" ;;
     *) echo "usage: bash benchmarks/gpu_suite.sh all | a | b | step | defaults | fp8 | fsdp" >&2; exit 2 ;;
 esac

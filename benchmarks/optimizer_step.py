@@ -203,7 +203,7 @@ def result_rows(result: dict, built: dict, dtype, burst: int, bw: float, base: s
             dtype=str(dtype).replace("torch.", ""),
             params=n,
             state_bytes=coatstate.optim.optimizer_state_bytes(opt),
-            pipelined_ms=per_step["wall_ms"]["median"],  # (the key report.py and compare_trees read)
+            pipelined_ms=per_step["wall_ms"]["median"],  # (read by report.py, experiments/)
             step_ms_spread=per_step["wall_ms"],
             gpu_ms_spread=per_step["kernel_ms"],
             host_ms_spread=per_step["host_ms"],

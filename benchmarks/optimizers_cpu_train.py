@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from common import result_meta  # noqa: E402
 from corpus_python import joined_files, load_corpus, validation_tokens, window_batch  # noqa: E402
 from models import GPT, ModelConfig  # noqa: E402
-from report_states import optimizers_cpu_train_table  # noqa: E402
+from report_cpu import optimizers_cpu_train_table  # noqa: E402
 from test_optimizers_momentum import Lion  # noqa: E402
 
 T_975 = {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776, 6: 2.571, 7: 2.447, 8: 2.365, 9: 2.306, 10: 2.262}

@@ -32,7 +32,7 @@ each invocation merges into --out (default benchmarks/results/parity_gpu.json), 
 runs, then prints the seed table (mean, std, paired difference to adamw with its 95% interval)
 and draws --png. Runs on one GPU go one after another: three at once on one H200
 (CUDA_VISIBLE_DEVICES=0,0,0 --gpus 3) took 405 s together against about 103 s each alone (learned
-positions; rotary runs take about 150 s alone: benchmarks/parity_step_profile.py found 18 ms of
+positions; rotary runs take about 150 s alone: benchmarks/experiments/parity_step_profile.py found 18 ms of
 the 81 ms step in the rotation's per-element cos and sin; tables made once took 16 ms off, but
 changed the compiled block's bits, so the rotation stays as it is and the runs one design), and
 such runs keep their losses but not their tokens/s (`gpu_shared_by`).
@@ -71,14 +71,13 @@ CUDA = torch.cuda.is_available()
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from common import result_meta  # noqa: E402
 from corpus_python import joined_files, load_corpus, validation_tokens, window_batch  # noqa: E402
-from parity_plot import plot  # noqa: E402
-from parity_stats import print_report  # noqa: E402
 from parity_variants import BF16_MODEL, OPTIMIZER_OPTIONS, OPTION_KEYS, RECIPES, RETIRED, VARIANTS  # noqa: E402
+from report_common import plot_parity, print_report  # noqa: E402
 from state_reconstruction import state_reconstruction  # noqa: E402
 
 FINAL_VAL = "every held-out file"
 """The final validation point reads all held-out tokens (whole batches); the curve's points the
-first --val-tokens of them (on those alone AdamW's seeds spread too far: parity_gpu_val1M.json)."""
+first --val-tokens of them (on those alone AdamW's seeds spread too far)."""
 SAMPLING = "random windows"
 """Recorded in the config: results of another batch design are refused, never mixed."""
 TRAINING_KEYS = (  # the config keys that change what a run computes: runs in one --out must agree
@@ -511,12 +510,12 @@ def launch(args, argv) -> int:
 
 # -- report ----------------------------------------------------------------------------------------
 def report(args) -> None:
-    """The seed table and the expansion measure (parity_stats.print_report), then the PNG."""
+    """The seed table and the expansion measure (report_common.print_report), then the PNG."""
     data = read_results(args.out)
     print_report(data, [*VARIANTS, *RETIRED])
     if args.png:
         try:
-            plot(data, Path(args.png))
+            plot_parity(data, Path(args.png))
             print(f"wrote {args.png}")
         except ImportError:
             print("matplotlib is not importable: no PNG written", file=sys.stderr)

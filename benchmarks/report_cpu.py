@@ -1,4 +1,4 @@
-"""docs/benchmarks.md's CPU optimizer section, from benchmarks/results/optimizer_cpu.json
+"""docs/benchmarks.md's CPU sections: the optimizer step, from benchmarks/results/optimizer_cpu.json
 (benchmarks/optimizer_cpu.py): per thread count, every variant's state bytes, step time, ratio to
 torch's fused AdamW and the bytes-moved floor; then how a CPU differs from the H200 figures."""
 
@@ -81,3 +81,47 @@ def section_optimizer_cpu(data: dict, path: Path) -> str:
             "",
         ]
     return "\n".join(out + [_cpu_vs_gpu(data), ""])
+
+
+OPTIMIZER_NAMES = {"sgd": "SGD (nesterov)", "lion": "Lion", "muon": "Muon (hidden 2-D weights)"}
+
+
+def optimizers_cpu_train_table(rows: list[dict]) -> list[str]:
+    """The table of benchmarks/optimizers_cpu_train.py's summary rows (the script prints it too)."""
+    out = [
+        "| optimizer | state B/param (reference -> compressed) | reference val loss | compressed val loss "
+        "| reference seed spread | compressed - reference [95% CI] | within spread |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lo, hi = r["diff_ci95"]
+        out.append(
+            f"| {OPTIMIZER_NAMES[r['optimizer']]} | {r['ref_bytes_per_param']:.2f} -> "
+            f"{r['ours_bytes_per_param']:.3f} | {r['ref_val_loss']:.4f} | {r['ours_val_loss']:.4f} "
+            f"| {r['ref_seed_spread']:.4f} | {r['diff']:+.4f} [{lo:+.4f}, {hi:+.4f}] "
+            f"| {'yes' if r['within_spread'] else 'no'} |"
+        )
+    return out
+
+
+
+def section_optimizers_cpu_train(data: dict, path: Path) -> str:
+    """CompressedSGD, CompressedLion and CompressedMuon against their references on CPU."""
+    date, machine = provenance(data, path)
+    a = data["meta"]["args"]
+    return "\n".join(
+        [
+            "## SGD, Lion and Muon on CPU",
+            f"{machine}, {date}, torch {data['meta'].get('torch', '?')}: a byte-level GPT ({a['layers']} "
+            f"layers, width {a['dim']}, seq {a['seq']}, batch {a['batch']}) trained {a['steps']} steps on "
+            f"the standard library's sources, {a['seeds']} seeds per variant (the same init and batches "
+            "on both sides of a seed); final loss on held-out files (nats/byte). Default formats (FP8 "
+            "E4M3 with range expansion); state bytes per parameter of the optimizer compared, 1-D and "
+            "small tensors (float32) included. Muon steps the blocks' 2-D weights, torch AdamW the rest "
+            "in both runs. Source: `python benchmarks/optimizers_cpu_train.py` -> "
+            "`benchmarks/results/optimizers_cpu_train.json`.",
+            "",
+            *optimizers_cpu_train_table(data["summary"]),
+            "",
+        ]
+    )

@@ -10,7 +10,7 @@ MIN_NUMEL elements) with each codec, decodes it and compares:
 
 state_reconstruction(opt) is the FP8 case, E4M3 groups of 128 plain and expanded: parity_gpu.py
 records it at the end of each AdamW run, so the formats are judged on the states of the very
-runs whose losses its table reports. fp4_reconstruction.py measures the 4-bit candidates.
+runs whose losses its table reports. experiments/fp4_reconstruction.py measures the 4-bit candidates.
 """
 
 from __future__ import annotations

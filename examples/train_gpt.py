@@ -16,8 +16,8 @@ float32 matmuls that remain. On CPU autocast is off unless --autocast asks for i
     python examples/train_gpt.py --device cuda --layers 12 --dim 768 --seq 1024 --batch 32 --compile
 """
 
-# The functions here (stdlib_corpus, batches, train) are reused by benchmarks/training_parity.py,
-# benchmarks/fp8_linear_parity.py and examples/hf_trainer.py, so every script trains on the same bytes.
+# The functions here (stdlib_corpus, batches, train) are reused by benchmarks/checkpoint_io.py,
+# benchmarks/experiments/ and examples/hf_trainer.py, so every script trains on the same bytes.
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ A code indexes a codebook of magnitudes; the largest stands for the scale:
 Rounding goes to the nearest codebook value, ties to the even code index (for e2m1 that is
 round-to-nearest-even). An all-zero group has scale 0 and decodes to exact zeros. The optimizer
 uses e2m1 and ue3m1 through formats/fp4_moment.py; the others exist to be measured
-(benchmarks/fp4_reconstruction.py).
+(benchmarks/experiments/fp4_reconstruction.py).
 """
 
 from __future__ import annotations

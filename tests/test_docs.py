@@ -205,12 +205,12 @@ def test_architecture_names_every_module():
 
 def test_generated_tables_are_the_json_s():
     """The tables between <!-- table:NAME --> markers of the README and docs pages are what
-    benchmarks/readme_tables.py makes of benchmarks/results/*.json today (rerun
-    `python benchmarks/report.py` after a new result), and the README holds no dated prose."""
+    benchmarks/report.py makes of benchmarks/results/*.json today (rerun it after a new result),
+    and the README holds no dated prose."""
     import sys
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from readme_tables import DOCS_WITH_TABLES, marked_blocks, tables
+    from report import DOCS_WITH_TABLES, marked_blocks, tables
 
     generated = tables()
     for page in DOCS_WITH_TABLES:
@@ -224,3 +224,23 @@ def test_generated_tables_are_the_json_s():
     assert "not understood" not in readme and "not re-run" not in readme
     # (+15 and +5 lines for SGD, Lion and Muon: issue #51 asks for the README's Muon split)
     assert len(readme.splitlines()) <= 165 and len((ROOT / "CHANGELOG.md").read_text().splitlines()) <= 125
+
+
+def test_benchmarks_page_is_the_json_s(monkeypatch, tmp_path):
+    """docs/benchmarks.md is what benchmarks/report.py makes of the kept results today: one section
+    per file in benchmarks/results/, each registered in report.SECTIONS with a script that exists."""
+    import sys
+
+    pytest.importorskip("matplotlib")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import report
+    import report_common
+
+    kept = {p.stem for p in report.RESULTS.glob("*.json")}
+    assert kept <= set(report.SECTIONS), f"results without a section: {sorted(kept - set(report.SECTIONS))}"
+    assert set(report.SECTIONS) <= kept | set(report.MISSING), "a section without its result"
+    for script in re.findall(r"benchmarks/(\w+)\.py", (ROOT / "docs" / "benchmarks.md").read_text()):
+        assert (ROOT / "benchmarks" / f"{script}.py").exists(), f"docs/benchmarks.md cites {script}.py"
+    for module in (report, report_common):  # figures to tmp_path, not docs/img
+        monkeypatch.setattr(module, "IMG", tmp_path)
+    assert report.page() == (ROOT / "docs" / "benchmarks.md").read_text(), "run benchmarks/report.py"

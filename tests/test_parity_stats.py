@@ -1,5 +1,5 @@
-"""The seed statistics behind the README's accuracy verdicts (benchmarks/parity_stats.py,
-benchmarks/readme_tables.py), against numbers worked out by hand."""
+"""The seed statistics behind the README's accuracy verdicts (benchmarks/report_common.py,
+benchmarks/report.py), against numbers worked out by hand."""
 
 import sys
 from pathlib import Path
@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from parity_stats import pooled_noise, variant_summary, welch_interval_pct  # noqa: E402
-from readme_tables import _verdict  # noqa: E402
+from report import _verdict  # noqa: E402
+from report_common import pooled_noise, variant_summary, welch_interval_pct  # noqa: E402
 
 
 def _data(losses: dict[str, list[float]]) -> dict:

@@ -46,7 +46,7 @@ def _saved_bytes(model: nn.Module, batch: int, seq: int, vocab: int, compress: b
 def test_gpt2_medium_shape_predictions_within_5_percent():
     """GPT-2-medium blocks (d=1024, 16 heads) with 3 of its 24 layers and a vocabulary of 8192
     instead of 50304, to keep CI time down (CompressedAdamW's CPU step on the 51M-element
-    embedding alone takes seconds); the full model: `benchmarks/plan_check.py --device cpu`.
+    embedding alone takes seconds); the full model on a GPU: the test below.
     The plan traces 2 layers at batch 1 and 2 x seq 64; the real model runs 3 layers at batch
     2 x seq 128: a real step's ActivationStats and CompressedAdamW.state_bytes()."""
     cfg = ModelConfig(vocab=8192, layers=3, seq=128)
@@ -69,6 +69,35 @@ def test_gpt2_medium_shape_predictions_within_5_percent():
         real, pred = _real_state_bytes(model, opt), row.bytes["optimizer"]
         assert abs(pred / real - 1) <= 0.05, f"{row.variant.name}: optimizer predicted {pred:,} vs {real:,}"
     assert p.rows[1].bytes["activations"] < 0.8 * p.rows[0].bytes["activations"]  # compression was traced
+
+
+def test_plan_within_bounds_of_the_recorded_h200_measurements(monkeypatch):
+    """tests/data/plan_check.json holds what three setups of the activation benchmark measured on
+    an H200 (GPT-2-medium, 24 x 1024, seq 1024, batch 8, fp32 params, bf16 autocast; torch AdamW,
+    + compress_activations, CompressedAdamW + compress_activations): optimizer and saved-activation
+    bytes, bytes allocated before a step, and the peak. Today's plan, made on CPU, must stay within
+    the bound recorded for each. That run held attention's q and k in FP8 (the policy then), so the
+    trace uses that policy."""
+    import coatstate.planner.trace as trace
+
+    rec = json.loads((ROOT / "tests" / "data" / "plan_check.json").read_text())
+    a, setup = rec["args"], rec["plan"]["setup"]
+    keys = ("vocab", "layers", "dim", "heads", "seq", "loss_chunks")
+    cfg = ModelConfig(**{k: a[k] for k in keys})
+    then = lambda *args, **kw: compress_activations(*args, **(kw or {"attention": "group"}))
+    monkeypatch.setattr(trace, "compress_activations", then)
+    variants = [Variant(r["variant"], r["optimizer"], r["activations"]) for r in rec["plan"]["rows"]]
+    p = plan(lambda: GPT(cfg), seq=a["seq"], batch=a["batch"], param_dtype="fp32", variants=variants,
+             gpu_memory=setup["gpu_memory"], progress=False)  # fmt: skip
+    for row, measured in zip(p.rows, rec["rows"], strict=True):
+        static = sum(row.bytes[k] for k in ("params", "grads", "master", "optimizer"))
+        predicted = dict(row.bytes, static=static)
+        for key, check in measured["checks"].items():
+            err = predicted[key] / check["measured"] - 1
+            assert abs(err) <= check["tolerance"], (
+                f"{row.variant.name}, {key}: predicted {predicted[key] / 1e9:.3f} GB, measured "
+                f"{check['measured'] / 1e9:.3f} GB ({100 * err:+.1f}%, bound {100 * check['tolerance']:.0f}%)"
+            )
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@
     print(fp8_saves.stats.summary())                      # per compiled graph, at compile time
 
 Why a second path: compress_activations works on any model through saved-tensor hooks, which run
-Python per saved tensor (benchmarks/activation_host.py measures it). A transformer's forward is
+Python per saved tensor (benchmarks/experiments/activation_host.py measures it). A transformer's forward is
 often host-bound, so that Python time is step time. Here nothing runs per step: inductor's
 partitioner splits the joint graph into forward and backward, and this partitioner (inductor's
 `custom_partitioner_fn` hook) rewrites the boundary. Each floating-point tensor the forward saves

@@ -86,7 +86,7 @@ class ActivationPolicy:
     ("group"). Attention's backward recomputes the softmax from the held q and k but subtracts the
     forward's exact logsumexp, so FP8 q and k give rows that no longer sum to one, and gradients
     that come out systematically small; the shrink grows as the logits grow in training
-    (benchmarks/activation_grad_error.py), and the GPU parity runs with "group" ended above AdamW,
+    (benchmarks/experiments/activation_grad_error.py), and the GPU parity runs with "group" ended above AdamW,
     one seed unstable (docs/accuracy.md). Where q, k and v are views of
     one qkv projection they share one storage region, held with q's granularity."""
     attention_v_out: Granularity = Granularity.KEEP

@@ -15,7 +15,7 @@ logger = logging.getLogger("coatstate")
 
 DEFAULT_MIN_FEATURES = 1536
 """convert_to_fp8 keeps narrower layers: the width at which FP8Linear first ran faster than
-nn.Linear on the GPU (benchmarks/fp8_width.py; docs/performance.md has the sweep)"""
+nn.Linear on the GPU (benchmarks/experiments/fp8_width.py; docs/performance.md has the sweep)"""
 
 
 def convert_to_fp8(
