@@ -150,6 +150,25 @@ def section_fp8_linear_train(data: dict, path: Path) -> str:
 
 
 # -------------------------------------------------------------------------------- checkpoints
+def section_offload(data: dict, path: Path) -> str:
+    """offload.py: Llama-2-7B shapes on a GPU capped at 24 GB, optimizer states in host memory."""
+    from offload import table  # (imports torch: only when the result exists)
+
+    date, machine = provenance(data, path)
+    a = data["meta"]["args"]
+    return "\n".join([
+        "## Optimizer states in host memory (7B shapes, GPU capped at 24 GB)",
+        f"{machine}, {date}, GPU capped at {a['cap_gb']:.0f} GB, batch {a['batch']}, seq 2048, "
+        f"{a['rounds']} rounds x {a['steps']} steps: median [min-max]. coatstate: HostOffloadAdamW "
+        "(FP8 moments + 24-bit master on the host, its CPU step); torchao: CPUOffloadOptimizer (fp32 "
+        "master and moments, torch's fused CPU AdamW). Host states: the optimizer's host bytes; host "
+        "buffers: pinned weights and gradients. " + source(data, path),
+        "",
+        table(data["setups"]),
+        "",
+    ])  # fmt: skip
+
+
 def section_checkpoint_io(data: dict, path: Path) -> str:
     date, machine = provenance(data, path)
     files, real = data["files"], data["stdlib_model"]
@@ -233,6 +252,7 @@ SECTIONS = {  # result file stem -> its section of docs/benchmarks.md, in the pa
     "optimizer_step": section_optimizer_step,
     "optimizer_cpu": section_optimizer_cpu,
     "optimizers_cpu_train": section_optimizers_cpu_train,
+    "offload": section_offload,
     "parity_gpu": section_parity_gpu,
     "parity_gpu_learned": section_parity_gpu,  # docs/accuracy.md: why rotary positions
     "activation_memory": section_activation_memory,
