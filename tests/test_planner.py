@@ -77,7 +77,7 @@ def test_plan_within_bounds_of_the_recorded_h200_measurements(monkeypatch):
     + compress_activations, CompressedAdamW + compress_activations): optimizer and saved-activation
     bytes, bytes allocated before a step, and the peak. Today's plan, made on CPU, must stay within
     the bound recorded for each. That run held attention's q and k in FP8 (the policy then), so the
-    trace uses that policy."""
+    trace uses that policy, and kept its gradients allocated through the step (grads_kept)."""
     import coatstate.planner.trace as trace
 
     rec = json.loads((ROOT / "tests" / "data" / "plan_check.json").read_text())
@@ -88,7 +88,7 @@ def test_plan_within_bounds_of_the_recorded_h200_measurements(monkeypatch):
     monkeypatch.setattr(trace, "compress_activations", then)
     variants = [Variant(r["variant"], r["optimizer"], r["activations"]) for r in rec["plan"]["rows"]]
     p = plan(lambda: GPT(cfg), seq=a["seq"], batch=a["batch"], param_dtype="fp32", variants=variants,
-             gpu_memory=setup["gpu_memory"], progress=False)  # fmt: skip
+             gpu_memory=setup["gpu_memory"], progress=False, grads_kept=True)  # fmt: skip
     for row, measured in zip(p.rows, rec["rows"], strict=True):
         static = sum(row.bytes[k] for k in ("params", "grads", "master", "optimizer"))
         predicted = dict(row.bytes, static=static)
