@@ -466,6 +466,19 @@ def activations_table(gpt: dict, llama: dict, fp8: dict) -> str:
     return "\n".join(out + [f"- {FP8_METHODS[k]}: {figure(k)}." for k in others if k in s])
 
 
+def one_gpu_line(seven: dict, thirteen: dict) -> str:
+    """The README's measured answer to "how many GPUs?": one_gpu.py's 7B and 13B runs (7B: the
+    default recipe; 13B: the setup with the lowest peak)."""
+    labels = {"coatstate": "the FP8 recipe", "release": "+ gradient release", "4bit": "+ release, 4-bit moments"}
+    s7 = seven["models"]["7b"]["setups"]["coatstate"]["batch1"]
+    ok13 = [(k, v["batch1"]) for k, v in thirteen["models"]["13b"]["setups"].items() if v.get("batch1")]
+    k13, s13 = min(ok13, key=lambda kv: kv[1]["peak_bytes"])
+    fig = lambda r: f"{r['peak_bytes'] / 1e9:.1f} GB, {r['tokens_per_s']['median']:,.0f} tokens/s"  # noqa: E731
+    return (f"one {seven['meta']['machine']} capped at 80 GB, seq 2048, batch 1: Llama-2-7B {fig(s7)} "
+            f"({labels['coatstate']}), Llama-2-13B {fig(s13)} ({labels[k13]}); bf16 + torch AdamW runs "
+            "out of memory on both. COAT's Table 7: 7B at 79.3 GB and 5,906 tokens/s, 13B needs 2 GPUs.")
+
+
 def tables() -> dict[str, str]:
     """{marker name: markdown} of every generated table of the README and docs pages."""
     load = lambda name: json.loads((RESULTS / f"{name}.json").read_text())
@@ -474,6 +487,7 @@ def tables() -> dict[str, str]:
         "accuracy": accuracy_table(parity),
         "accuracy-summary": accuracy_table(parity, short=True),
         "headline": headline_table(*map(load, ("whole_state_step", "activation_memory", "checkpoint_io"))),
+        "one-gpu": one_gpu_line(load("one_gpu_7b"), load("one_gpu_13b")),
         "activations": activations_table(
             load("activation_memory"), load("activation_memory_llama"), load("fp8_linear_train_rounds")
         ),
