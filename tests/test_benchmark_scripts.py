@@ -246,7 +246,7 @@ def test_one_gpu_batch_search_starts_at_the_guess_and_steps_by_one():
 @pytest.mark.slow
 def test_optimizers_cpu_train_smoke_pairs_each_optimizer_with_its_reference(tmp_path):
     out = tmp_path / "o.json"
-    args = ["--steps", "2", "--seeds", "2", "--dim", "32", "--val-tokens", "2048", "--out", str(out)]
+    args = ["--steps", "2", "--seeds", "2", "--dim", "64", "--val-tokens", "2048", "--out", str(out)]  # width 64: the matrices reach min_numel
     args += ["--cache-dir", str(tmp_path / "corpus")]
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "optimizers_cpu_train.py"), *args], check=True)
     data = json.loads(out.read_text())

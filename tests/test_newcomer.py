@@ -88,7 +88,7 @@ def test_peak_extrapolates_to_a_real_step_at_16x_the_traces_tokens():
     assert fit.trace_points == ((1, 64), (2, 64))
     model = _prepare(spec.build, 2, torch.float32, fake=False)
     idx = torch.randint(0, 2048, (1, 1024))
-    r = _run(model, find_layers(model)[2], idx, compress=False, autocast=False, vocab=2048)
+    r = _run(model, find_layers(model)[2], idx, kind="none", autocast=False, vocab=2048)
     real = 2 * r.live_layer + r.live_rest + r.transient
     assert abs(fit.peak(1, 1024) / real - 1) <= 0.01, f"predicted {fit.peak(1, 1024):,} vs real {real:,}"
 
