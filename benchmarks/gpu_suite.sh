@@ -49,8 +49,8 @@ lane_b() {
 
 lane_step() {  # the fused step after a kernel change: its GPU tests, then its time beside the peers
     local g=$1
-    step "$g" 150 gpu_tests_step python -m pytest -q -m gpu tests/test_fp4_gpu.py tests/test_kernels.py \
-        tests/test_master_weights.py tests/test_nonfinite.py
+    step "$g" 150 gpu_tests_step python -m pytest -q -m gpu tests/kernels/test_fp4_fused_step_gpu.py tests/kernels/test_triton_kernels.py \
+        tests/optim/test_master_weights.py tests/optim/test_nonfinite.py
     step "$g" 420 whole_state_step python benchmarks/whole_state_step.py --rounds 3 \
         --which torch,flashoptim,torchao,coat --only "fp32 params,bf16 params,master 24,master_bits=24" \
         --configs 2x1r64,8x4,2x1r72,4x1r64,4x2r64,2x1 --out "$OUT/whole_state_step.json"

@@ -5,7 +5,7 @@
 The JSON keeps the prediction the planner made when the run started (`predicted` beside each
 measurement); this plans the recorded model config again with the planner as it is now, for the
 same setups (one_gpu.variants: the planner row that models each setup's recipe), so that a change
-to the planner is checked against the GPU's measurements without a GPU (tests/test_planner_one_gpu.py,
+to the planner is checked against the GPU's measurements without a GPU (tests/planner/test_against_gpu_peaks.py,
 docs/benchmarks.md's one-GPU section).
 """
 

@@ -2,7 +2,7 @@
 
 A short CPU training comparison of CompressedSGD, CompressedLion and CompressedMuon (default formats:
 FP8 E4M3 with range expansion) against their references (torch.optim.SGD, the float32 Lion of
-tests/test_optimizers_momentum.py, torch.optim.Muon), on a tiny byte-level GPT (benchmarks/models.py)
+tests/optim/test_sgd_lion_muon.py, torch.optim.Muon), on a tiny byte-level GPT (benchmarks/models.py)
 trained on the Python standard library's sources (benchmarks/corpus_python.py: random windows,
 held-out files for validation). Muon steps the blocks' 2-D weights; torch AdamW steps the rest in
 both of its runs (the usual split), so only the momentum's compression differs. Each variant runs
@@ -33,12 +33,12 @@ from coatstate.optim import optimizer_state_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))
 from common import result_meta  # noqa: E402
 from corpus_python import joined_files, load_corpus, validation_tokens, window_batch  # noqa: E402
 from models import GPT, ModelConfig  # noqa: E402
 from report_cpu import optimizers_cpu_train_table  # noqa: E402
-from test_optimizers_momentum import Lion  # noqa: E402
+from tests.optim.test_sgd_lion_muon import Lion  # noqa: E402
 
 T_975 = {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776, 6: 2.571, 7: 2.447, 8: 2.365, 9: 2.306, 10: 2.262}
 """Student's t quantile (two-sided 95%) by sample size"""

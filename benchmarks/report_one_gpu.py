@@ -118,7 +118,7 @@ def section_one_gpu(data: dict, path: Path) -> str:
             worst = max(abs(r["error"]) for r in replanned)
             parts += [
                 f"The planner now (coatstate.planner, on the CPU: `benchmarks/one_gpu_replan.py`; "
-                f"`tests/test_planner_one_gpu.py` holds each within 3%) against every measured peak: "
+                f"`tests/planner/test_against_gpu_peaks.py` holds each within 3%) against every measured peak: "
                 f"the largest error is {100 * worst:.1f}%. The run's own predictions (made by the "
                 "planner before issue #52's fixes) are beside them.",
                 "",

@@ -2,7 +2,7 @@
 
 torch's float32 -> float8 cast rounds to nearest even; it does not saturate (out-of-range values
 become NaN for E4M3), so values are clamped first. Checked for every float32 bit pattern, both
-formats, against a float32 bit-arithmetic rounding (tests/exhaustive_fp8_cast.py: 0 mismatches).
+formats, against a float32 bit-arithmetic rounding (tests/formats/exhaustive_fp8_cast.py: 0 mismatches).
 The Triton kernels round with that bit arithmetic under the interpreter, whose own cast is not
 RNE (kernels/fp8_triton.py), and with the GPU's cvt.rn.satfinite otherwise.
 """

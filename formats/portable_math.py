@@ -6,7 +6,7 @@ every one rounded once to nearest even, so the result depends only on the input:
 vector width (ATEN_CPU_CAPABILITY), the thread split or where a value falls in a tensor.
 torch's eager kernels run each operation below as its own pass (nothing can fuse a multiply and
 an add into an FMA), and kernels/cpu_step.cpp spells out the same sequence in C++ built with
-contraction off. Accuracy against float64 math (tests/test_portable_math.py): log2 within 3 ulp
+contraction off. Accuracy against float64 math (tests/formats/test_portable_math.py): log2 within 3 ulp
 (1.25 where |log2 x| >= 1), exp2 within 1.25 ulp; an FP8 code's step is 2**20 ulp.
 """
 

@@ -231,7 +231,7 @@ def _to_bf16(p):
     """float32 -> bfloat16 to nearest even by the GPU's paired conversion (cvt.rn.bf16x2.f32:
     element 2j from the second operand into the low half; p.to(bfloat16) converts one element
     an instruction). At every non-NaN p that is the twin's integer rounding and a NaN stays a
-    NaN (tests/test_master_weights.py checks all 2**32 float32 on the GPU)."""
+    NaN (tests/optim/test_master_weights.py checks all 2**32 float32 on the GPU)."""
     return tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [p], dtype=tl.bfloat16,
                                      is_pure=True, pack=2)  # fmt: skip
 

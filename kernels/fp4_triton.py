@@ -83,7 +83,7 @@ def _nearest(y, FMT: tl.constexpr):
     """Code index (int32) of the level nearest to y (in [0, top * (1 + 2**-22)], clamped to the
     top level as the twin's encoder clamps it), ties to the even index, as formats.fp4._nearest's
     midpoint search. Checked exhaustively against the twin over every float32 in that range
-    (tests/exhaustive_fp4_nearest.py).
+    (tests/formats/exhaustive_fp4_nearest.py).
 
     ue3m1: the codebook is the 1-bit-mantissa floats from 1: rounding the pattern to nearest even
     at mantissa bit 22 gives 2 * biased exponent + mantissa bit, the code up to an offset (below

@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -49,3 +50,13 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def child_env(**extra: str) -> dict:
+    """The environment for a Python child a test starts: it imports tests.* and the benchmarks'
+    and examples' modules as pytest does (pyproject's pythonpath), plus `extra`."""
+    paths = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "examples"), os.environ.get("PYTHONPATH", "")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p), **extra}

@@ -10,7 +10,7 @@ architecture (benchmarks/models.py GPT and Llama, 2 layers x 128, seq 64, batch 
 autocast) and seed: the worst cosine over all parameters between the gradients with and without
 compression, for CompiledActivations (blocks compiled) against the same compiled blocks
 uncompressed, and for compress_activations (eager) against eager uncompressed; and the saved
-bytes' compression ratio. tests/test_activation_compile.py bounds the worst cosine at 0.999.
+bytes' compression ratio. tests/activations/test_compiled_activations.py bounds the worst cosine at 0.999.
 Writes benchmarks/experiments/results/activation_policy_cosine.json.
 """
 

@@ -9,7 +9,7 @@
    one process on rank 0. Parameters and every state tensor (codes, scales, exponents, float32
    moments) are compared bit for bit; then a DCP save, a load into a fresh FSDP2 model, and
    coatstate.read of the DCP directory (whole tensors) must give the same bits again. On CPU the
-   pure-torch step runs (tests/test_distributed.py explains its 1-ulp caveat for uneven shards).
+   pure-torch step runs (tests/integration/test_fsdp2_ddp.py explains its 1-ulp caveat for uneven shards).
 2. Throughput (--layers/--dim: 24 x 2048, a 1.31B-parameter GPT from benchmarks/models.py):
    FSDP2 (bf16 compute, fp32 reduce) with CompressedAdamW + compress_activations against FSDP2
    with torch.optim.AdamW(fused=True), and CompressedAdamW alone (what the optimizer buys).

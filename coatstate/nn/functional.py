@@ -43,7 +43,7 @@ instead of holding 1 byte per parameter of every layer until backward.
 Under torch.compile (`torch.compile(model)`; fullgraph=True works on a stack of these layers)
 the quantizer is `_quantize_traceable`, plain torch ops that inductor fuses with the amax, the
 scale, the cast and the transposes around the GEMMs, instead of the Triton launcher; it gives
-the same codes and scales (tests/test_fp8_linear_compile.py). The shared-input cache is skipped
+the same codes and scales (tests/nn/test_fp8_linear_compile.py). The shared-input cache is skipped
 (a weak reference cannot be traced; fuse q/k/v into one layer instead), and which tensors
 backward keeps is the partitioner's choice, not save_for_backward's. Inductor drops bfloat16
 round trips between fused ops by default, so a compiled model quantizes slightly different

@@ -22,7 +22,7 @@ class CompressedLion(CompressedOptimizer):
     Per element, in float32 and in lion-pytorch's order: p *= 1 - lr * weight_decay (decoupled
     weight decay); p -= lr * sign(b1 * m + (1 - b1) * g); m = b2 * m + (1 - b2) * g. There is no
     torch reference: with `compress=False` it equals the plain float32 Lion of
-    tests/test_optimizers_momentum.py bit for bit, and loads lion-pytorch's state dicts (whose
+    tests/optim/test_sgd_lion_muon.py bit for bit, and loads lion-pytorch's state dicts (whose
     momentum is also named exp_avg).
 
     Args:

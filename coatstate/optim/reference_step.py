@@ -114,7 +114,7 @@ ROW_BLOCK_ELEMENTS = 1 << 20
 elements. The step is some 40 elementwise passes (dequantize, update, requantize); on a whole
 tensor every pass streams full-size temporaries through DRAM, on a block they stay in cache:
 about 4x faster (docs/benchmarks.md). Groups never cross a row and the math is per element or
-per group, so a block computes what the whole tensor would, bit for bit (tests/test_optim.py)."""
+per group, so a block computes what the whole tensor would, bit for bit (tests/optim/test_adamw.py)."""
 
 
 def adamw_step_reference(
