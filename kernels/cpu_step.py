@@ -75,14 +75,27 @@ class _Step(ctypes.Structure):
         *[
             (name, ctypes.c_int32)
             for name in (
-                "param_bf16", "grad_bf16", "master_bits", "amsgrad", "maximize", "has_inv_scale",
-                "weight_decay", "fma_lerp", "fma_addcmul",
+                "param_bf16",
+                "grad_bf16",
+                "master_bits",
+                "amsgrad",
+                "maximize",
+                "has_inv_scale",
+                "weight_decay",
+                "fma_lerp",
+                "fma_addcmul",
             )
         ],  # fmt: skip
         *[
             (name, ctypes.c_float)
             for name in (
-                "decay", "lerp_weight", "beta2", "one_minus_beta2", "bc2_sqrt", "eps", "neg_step_size",
+                "decay",
+                "lerp_weight",
+                "beta2",
+                "one_minus_beta2",
+                "bc2_sqrt",
+                "eps",
+                "neg_step_size",
                 "inv_scale",
             )
         ],  # fmt: skip
@@ -123,7 +136,9 @@ def build(cxx: str) -> Path:
     return the shared library's path; a CalledProcessError carries the compiler's message."""
     source = b"\0".join(path.read_bytes() for path in (SOURCE, *HEADERS))
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(), _machine_key().encode()]))
+    key = hashlib.sha256(
+        b"\0".join([source, " ".join(FLAGS).encode(), version.encode(), _machine_key().encode()])
+    )
     target = _cache_dir() / f"cpu_step_{key.hexdigest()[:20]}.so"
     if target.exists():
         return target
@@ -214,14 +229,19 @@ def _moment(state: dict, name: str, fmt: MomentFormat, second: bool) -> _Moment:
     out.codes = state[name + CODES].data_ptr()
     out.scales = state[name + SCALES].data_ptr()
     out.exponents = state[name + EXPONENTS].data_ptr() if fmt.expand else None
-    out.kind = _KINDS[fmt.fmt]
+    out.kind, out.scale_max, out.k_numerator, out.log2_max = _format_constants(fmt.fmt)
     out.second = int(second)
-    if isinstance(fmt.fmt, FP8Format):
-        fp8_max = fmt.fmt.max
-        out.scale_max = _group.FLOAT32_MAX / fp8_max * (1 - 2.0**-20)
-        out.k_numerator = _group.EXPONENT_DENOMINATOR * math.log2(fmt.fmt.expansion_range)
-        out.log2_max = math.log2(fp8_max)
     return out
+
+
+@functools.cache
+def _format_constants(fmt: FP8Format | FP4Format) -> tuple[int, float, float, float]:
+    """(kind, largest plain-FP8 scale, 16 log2(expansion range), log2(FP8 max)) of a format."""
+    if not isinstance(fmt, FP8Format):
+        return _KINDS[fmt], 0.0, 0.0, 0.0
+    scale_max = _group.FLOAT32_MAX / fmt.max * (1 - 2.0**-20)
+    k_numerator = _group.EXPONENT_DENOMINATOR * math.log2(fmt.expansion_range)
+    return _KINDS[fmt], scale_max, k_numerator, math.log2(fmt.max)
 
 
 def _float32(x: float | torch.Tensor) -> float:
@@ -236,7 +256,10 @@ def supports(param: torch.Tensor, grad: torch.Tensor, state: dict, formats: dict
     m, v = formats["exp_avg"], formats["exp_avg_sq"]
     if m is None or v is None or param.device.type != "cpu" or grad.device != param.device:
         return False
-    if param.dtype not in (torch.float32, torch.bfloat16) or grad.dtype not in (torch.float32, torch.bfloat16):
+    if param.dtype not in (torch.float32, torch.bfloat16) or grad.dtype not in (
+        torch.float32,
+        torch.bfloat16,
+    ):
         return False
     if amsgrad and v.bits == 4:
         return False  # a 4-bit maximum rounds to nearest, which only the twin spells out

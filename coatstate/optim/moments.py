@@ -3,6 +3,7 @@ what an optimizer's state costs in bytes."""
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -39,19 +40,33 @@ def moment_formats(
 ) -> dict[str, MomentFormat | None]:
     """How each of `moments` (AdamW's by default) of a parameter of global `shape` is stored
     (None: float32)."""
+    options = tuple((k, group.get(k, _ALL_DEFAULTS[k])) for k in _option_keys(moments))
+    try:
+        return dict(_moment_formats(tuple(shape), moments, options))
+    except TypeError:  # an unhashable option value: parsed (or refused) without the cache
+        return dict(_moment_formats.__wrapped__(tuple(shape), moments, options))
+
+
+@functools.cache
+def _option_keys(moments: tuple[str, ...]) -> tuple[str, ...]:
+    """The param-group options moment_formats reads for `moments`."""
+    per_moment = (k for m in moments for k in (format_option(m), expand_option(m)))
+    return ("compress", "min_numel", "compress_1d", "group_size", *per_moment)
+
+
+# every parameter asks every step: parsing the options each time was most of the step's host time
+@functools.lru_cache(maxsize=4096)
+def _moment_formats(shape: tuple, moments: tuple[str, ...], options: tuple) -> dict[str, MomentFormat | None]:
+    group = dict(options)
     numel = math.prod(shape)
-    compress = (
-        _option(group, "compress")
-        and numel >= _option(group, "min_numel")
-        and (len(shape) >= 2 or _option(group, "compress_1d"))
-    )
+    compress = group["compress"] and numel >= group["min_numel"] and (len(shape) >= 2 or group["compress_1d"])
     if not compress:
         return dict.fromkeys(moments)
-    g = _option(group, "group_size")
+    g = group["group_size"]
     out = {}
     for moment in moments:
-        fmt = parse_format(_option(group, format_option(moment)))
-        out[moment] = MomentFormat(fmt, resolve_expand(fmt, _option(group, expand_option(moment))), g)
+        fmt = parse_format(group[format_option(moment)])
+        out[moment] = MomentFormat(fmt, resolve_expand(fmt, group[expand_option(moment)]), g)
     return out
 
 
