@@ -133,7 +133,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 
 def checksum(data: bytes | memoryview) -> str:
-    """'sha256:<hex>' of `data` (hashlib's sha256 is faster than its blake2b on these CPUs)."""
+    """'sha256:<hex>' of `data` (docs/CHECKPOINT.md says why sha256, not blake2b)."""
     return f"{CHECKSUM_ALGORITHM}:{hashlib.sha256(data).hexdigest()}"
 
 
