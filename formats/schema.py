@@ -20,13 +20,9 @@ import torch
 FORMAT_NAME = "coatstate.checkpoint"
 """The magic: the `format` field of every header."""
 FORMAT_VERSION = 2
-"""The newest version this library reads; readers refuse newer ones. Bumped on any change an
-older reader would misread. 2: per-rank roots (a `per_rank` index, docs/CHECKPOINT.md); every
-other file is still written as version 1, which readers of 0.1 read."""
-SINGLE_FILE_FORMAT_VERSION = 1
-"""What a single-file or sharded checkpoint is written as."""
-PER_RANK_FORMAT_VERSION = 2
-"""What a per-rank root is written as: 0.1 readers refuse it by its version, with a clear error."""
+"""The one version every file this library writes carries (single files, sharded roots, per-rank
+headers) and the only one its readers accept: others are refused with the fix. Bumped on any
+change an older reader would misread."""
 METADATA_KEY = "coatstate"
 """safetensors metadata key holding the JSON header."""
 HEADER_CHECKSUM_KEY = "coatstate.header_sha256"
@@ -137,7 +133,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 
 def checksum(data: bytes | memoryview) -> str:
-    """'sha256:<hex>' of `data` (hashlib's sha256 is faster than its blake2b on these CPUs)."""
+    """'sha256:<hex>' of `data` (docs/CHECKPOINT.md says why sha256, not blake2b)."""
     return f"{CHECKSUM_ALGORITHM}:{hashlib.sha256(data).hexdigest()}"
 
 
@@ -288,6 +284,19 @@ def dump_header(header: Mapping[str, Any]) -> str:
     return json.dumps(header, separators=(",", ":"), allow_nan=False)
 
 
+def version_problem(version: Any) -> str:
+    """Why a header of `version` is refused, and the fix: one line for a CheckpointError."""
+    reads = f"this coatstate reads format version {FORMAT_VERSION} only"
+    if type(version) is int and version == 1:
+        return (
+            f"format version 1 (coatstate 0.1) is not supported ({reads}); convert it with coatstate "
+            "0.1 to torch AdamW states (`coatstate convert OLD.safetensors OLD.pt`) and load that"
+        )
+    if type(version) is int and version > FORMAT_VERSION:
+        return f"format version {version} is not supported ({reads}); upgrade coatstate to read it"
+    return f"format version {version!r:.40} is not supported ({reads}): the header is corrupt"
+
+
 def check_header(header: Any, where: str) -> dict[str, Any]:
     """Validate the magic, the version and the field types a reader relies on."""
     if not isinstance(header, dict) or header.get("format") != FORMAT_NAME:
@@ -296,11 +305,8 @@ def check_header(header: Any, where: str) -> dict[str, Any]:
             f"{where}: not a coatstate checkpoint (format {found!r}, expected {FORMAT_NAME!r})"
         )
     version = header.get("format_version")
-    if not isinstance(version, int) or version < 1 or version > FORMAT_VERSION:
-        raise CheckpointError(
-            f"{where}: format version {version!r} is not supported by this coatstate (reads versions "
-            f"1..{FORMAT_VERSION}); upgrade coatstate to read it"
-        )
+    if type(version) is not int or version != FORMAT_VERSION:
+        raise CheckpointError(f"{where}: {version_problem(version)}")
     expected = {"tensors": dict, "param_groups": list, "state": dict, "params": dict}
     for field, kind in expected.items():
         if not isinstance(header.get(field), kind):

@@ -254,7 +254,7 @@ def run(launches: list[Launch], group: dict, grads: list, grad_scale, found_inf)
                 launch.firsts,
             )
         else:  # eager: straight to the kernel (the dispatcher would bump the version counter of
-            # every mutated state tensor, about 1 ms per step for a 300-tensor model)
+            # every mutated state tensor, a host cost per tensor: docs/performance.md)
             _execute(launch.plan, group, gs, launch.fm, launch.fv, launch.group_size, grad_scale, found_inf)
     return True
 

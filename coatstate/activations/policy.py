@@ -86,9 +86,9 @@ class ActivationPolicy:
     ("group"). Attention's backward recomputes the softmax from the held q and k but subtracts the
     forward's exact logsumexp, so FP8 q and k give rows that no longer sum to one, and gradients
     that come out systematically small; the shrink grows as the logits grow in training
-    (benchmarks/experiments/activation_grad_error.py), and the GPU parity runs with "group" ended above AdamW,
-    one seed unstable (docs/accuracy.md). Where q, k and v are views of
-    one qkv projection they share one storage region, held with q's granularity."""
+    (benchmarks/experiments/activation_grad_error.py; the GPU parity runs with "group" are in
+    docs/accuracy.md). Where q, k and v are views of one qkv projection they share one storage
+    region, held with q's granularity."""
     attention_v_out: Granularity = Granularity.KEEP
     """v and the output saved by attention: kept by default. Backward forms dP - rowsum(dO * O)
     from them, a difference that cancels, and compressing them pushed gradient cosines below the

@@ -201,7 +201,7 @@ def flatten(
     compressed = any(p.get("compressed") for p in params.values())
     header = {
         "format": schema.FORMAT_NAME,
-        "format_version": schema.SINGLE_FILE_FORMAT_VERSION,
+        "format_version": schema.FORMAT_VERSION,
         "library_version": __version__,
         "created_unix": round(time.time(), 3),
         "optimizer": {"class": None, "variant": "compressed" if compressed else "full"},

@@ -97,8 +97,6 @@ def validate_header(header: Any, where: str) -> dict[str, Any]:
         raise CheckpointError(f"{where}: invalid header: {problem}")
 
     schema.check_header(header, where)
-    if isinstance(header["format_version"], bool):
-        fail("format_version must be an integer")
     opt = header.get("optimizer")
     if opt is not None:
         if not isinstance(opt, dict) or not isinstance(opt.get("class"), (str, type(None))):

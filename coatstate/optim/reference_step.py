@@ -111,9 +111,9 @@ def _adamw_step_block(
 
 ROW_BLOCK_ELEMENTS = 1 << 20
 """adamw_step_reference updates a large parameter in blocks of whole rows of about this many
-elements. The step is some 40 elementwise passes (dequantize, update, requantize); on a whole
-tensor every pass streams full-size temporaries through DRAM, on a block they stay in cache:
-about 4x faster (docs/benchmarks.md). Groups never cross a row and the math is per element or
+elements. The step is a long chain of elementwise passes (dequantize, update, requantize); on a
+whole tensor every pass streams full-size temporaries through DRAM, on a block they stay in cache
+(docs/performance.md has the measurement). Groups never cross a row and the math is per element or
 per group, so a block computes what the whole tensor would, bit for bit (tests/optim/test_adamw.py)."""
 
 

@@ -131,7 +131,7 @@ def test_uncompressed_file_opens_with_safe_open_and_lists_documented_keys(tmp_pa
     assert keys == expected
     header = json.loads(meta["coatstate"])
     assert header["format"] == "coatstate.checkpoint"
-    assert header["format_version"] == schema.SINGLE_FILE_FORMAT_VERSION == 1  # what 0.1 readers read
+    assert header["format_version"] == schema.FORMAT_VERSION == 2
     assert meta["coatstate.header_sha256"] == schema.header_checksum(meta["coatstate"])
 
 
@@ -352,7 +352,10 @@ def test_wrong_version_magic_and_missing_tensors_raise(compressed_file, tmp_path
     path, _, _ = compressed_file
     out = str(tmp_path / "e.safetensors")
     _rewrite_header(path, out, lambda h, t: h.update(format_version=schema.FORMAT_VERSION + 1))
-    with pytest.raises(CheckpointError, match=f"version {schema.FORMAT_VERSION + 1} is not supported"):
+    with pytest.raises(CheckpointError, match=f"version {schema.FORMAT_VERSION + 1} is not .*upgrade"):
+        ck.read(out)
+    _rewrite_header(path, out, lambda h, t: h.update(format_version=1))  # 0.1's: refused with the fix
+    with pytest.raises(CheckpointError, match=r"e\.safetensors: format version 1 .*coatstate convert"):
         ck.read(out)
     _rewrite_header(path, out, lambda h, t: h.update(format="something.else"))
     with pytest.raises(CheckpointError, match="not a coatstate checkpoint"):
@@ -483,6 +486,7 @@ def test_a_save_into_a_missing_directory_makes_it(tmp_path, layout, kind):
         return
     distributed, shard_size = ("gathered", 20_000) if layout == "sharded" else (layout, ck.DEFAULT_SHARD_SIZE)
     ck.save(opt, url, model=model, distributed=distributed, shard_size=shard_size)
+    assert ck.read(url).header["format_version"] == schema.FORMAT_VERSION  # one version, every layout
     _assert_same(ck.read(url).optimizer, ck.read_state_dict(url))
     fresh = CompressedAdamW(_model(seed=1).parameters(), min_numel=1)
     ck.load(fresh, url)

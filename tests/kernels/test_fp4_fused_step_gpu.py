@@ -84,8 +84,8 @@ def test_4bit_codes_and_scales_are_bit_exact_on_the_gpu(fm, fv, dtype, master_bi
                 a, b = sf[k].view(torch.uint8), st[k].view(torch.uint8)
                 if k == "exp_avg_codes" and fm in FP8:
                     # FP8 m: torch's CUDA lerp and the kernel's fma round m apart by an ulp now and
-                    # then, and E4M3's fine grid turns that into a neighbouring code (H200,
-                    # 2026-12-02: this case failed bit-exactness); 4-bit codes are exact
+                    # then, and E4M3's fine grid turns that into a neighbouring code (on an H200
+                    # this case failed bit-exactness); 4-bit codes are exact
                     moved = (a.int() - b.int()).abs()
                     assert moved.max() <= 1 and (moved > 0).float().mean() <= 0.01, f"step {step}: {k}"
                 elif k == "exp_avg_scales" and fm in FP8:  # its scales: the same ulp of m
