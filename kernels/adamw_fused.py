@@ -9,7 +9,7 @@ lr, the step counts, GradScaler's scale and found_inf are read on the device.
 
 Host side (plans, launches, the custom op): kernels/adamw_launch.py. Twin: coatstate.optim.reference_step
 (adamw_step_reference), the CPU path and the oracle.
-A moment may instead be 4-bit (M_FP4/V_FP4: packed codes and a scale per group, no exponents;
+A moment may instead be 4-bit (its format's FP4: packed codes and a scale per group, no exponents;
 kernels/fp4_triton.py), in any mix with FP8.
 Bytes moved per element with fp32 p and g: p 4+4, g 4, codes 1+1 per moment, scales ~5/128 per
 moment: about 16.1 bytes, so the floor is numel * 16.1 / copy bandwidth.
@@ -21,20 +21,17 @@ import triton
 import triton.language as tl
 
 from ..formats.fp4_moment import ROUNDING_STREAM as _ROUNDING_STREAM
-from ..formats.fp4_moment import FP4Format
-from ..formats.fp8 import FP8Format
 from ..formats.optimizer_state import MomentFormat
 from .fp4_triton import (
-    E2M1,
-    UE3M1_SQRT,
     encode_store4,
     load_decode4,
     magnitudes4,
+    moment_format,
     packed_offsets,
     quantize_store4,
     rare_groups4,
 )
-from .fp8_triton import FAST_MATH, encode_store, fast_divide, fp8_constants, group_offsets, load_decode
+from .fp8_triton import FAST_MATH, encode_store, fast_divide, group_offsets, load_decode
 
 # columns of the address table
 P, G, M_CODES, M_SCALES, M_EXPS, V_CODES, V_SCALES, V_EXPS, X_CODES, X_SCALES, X_EXPS, STEP, C = range(13)
@@ -108,66 +105,30 @@ def _group_pointers(row_ptr, COL: tl.constexpr, gid, EXPAND: tl.constexpr):
 
 @triton.jit
 def _load_moment(base_ptr, row_ptr, COL: tl.constexpr, offs, mask, gid, gmask, poffs, pmask,
-                 COMPRESSED: tl.constexpr, EXPAND: tl.constexpr, IS_E4M3: tl.constexpr,
-                 GROUP: tl.constexpr, FP4: tl.constexpr, EVEN: tl.constexpr):  # fmt: skip
-    if COMPRESSED and FP4 > 0:  # packed 4-bit codes: the byte tile at `poffs` (kernels/fp4_triton.py)
+                 COMPRESSED: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr,
+                 EVEN: tl.constexpr):  # fmt: skip
+    if COMPRESSED and FMT.FP4 > 0:  # packed 4-bit codes: the byte tile at `poffs` (kernels/fp4_triton.py)
         scales, _ = _group_pointers(row_ptr, COL, gid, False)
         codes = _packed(base_ptr, row_ptr, COL, poffs, EVEN)
-        return load_decode4(codes, pmask, scales, gmask, mask, GROUP, FP4, EVEN)
+        return load_decode4(codes, pmask, scales, gmask, mask, GROUP, FMT.FP4, EVEN)
     elif COMPRESSED:
-        scales, exps = _group_pointers(row_ptr, COL, gid, EXPAND)
-        return load_decode(_data(base_ptr, row_ptr, COL, offs), scales, exps, mask, gmask, EXPAND, IS_E4M3)
+        scales, exps = _group_pointers(row_ptr, COL, gid, FMT.EXPAND)
+        return load_decode(_data(base_ptr, row_ptr, COL, offs), scales, exps, mask, gmask, FMT)
     else:
         return tl.load(_data(base_ptr, row_ptr, COL, offs), mask=mask, other=0.0)
 
 
 @triton.jit
-def _store_moment(
-    x,
-    base_ptr,
-    row_ptr,
-    COL: tl.constexpr,
-    offs,
-    mask,
-    gid,
-    gmask,
-    COMPRESSED: tl.constexpr,
-    EXPAND: tl.constexpr,
-    FP8_MAX: tl.constexpr,
-    MBITS: tl.constexpr,
-    EMIN: tl.constexpr,
-    LOG2_MAX: tl.constexpr,
-    K_NUMERATOR: tl.constexpr,
-    IS_E4M3: tl.constexpr,
-    poffs,
-    pmask,
-    GROUP: tl.constexpr,
-    FP4: tl.constexpr,
-    EVEN: tl.constexpr,
-    rbits,
-    SR: tl.constexpr,
-):
-    if COMPRESSED and FP4 > 0:
+def _store_moment(x, base_ptr, row_ptr, COL: tl.constexpr, offs, mask, gid, gmask, COMPRESSED: tl.constexpr,
+                  FMT: tl.constexpr, poffs, pmask, GROUP: tl.constexpr, EVEN: tl.constexpr, rbits,
+                  SR: tl.constexpr):  # fmt: skip
+    if COMPRESSED and FMT.FP4 > 0:
         scales, _ = _group_pointers(row_ptr, COL, gid, False)
         codes = _packed(base_ptr, row_ptr, COL, poffs, EVEN)
-        encode_store4(x, codes, pmask, scales, gmask, GROUP, FP4, EVEN, rbits, SR)
+        encode_store4(x, codes, pmask, scales, gmask, GROUP, FMT.FP4, EVEN, rbits, SR)
     elif COMPRESSED:
-        scales, exps = _group_pointers(row_ptr, COL, gid, EXPAND)
-        encode_store(
-            x,
-            _data(base_ptr, row_ptr, COL, offs),
-            scales,
-            exps,
-            mask,
-            gmask,
-            EXPAND,
-            FP8_MAX,
-            MBITS,
-            EMIN,
-            LOG2_MAX,
-            K_NUMERATOR,
-            IS_E4M3,
-        )
+        scales, exps = _group_pointers(row_ptr, COL, gid, FMT.EXPAND)
+        encode_store(x, _data(base_ptr, row_ptr, COL, offs), scales, exps, mask, gmask, FMT)
     else:
         tl.store(_data(base_ptr, row_ptr, COL, offs), x, mask=mask)
 
@@ -352,23 +313,9 @@ def _adamw_kernel(
     GROUP: tl.constexpr,
     GPP: tl.constexpr,
     EVEN: tl.constexpr,
-    M_EXPAND: tl.constexpr,
-    M_MAX: tl.constexpr,
-    M_MBITS: tl.constexpr,
-    M_EMIN: tl.constexpr,
-    M_LOG2_MAX: tl.constexpr,
-    M_KNUM: tl.constexpr,
-    M_E4M3: tl.constexpr,
-    V_EXPAND: tl.constexpr,
-    V_MAX: tl.constexpr,
-    V_MBITS: tl.constexpr,
-    V_EMIN: tl.constexpr,
-    V_LOG2_MAX: tl.constexpr,
-    V_KNUM: tl.constexpr,
-    V_E4M3: tl.constexpr,
     MASTER: tl.constexpr,
-    M_FP4: tl.constexpr = 0,
-    V_FP4: tl.constexpr = 0,
+    M_FMT: tl.constexpr,
+    V_FMT: tl.constexpr,
 ):
     if HAS_INF:
         if tl.load(found_inf_ptr) != 0:
@@ -384,7 +331,7 @@ def _adamw_kernel(
     gid = local_block.to(tl.int64) * GPP + tl.arange(0, GPP)
     gmask = gid < n_groups
     offs, mask = group_offsets(gid, n_groups, cols, groups_per_row, GROUP, EVEN)
-    if M_FP4 + V_FP4 > 0:  # byte offsets of packed 4-bit codes (the same groups)
+    if M_FMT.FP4 + V_FMT.FP4 > 0:  # byte offsets of packed 4-bit codes (the same groups)
         poffs, pmask = packed_offsets(gid, n_groups, cols, groups_per_row, GROUP, EVEN)
     else:
         poffs, pmask = offs, mask
@@ -412,23 +359,23 @@ def _adamw_kernel(
         g = -g
     # a 4-bit moment's pointers serve its load and its store (the table reads and 64-bit adds
     # are not repeated)
-    if COMPRESSED and M_FP4 > 0:
+    if COMPRESSED and M_FMT.FP4 > 0:
         m_codes = _packed(m_base, row_ptr, 2, poffs, EVEN)
         m_scales = _group_pointers(row_ptr, 2, gid, False)[0]
-        m = load_decode4(m_codes, pmask, m_scales, gmask, mask, GROUP, M_FP4, EVEN)
+        m = load_decode4(m_codes, pmask, m_scales, gmask, mask, GROUP, M_FMT.FP4, EVEN)
     else:
-        m = _load_moment(m_base, row_ptr, 2, offs, mask, gid, gmask, poffs, pmask, COMPRESSED, M_EXPAND,
-                         M_E4M3, GROUP, M_FP4, EVEN)  # fmt: skip
-    if COMPRESSED and V_FP4 > 0:
+        m = _load_moment(m_base, row_ptr, 2, offs, mask, gid, gmask, poffs, pmask, COMPRESSED, M_FMT,
+                         GROUP, EVEN)  # fmt: skip
+    if COMPRESSED and V_FMT.FP4 > 0:
         v_codes = _packed(v_base, row_ptr, 5, poffs, EVEN)
         v_scales = _group_pointers(row_ptr, 5, gid, False)[0]
-        v = load_decode4(v_codes, pmask, v_scales, gmask, mask, GROUP, V_FP4, EVEN)
+        v = load_decode4(v_codes, pmask, v_scales, gmask, mask, GROUP, V_FMT.FP4, EVEN)
     else:
-        v = _load_moment(v_base, row_ptr, 5, offs, mask, gid, gmask, poffs, pmask, COMPRESSED, V_EXPAND,
-                         V_E4M3, GROUP, V_FP4, EVEN)  # fmt: skip
+        v = _load_moment(v_base, row_ptr, 5, offs, mask, gid, gmask, poffs, pmask, COMPRESSED, V_FMT,
+                         GROUP, EVEN)  # fmt: skip
     # a second moment's NaN code reads as +Inf (formats.optimizer_state.SECOND_MOMENTS; a 4-bit
     # one's decoder does it per group)
-    if COMPRESSED and V_FP4 == 0:
+    if COMPRESSED and V_FMT.FP4 == 0:
         v = tl.where(v != v, float("inf"), v)
 
     p = p * decay
@@ -439,8 +386,8 @@ def _adamw_kernel(
     v = v * b2 + w2 * g * g
     if AMSGRAD:
         vmax = _load_moment(x_base, row_ptr, 8, offs, mask, gid, gmask, poffs, pmask, COMPRESSED,
-                            V_EXPAND, V_E4M3, GROUP, V_FP4, EVEN)  # fmt: skip
-        if COMPRESSED and V_FP4 == 0:
+                            V_FMT, GROUP, EVEN)  # fmt: skip
+        if COMPRESSED and V_FMT.FP4 == 0:
             vmax = tl.where(vmax != vmax, float("inf"), vmax)
         vmax = tl.maximum(vmax, v)
         denom = tl.sqrt(vmax) * inv_bc2_sqrt + eps
@@ -449,7 +396,7 @@ def _adamw_kernel(
     p = p - step_size * fast_divide(m, denom)  # approximate division: 2 ulp
 
     # stochastic roundings hash (seed, step, element offset in the global tensor)
-    SR_V: tl.constexpr = COMPRESSED and V_FP4 == 2  # ue3m1_sqrt
+    SR_V: tl.constexpr = COMPRESSED and V_FMT.FP4 == 2  # ue3m1_sqrt
     if MASTER == 16 or SR_V:
         seed = tl.load(meta_ptr + 5 * t + 3).to(tl.uint32)
         step = tl.load(tl.load(row_ptr + 11).to(tl.pointer_type(tl.float32)))
@@ -467,50 +414,36 @@ def _adamw_kernel(
         _store_master(p, p_ptrs, c_ptrs, mask, goffs, seed, step, MASTER)
     else:
         tl.store(p_ptrs, p.to(p_base.dtype.element_ty), mask=mask)
-    if COMPRESSED and M_FP4 > 0 and V_FP4 > 0:
+    if COMPRESSED and M_FMT.FP4 > 0 and V_FMT.FP4 > 0:
         # both 4-bit: one program-wide reduction decides both encoders' exact path and the
         # count (a reduction across warps is a shared-memory round trip with two barriers)
-        m_mag, m_sign, m_mx = magnitudes4(m, M_FP4)
-        v_mag, v_sign, v_mx = magnitudes4(v, V_FP4)
-        flag = rare_groups4(m_mx, M_FP4) | rare_groups4(v_mx, V_FP4)
+        m_mag, m_sign, m_mx = magnitudes4(m, M_FMT.FP4)
+        v_mag, v_sign, v_mx = magnitudes4(v, V_FMT.FP4)
+        flag = rare_groups4(m_mx, M_FMT.FP4) | rare_groups4(v_mx, V_FMT.FP4)
         rare = tl.max(flag.to(tl.int32), axis=0) > 0
-        quantize_store4(m, m_mag, m_sign, m_mx, rare, m_codes, pmask, m_scales, gmask, GROUP, M_FP4, EVEN,
+        quantize_store4(m, m_mag, m_sign, m_mx, rare, m_codes, pmask, m_scales, gmask, GROUP, M_FMT.FP4, EVEN,
                         0, False)  # fmt: skip
-        quantize_store4(v, v_mag, v_sign, v_mx, rare, v_codes, pmask, v_scales, gmask, GROUP, V_FP4, EVEN,
+        quantize_store4(v, v_mag, v_sign, v_mx, rare, v_codes, pmask, v_scales, gmask, GROUP, V_FMT.FP4, EVEN,
                         rbits, SR_V)  # fmt: skip
         if rare:  # rare (it holds wherever m + v is not finite)
             _count_nonfinite(m, v, row_ptr, nonfinite_ptr, t, False)
     else:
-        if COMPRESSED and M_FP4 > 0:
-            encode_store4(m, m_codes, pmask, m_scales, gmask, GROUP, M_FP4, EVEN, 0, False)
+        if COMPRESSED and M_FMT.FP4 > 0:
+            encode_store4(m, m_codes, pmask, m_scales, gmask, GROUP, M_FMT.FP4, EVEN, 0, False)
         else:
-            _store_moment(m, m_base, row_ptr, 2, offs, mask, gid, gmask, COMPRESSED,
-                          M_EXPAND, M_MAX, M_MBITS, M_EMIN, M_LOG2_MAX, M_KNUM, M_E4M3, poffs, pmask, GROUP,
-                          M_FP4, EVEN, 0, False)  # fmt: skip
-        if COMPRESSED and V_FP4 > 0:
-            encode_store4(v, v_codes, pmask, v_scales, gmask, GROUP, V_FP4, EVEN, rbits, SR_V)
+            _store_moment(m, m_base, row_ptr, 2, offs, mask, gid, gmask, COMPRESSED, M_FMT, poffs, pmask,
+                          GROUP, EVEN, 0, False)  # fmt: skip
+        if COMPRESSED and V_FMT.FP4 > 0:
+            encode_store4(v, v_codes, pmask, v_scales, gmask, GROUP, V_FMT.FP4, EVEN, rbits, SR_V)
         else:
-            _store_moment(v, v_base, row_ptr, 5, offs, mask, gid, gmask, COMPRESSED,
-                          V_EXPAND, V_MAX, V_MBITS, V_EMIN, V_LOG2_MAX, V_KNUM, V_E4M3, poffs, pmask, GROUP,
-                          V_FP4, EVEN, 0, False)  # fmt: skip
-        _count_nonfinite(m, v, row_ptr, nonfinite_ptr, t, M_FP4 + V_FP4 == 0)
+            _store_moment(v, v_base, row_ptr, 5, offs, mask, gid, gmask, COMPRESSED, V_FMT, poffs, pmask,
+                          GROUP, EVEN, 0, False)  # fmt: skip
+        _count_nonfinite(m, v, row_ptr, nonfinite_ptr, t, M_FMT.FP4 + V_FMT.FP4 == 0)
     if AMSGRAD:  # (the running maximum of v, in v's format)
-        _store_moment(vmax, x_base, row_ptr, 8, offs, mask, gid, gmask, COMPRESSED,
-                      V_EXPAND, V_MAX, V_MBITS, V_EMIN, V_LOG2_MAX, V_KNUM, V_E4M3, poffs, pmask, GROUP,
-                      V_FP4, EVEN, 0, False)  # fmt: skip
+        _store_moment(vmax, x_base, row_ptr, 8, offs, mask, gid, gmask, COMPRESSED, V_FMT, poffs, pmask,
+                      GROUP, EVEN, 0, False)  # fmt: skip
 
 
-def _constants(prefix: str, f: MomentFormat | None) -> dict:
-    fp4 = f is not None and isinstance(f.fmt, FP4Format)
-    fmt = f.fmt if f is not None and not fp4 else FP8Format.E4M3  # (unused by a 4-bit moment)
-    c = fp8_constants(fmt)
-    return {
-        f"{prefix}_FP4": (E2M1 if f.fmt is FP4Format.E2M1 else UE3M1_SQRT) if fp4 else 0,
-        f"{prefix}_EXPAND": bool(f is not None and f.expand),
-        f"{prefix}_MAX": c["FP8_MAX"],
-        f"{prefix}_MBITS": c["MBITS"],
-        f"{prefix}_EMIN": c["EMIN"],
-        f"{prefix}_LOG2_MAX": c["LOG2_MAX"],
-        f"{prefix}_KNUM": c["K_NUMERATOR"],
-        f"{prefix}_E4M3": c["IS_E4M3"],
-    }
+def format_constexprs(fm: MomentFormat | None, fv: MomentFormat | None) -> dict:
+    """The kernel's M_FMT and V_FMT for moments stored in `fm` (exp_avg) and `fv` (the others)."""
+    return {"M_FMT": moment_format(fm), "V_FMT": moment_format(fv)}

@@ -27,7 +27,19 @@ from ..formats.optimizer_state import (
     state_keys,
 )
 from . import adamw_fused as kernel
-from .adamw_fused import M_CODES, META, NPTR, STEP, V_CODES, X_CODES, C, G, P, _adamw_kernel, _constants
+from .adamw_fused import (
+    M_CODES,
+    META,
+    NPTR,
+    STEP,
+    V_CODES,
+    X_CODES,
+    C,
+    G,
+    P,
+    _adamw_kernel,
+    format_constexprs,
+)
 from .fp4_triton import UE3M1_SQRT
 from .runtime import interpreting
 
@@ -89,13 +101,13 @@ class _Plan:
         """The kernel's EVEN: whole-group rows, and where a 4-bit second moment rounds
         stochastically also even first offsets (its hash serves pairs of neighbours, which an odd
         offset would split; the per-element path handles those)."""
-        pairs = fm is not None and self.constants(fm, fv)["V_FP4"] == UE3M1_SQRT
+        pairs = fm is not None and self.constants(fm, fv)["V_FMT"].FP4 == UE3M1_SQRT
         return self.even and (self.even_firsts or not pairs)
 
     def constants(self, fm, fv) -> dict:
         """The kernel's format constexprs (computed once per plan: they cost host time per step)."""
         if self._constants is None:
-            self._constants = {**_constants("M", fm), **_constants("V", fv)}
+            self._constants = format_constexprs(fm, fv)
         return self._constants
 
 
