@@ -27,7 +27,40 @@ from ..formats.optimizer_state import (
     state_keys,
 )
 from . import adamw_fused as kernel
-from .adamw_fused import M_CODES, META, NPTR, STEP, V_CODES, X_CODES, C, G, P, _adamw_kernel, _constants
+from .adamw_fused import (
+    B2,
+    BLOCK_COLUMNS,
+    BLOCK_INDEX,
+    BLOCK_TENSOR,
+    DECAY,
+    EPS,
+    FIRST,
+    GROUPS_PER_ROW,
+    HYPER_COLUMNS,
+    INV_BC2_SQRT,
+    M_CODES,
+    META_COLUMNS,
+    N_COLS,
+    N_GROUPS,
+    NONFINITE_COLUMNS,
+    SCALAR_COLUMNS,
+    SEED,
+    STEP,
+    STEP_SIZE,
+    TABLE_COLUMNS,
+    TO_EXPS,
+    TO_SCALES,
+    V_CODES,
+    W1,
+    W2,
+    X_CODES,
+    C,
+    G,
+    P,
+    _adamw_kernel,
+    by_column,
+    format_constexprs,
+)
 from .fp4_triton import UE3M1_SQRT
 from .runtime import interpreting
 
@@ -37,45 +70,44 @@ class _Plan:
 
     def __init__(self, params, states, group_size, device, seeds=None, firsts=None):
         self.gpp = kernel.groups_per_program(interpreting())
-        n = len(params)
-        table = torch.zeros((n, NPTR), dtype=torch.int64)
         self.bases = {P: params[0]}
-        meta = torch.zeros((n, META), dtype=torch.int64)
-        blocks = []
+        table, meta, blocks = [], [], []
         for i, (p, s) in enumerate(zip(params, states, strict=True)):
-            table[i, P] = _offset(p, self.bases[P])
-            for col, name in zip((M_CODES, V_CODES, X_CODES), MOMENTS, strict=True):
+            row = {P: _offset(p, self.bases[P]), STEP: s["step"].data_ptr()}
+            for codes, name in zip((M_CODES, V_CODES, X_CODES), MOMENTS, strict=True):
                 data = s.get(name + CODES, s.get(name))
                 if data is None:
                     continue
-                self.bases.setdefault(col, data)
-                table[i, col] = _offset(data, self.bases[col])
+                self.bases.setdefault(codes, data)
+                row[codes] = _offset(data, self.bases[codes])
                 if is_compressed(s, name):
-                    table[i, col + 1] = s[name + SCALES].data_ptr()
+                    row[codes + TO_SCALES] = s[name + SCALES].data_ptr()
                     if name + EXPONENTS in s:
-                        table[i, col + 2] = s[name + EXPONENTS].data_ptr()
-            table[i, STEP] = s["step"].data_ptr()
+                        row[codes + TO_EXPS] = s[name + EXPONENTS].data_ptr()
             if MASTER_CORRECTION in s:
                 self.bases.setdefault(C, s[MASTER_CORRECTION])
-                table[i, C] = _offset(s[MASTER_CORRECTION], self.bases[C])
+                row[C] = _offset(s[MASTER_CORRECTION], self.bases[C])
+            table.append(by_column(row, TABLE_COLUMNS, fill=0))
             rows, cols, gpr = group_layout(p.shape, group_size)
             n_groups = rows * gpr if p.numel() else 0
             # keyed as master_weights.random_bits keys it
             seed = 0 if seeds is None else (seeds[i] * 0x9E3779B1) & 0xFFFFFFFF
             # the local tensor's first element in the global one (a shard's), mod 2**32 as hashed
             first = 0 if firsts is None else firsts[i] & 0xFFFFFFFF
-            meta[i] = torch.tensor([cols, gpr, n_groups, seed, first])
+            shape = {N_COLS: cols, GROUPS_PER_ROW: gpr, N_GROUPS: n_groups}
+            meta.append(by_column({**shape, SEED: seed, FIRST: first}, META_COLUMNS))
             nb = triton.cdiv(n_groups, self.gpp)
+            tensor, index = torch.full((nb,), i, dtype=torch.int32), torch.arange(nb, dtype=torch.int32)
             blocks.append(
-                torch.stack([torch.full((nb,), i, dtype=torch.int32), torch.arange(nb, dtype=torch.int32)], 1)
+                torch.stack(by_column({BLOCK_TENSOR: tensor, BLOCK_INDEX: index}, BLOCK_COLUMNS), 1)
             )
-        self.table = table
-        self.meta = meta.to(device)
+        self.table = torch.tensor(table, dtype=torch.int64)
+        self.meta = torch.tensor(meta, dtype=torch.int64).to(device)
         self.blocks = torch.cat(blocks).to(device)
         self.n_blocks = self.blocks.shape[0]
-        self.even = all(int(m[0]) % group_size == 0 for m in meta)
+        self.even = all(m[N_COLS] % group_size == 0 for m in meta)
         """every row is whole groups (the kernel's EVEN tiles, unless launch_even says otherwise)"""
-        self.even_firsts = all(int(m[4]) % 2 == 0 for m in meta)
+        self.even_firsts = all(m[FIRST] % 2 == 0 for m in meta)
         """every tensor starts at an even offset of its global tensor"""
         self.steps = [s["step"] for s in states]
         self.params = list(params)
@@ -89,13 +121,13 @@ class _Plan:
         """The kernel's EVEN: whole-group rows, and where a 4-bit second moment rounds
         stochastically also even first offsets (its hash serves pairs of neighbours, which an odd
         offset would split; the per-element path handles those)."""
-        pairs = fm is not None and self.constants(fm, fv)["V_FP4"] == UE3M1_SQRT
+        pairs = fm is not None and self.constants(fm, fv)["V_FMT"].FP4 == UE3M1_SQRT
         return self.even and (self.even_firsts or not pairs)
 
     def constants(self, fm, fv) -> dict:
         """The kernel's format constexprs (computed once per plan: they cost host time per step)."""
         if self._constants is None:
-            self._constants = {**_constants("M", fm), **_constants("V", fv)}
+            self._constants = format_constexprs(fm, fv)
         return self._constants
 
 
@@ -109,13 +141,14 @@ def _scalars(group: dict, steps: list, device) -> tuple[torch.Tensor, torch.Tens
     t = torch.stack(steps).double()
     bias_correction1 = 1 - torch.pow(beta1, t)
     bias_correction2 = 1 - torch.pow(beta2, t)
-    scalars = torch.stack([lr / bias_correction1, bias_correction2.rsqrt()], 1).float()
-    rest = [1 - beta1, beta2, 1 - beta2, group["eps"]]
-    if isinstance(lr, float):  # one host->device copy
-        hyper = _to_device(torch.tensor([1 - lr * group["weight_decay"], *rest], dtype=torch.float32), device)
-    else:
-        decay = (1 - lr * group["weight_decay"]).reshape(1).float()
-        hyper = torch.cat([decay, _to_device(torch.tensor(rest, dtype=torch.float32), device)])
+    scalars = {STEP_SIZE: lr / bias_correction1, INV_BC2_SQRT: bias_correction2.rsqrt()}
+    scalars = torch.stack(by_column(scalars, SCALAR_COLUMNS), 1).float()
+    decay = 1 - lr * group["weight_decay"]
+    hyper = {DECAY: decay if isinstance(lr, float) else 0.0, W1: 1 - beta1, B2: beta2, W2: 1 - beta2}
+    hyper = torch.tensor(by_column({**hyper, EPS: group["eps"]}, HYPER_COLUMNS), dtype=torch.float32)
+    hyper = _to_device(hyper, device)  # one host->device copy
+    if not isinstance(lr, float):  # a device lr: its decay is written on the device
+        hyper[int(DECAY)] = decay.float()
     return hyper, scalars
 
 
@@ -154,9 +187,10 @@ class Launch:
             )
         self.grad_dtype = grads[0].dtype
         self.addresses = [p.data_ptr() for p in params]
-        self.nonfinite = torch.zeros((len(params), 3), dtype=torch.int32, device=params[0].device)
-        """per parameter: moment values that came out NaN/Inf, steps with any, the last such
-        step (read and reset by nonfinite_parameters)"""
+        device = params[0].device
+        self.nonfinite = torch.zeros((len(params), NONFINITE_COLUMNS), dtype=torch.int32, device=device)
+        """per parameter: the kernel's non-finite counters (adamw_fused's BAD_VALUES, BAD_STEPS,
+        LAST_BAD_STEP; read and reset by nonfinite_parameters)"""
         self.plan = _Plan(params, states, self.group_size, params[0].device, self.seeds, self.firsts)
         self.plan.nonfinite = self.nonfinite
         self.plan.master_bits = master_bits
@@ -382,7 +416,7 @@ def _execute(plan: _Plan, group: dict, grads: list, fm, fv, group_size: int, gra
     ]
     base, size = grads[0].data_ptr(), grads[0].element_size()
     table = plan.table.clone()
-    table[:, G] = torch.tensor([(g.data_ptr() - base) // size for g in grads], dtype=torch.int64)
+    table[:, int(G)] = torch.tensor([(g.data_ptr() - base) // size for g in grads], dtype=torch.int64)
     table = _to_device(table, device)
 
     torch._foreach_add_(plan.steps, 1.0)

@@ -17,10 +17,24 @@ import triton
 import triton.language as tl
 
 from ..formats.fp4_moment import MIN_SCALE as _MIN_SCALE
-from .fp8_triton import FAST_MATH, store_per_group
+from ..formats.fp4_moment import FP4Format
+from ..formats.fp8 import FP8Format
+from ..formats.optimizer_state import MomentFormat
+from .fp8_triton import FAST_MATH, GroupFormat, group_format, store_per_group
 
 E2M1, UE3M1_SQRT = 1, 2
 """the FMT constexpr of a 4-bit moment (0: FP8)"""
+
+
+def moment_format(f: MomentFormat | None) -> GroupFormat:
+    """The fused steps' format constexpr of a moment stored in `f`: FP8 codes, 4-bit codes (its
+    FP4 set; the FP8 fields then unused) or float32 (None: no field is read)."""
+    fp4 = f is not None and isinstance(f.fmt, FP4Format)
+    fmt = f.fmt if f is not None and not fp4 else FP8Format.E4M3
+    code = (E2M1 if f.fmt is FP4Format.E2M1 else UE3M1_SQRT) if fp4 else 0
+    return group_format(fmt, bool(f is not None and f.expand), code)
+
+
 MIN_SCALE = tl.constexpr(_MIN_SCALE)
 
 

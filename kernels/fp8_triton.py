@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -65,15 +66,41 @@ def check_float_input(name: str, x: torch.Tensor) -> None:
         raise ValueError(f"{name} must be contiguous (call .contiguous() first); got strides {x.stride()}")
 
 
-def fp8_constants(fmt: FP8Format) -> dict:
-    """constexpr arguments describing `fmt` for the functions below."""
-    return dict(
-        FP8_MAX=fmt.max,
+class GroupFormat(NamedTuple):
+    """A moment's code format as one `tl.constexpr` argument (group_format builds it): Triton
+    specializes a kernel on its fields. Pass it whole or read its fields; nested in another
+    tuple it does not compile on Triton 3.6."""
+
+    EXPAND: bool
+    """per-group exponent codes (range expansion)"""
+    MAX: float
+    """the FP8 format's largest finite value"""
+    MBITS: int
+    """its mantissa bits"""
+    EMIN: int
+    """its smallest normal exponent"""
+    LOG2_MAX: float
+    """log2(MAX)"""
+    K_NUMERATOR: float
+    """EXPONENT_DENOMINATOR * log2 of its expansion range"""
+    IS_E4M3: bool
+    """E4M3 codes (else E5M2)"""
+    FP4: int = 0
+    """a 4-bit moment's format (fp4_triton's E2M1 or UE3M1_SQRT), which leaves the FP8 fields
+    unused; 0 for FP8 codes"""
+
+
+def group_format(fmt: FP8Format, expand: bool, fp4: int = 0) -> GroupFormat:
+    """The constexpr describing codes in `fmt` (with expansion if `expand`) for the functions below."""
+    return GroupFormat(
+        EXPAND=expand,
+        MAX=fmt.max,
         MBITS=fmt.mantissa_bits,
         EMIN=fmt.min_normal_exponent,
         LOG2_MAX=math.log2(fmt.max),
         K_NUMERATOR=EXPONENT_DENOMINATOR * math.log2(fmt.expansion_range),
         IS_E4M3=fmt is FP8Format.E4M3,
+        FP4=fp4,
     )
 
 
@@ -130,7 +157,7 @@ def round_to_fp8_grid(y, FP8_MAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.co
 
 
 @triton.jit
-def to_fp8_bits(y, FP8_MAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, IS_E4M3: tl.constexpr):
+def to_fp8_bits(y, FMT: tl.constexpr):
     """float32 -> FP8 code as uint8. On the GPU the conversion instruction itself rounds to
     nearest even and saturates (cvt.rn.satfinite: NaN stays NaN, +-Inf -> +-max), which is
     exactly formats.round_to_fp8_grid and saves ~16 integer ops per element; the interpreter's
@@ -138,8 +165,8 @@ def to_fp8_bits(y, FP8_MAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexp
     if FAST_MATH:
         r = y
     else:
-        r = round_to_fp8_grid(y, FP8_MAX, MBITS, EMIN)
-    if IS_E4M3:
+        r = round_to_fp8_grid(y, FMT.MAX, FMT.MBITS, FMT.EMIN)
+    if FMT.IS_E4M3:
         bits = r.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     else:
         bits = r.to(tl.float8e5).to(tl.uint8, bitcast=True)
@@ -178,30 +205,28 @@ def smallest_positive(mag):
 
 
 @triton.jit
-def group_params(
-    mag, EXPAND: tl.constexpr, FP8_MAX: tl.constexpr, LOG2_MAX: tl.constexpr, K_NUMERATOR: tl.constexpr
-):
+def group_params(mag, FMT: tl.constexpr):
     """Per-group (scale a, exponent code 16k, k, 1/a) of a [groups, G] tile of magnitudes."""
     mx = tl.max(mag, axis=1)
-    if EXPAND:
+    if FMT.EXPAND:
         mn = smallest_positive(mag)
         log_mx = log2(mx)
         log_range = log_mx - log2(mn)
         # approximate division: k is stored, so a kernel/twin difference in k only picks another
         # valid exponent for the group
-        k16 = tl.math.floor(tl.math.fdiv(tl.full(log_range.shape, K_NUMERATOR, tl.float32), log_range))
+        k16 = tl.math.floor(tl.math.fdiv(tl.full(log_range.shape, FMT.K_NUMERATOR, tl.float32), log_range))
         k16 = tl.minimum(tl.maximum(k16, MIN_EXPONENT_CODE), MAX_EXPONENT_CODE)
         k16 = tl.where(mx > 0, k16, EXPONENT_DENOMINATOR)
         inv_k = tl.math.fdiv(tl.full(k16.shape, EXPONENT_DENOMINATOR, tl.float32), k16)
-        a = tl.exp2(log_mx - LOG2_MAX * inv_k)
+        a = tl.exp2(log_mx - FMT.LOG2_MAX * inv_k)
         a = tl.where(mx > 0, tl.maximum(a, MIN_SCALE), 0.0)
         k = k16 * (1.0 / EXPONENT_DENOMINATOR)  # exact: a power of two
         # log2(a) of an all-zero group is 0, not -inf: encode's log2(0) - log2(a) is then -inf
         # (code 0) rather than NaN, with no per-element select
         return a, k16, k, tl.where(mx > 0, log2(a), 0.0)
     else:
-        a = tl.math.div_rn(mx, tl.full(mx.shape, FP8_MAX, tl.float32))
-        a = tl.minimum(a, FLOAT32_MAX / FP8_MAX * (1 - 2.0**-20))  # as the twin: FP8_MAX * a stays finite
+        a = tl.math.div_rn(mx, tl.full(mx.shape, FMT.MAX, tl.float32))
+        a = tl.minimum(a, FLOAT32_MAX / FMT.MAX * (1 - 2.0**-20))  # as the twin: MAX * a stays finite
         a = tl.where(mx > 0, tl.maximum(a, MIN_SCALE), 0.0)
         inv = tl.where(a > 0, tl.math.div_rn(tl.full(a.shape, 1.0, tl.float32), a), 0.0)
         return a, a, inv, a
@@ -222,10 +247,10 @@ def encode(x, mag, p0, p1, EXPAND: tl.constexpr):
 
 
 @triton.jit
-def decode(bits, scale, k16, EXPAND: tl.constexpr, IS_E4M3: tl.constexpr):
+def decode(bits, scale, k16, FMT: tl.constexpr):
     """float32 values of a [groups, G] tile of FP8 codes (uint8 bits) with per-group scale (and 16k)."""
-    q = from_fp8_bits(bits, IS_E4M3)
-    if EXPAND:
+    q = from_fp8_bits(bits, FMT.IS_E4M3)
+    if FMT.EXPAND:
         inv_k = tl.math.fdiv(tl.full(k16.shape, EXPONENT_DENOMINATOR, tl.float32), k16)
         x = tl.exp2(log2(tl.abs(q)) * inv_k[:, None] + log2(scale)[:, None])
         x = tl.minimum(x, FLOAT32_MAX, propagate_nan=tl.PropagateNan.ALL)  # a NaN code stays NaN
@@ -239,42 +264,28 @@ def decode(bits, scale, k16, EXPAND: tl.constexpr, IS_E4M3: tl.constexpr):
 
 
 @triton.jit
-def encode_store(
-    x,
-    codes_ptrs,
-    scale_ptrs,
-    exp_ptrs,
-    mask,
-    gmask,
-    EXPAND: tl.constexpr,
-    FP8_MAX: tl.constexpr,
-    MBITS: tl.constexpr,
-    EMIN: tl.constexpr,
-    LOG2_MAX: tl.constexpr,
-    K_NUMERATOR: tl.constexpr,
-    IS_E4M3: tl.constexpr,
-):
+def encode_store(x, codes_ptrs, scale_ptrs, exp_ptrs, mask, gmask, FMT: tl.constexpr):
     """Quantize a [groups, G] float32 tile into the group format and store its codes (uint8),
     per-group scales and, with expansion, exponent codes (the codec and the fused step)."""
     # NaN/Inf elements: out of the group's scale, stored as the NaN code (as formats.group)
     finite = tl.abs(x) < float("inf")
     mag = tl.where(finite, tl.abs(x), 0.0)
-    a, k16, p0, p1 = group_params(mag, EXPAND, FP8_MAX, LOG2_MAX, K_NUMERATOR)
-    y = tl.where(finite, encode(x, mag, p0, p1, EXPAND), float("nan"))
-    tl.store(codes_ptrs, to_fp8_bits(y, FP8_MAX, MBITS, EMIN, IS_E4M3), mask=mask)
+    a, k16, p0, p1 = group_params(mag, FMT)
+    y = tl.where(finite, encode(x, mag, p0, p1, FMT.EXPAND), float("nan"))
+    tl.store(codes_ptrs, to_fp8_bits(y, FMT), mask=mask)
     store_per_group(scale_ptrs, a, gmask)
-    if EXPAND:
+    if FMT.EXPAND:
         store_per_group(exp_ptrs, k16.to(tl.uint8), gmask)
 
 
 @triton.jit
-def load_decode(codes_ptrs, scale_ptrs, exp_ptrs, mask, gmask, EXPAND: tl.constexpr, IS_E4M3: tl.constexpr):
+def load_decode(codes_ptrs, scale_ptrs, exp_ptrs, mask, gmask, FMT: tl.constexpr):
     """Load a [groups, G] tile in the group format (codes, per-group scales and, with expansion,
     exponent codes) and return its float32 values (the codec and the fused step)."""
     bits = tl.load(codes_ptrs, mask=mask, other=0)
     scale = tl.load(scale_ptrs, mask=gmask, other=0.0)
-    if EXPAND:
+    if FMT.EXPAND:
         k16 = tl.load(exp_ptrs, mask=gmask, other=16).to(tl.float32)
     else:
         k16 = scale
-    return decode(bits, scale, k16, EXPAND, IS_E4M3)
+    return decode(bits, scale, k16, FMT)

@@ -14,7 +14,7 @@ import triton.language as tl
 from ..formats.defaults import EXPAND, FORMAT, GROUP_SIZE
 from ..formats.fp8 import FLOAT_DTYPES, FP8Format
 from ..formats.group import GroupQuantized, group_layout
-from .fp8_triton import encode_store, fp8_constants, group_offsets, load_decode
+from .fp8_triton import encode_store, group_format, group_offsets, load_decode
 
 GROUPS_PER_PROGRAM = 8
 
@@ -28,35 +28,15 @@ def _quantize_kernel(
     n_groups,
     cols,
     groups_per_row,
-    EXPAND: tl.constexpr,
+    FMT: tl.constexpr,
     GROUP: tl.constexpr,
     GPP: tl.constexpr,
     EVEN: tl.constexpr,
-    FP8_MAX: tl.constexpr,
-    MBITS: tl.constexpr,
-    EMIN: tl.constexpr,
-    LOG2_MAX: tl.constexpr,
-    K_NUMERATOR: tl.constexpr,
-    IS_E4M3: tl.constexpr,
 ):
     gid = tl.program_id(0).to(tl.int64) * GPP + tl.arange(0, GPP)
     offs, mask = group_offsets(gid, n_groups, cols, groups_per_row, GROUP, EVEN)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    encode_store(
-        x,
-        codes_ptr + offs,
-        scales_ptr + gid,
-        exps_ptr + gid,
-        mask,
-        gid < n_groups,
-        EXPAND,
-        FP8_MAX,
-        MBITS,
-        EMIN,
-        LOG2_MAX,
-        K_NUMERATOR,
-        IS_E4M3,
-    )
+    encode_store(x, codes_ptr + offs, scales_ptr + gid, exps_ptr + gid, mask, gid < n_groups, FMT)
 
 
 @triton.jit
@@ -68,15 +48,14 @@ def _dequantize_kernel(
     n_groups,
     cols,
     groups_per_row,
-    EXPAND: tl.constexpr,
+    FMT: tl.constexpr,
     GROUP: tl.constexpr,
     GPP: tl.constexpr,
     EVEN: tl.constexpr,
-    IS_E4M3: tl.constexpr,
 ):
     gid = tl.program_id(0).to(tl.int64) * GPP + tl.arange(0, GPP)
     offs, mask = group_offsets(gid, n_groups, cols, groups_per_row, GROUP, EVEN)
-    x = load_decode(codes_ptr + offs, scales_ptr + gid, exps_ptr + gid, mask, gid < n_groups, EXPAND, IS_E4M3)
+    x = load_decode(codes_ptr + offs, scales_ptr + gid, exps_ptr + gid, mask, gid < n_groups, FMT)
     tl.store(out_ptr + offs, x.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -112,11 +91,10 @@ def quantize(
             n_groups,
             cols,
             groups,
-            EXPAND=expand,
+            FMT=group_format(fmt, expand),
             GROUP=group_size,
             GPP=GROUPS_PER_PROGRAM,
             EVEN=cols % group_size == 0,
-            **fp8_constants(fmt),
         )
     elif n_groups:
         scales.zero_()
@@ -143,10 +121,9 @@ def dequantize(q: GroupQuantized, dtype: torch.dtype = torch.float32) -> torch.T
             n_groups,
             cols,
             groups,
-            EXPAND=q.expanded,
+            FMT=group_format(q.fmt, q.expanded),
             GROUP=q.group_size,
             GPP=GROUPS_PER_PROGRAM,
             EVEN=cols % q.group_size == 0,
-            IS_E4M3=q.fmt is FP8Format.E4M3,
         )
     return out

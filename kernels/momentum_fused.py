@@ -19,11 +19,10 @@ import triton
 import triton.language as tl
 
 from ..formats.fp4_moment import FP4Format
-from ..formats.fp8 import FP8Format
 from ..formats.group import group_layout
 from ..formats.optimizer_state import CODES, EXPONENTS, SCALES, MomentFormat, init_moment, is_compressed
-from .fp4_triton import E2M1, encode_store4, load_decode4, packed_offsets
-from .fp8_triton import encode_store, fp8_constants, group_offsets, load_decode
+from .fp4_triton import encode_store4, load_decode4, moment_format, packed_offsets
+from .fp8_triton import encode_store, group_offsets, load_decode
 from .runtime import interpreting
 
 SGD, LION, MUON = 0, 1, 2
@@ -49,30 +48,28 @@ def _lerp(a, b, w, w_minus_1):
 def _momentum_kernel(p_ptr, g_ptr, u_ptr, m_ptr, s_ptr, e_ptr, nonfinite_ptr, n_groups, cols, groups_per_row,
                      h0, h1, h2, h3, h4, h5, KIND: tl.constexpr, FIRST: tl.constexpr,
                      NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_WD: tl.constexpr,
-                     COMPRESSED: tl.constexpr, FP4: tl.constexpr, EXPAND: tl.constexpr,
-                     FP8_MAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr,
-                     LOG2_MAX: tl.constexpr, K_NUMERATOR: tl.constexpr, IS_E4M3: tl.constexpr,
-                     GROUP: tl.constexpr, GPP: tl.constexpr, EVEN: tl.constexpr):  # fmt: skip
+                     COMPRESSED: tl.constexpr, FMT: tl.constexpr, GROUP: tl.constexpr, GPP: tl.constexpr,
+                     EVEN: tl.constexpr):  # fmt: skip
     """h0..h5 per KIND (the launchers' `hyper`): SGD (-lr, momentum, 1 - dampening,
     weight_decay); LION (-lr, 1 - lr * weight_decay, b1, 1 - b1, b2, 1 - b2); MUON (w, w - 1 for
     w = 1 - momentum, then for w = momentum). The momentum: float32 (not COMPRESSED), FP8 codes
-    (uint8) with group scales and exponents, or packed 4-bit codes (FP4) with group scales."""
+    (uint8) with group scales and exponents, or packed 4-bit codes (FMT.FP4) with group scales."""
     gid = tl.program_id(0).to(tl.int64) * GPP + tl.arange(0, GPP)
     gmask = gid < n_groups
     offs, mask = group_offsets(gid, n_groups, cols, groups_per_row, GROUP, EVEN)
     g = tl.load(g_ptr + offs, mask=mask, other=0.0)
     if MAXIMIZE:
         g = -g
-    if FP4 > 0:
+    if FMT.FP4 > 0:
         poffs, pmask = packed_offsets(gid, n_groups, cols, groups_per_row, GROUP, False)
     if FIRST:  # (SGD's first step: the buffer is the gradient; no codes to read)
         m = tl.zeros(offs.shape, tl.float32)
     elif not COMPRESSED:
         m = tl.load(m_ptr + offs, mask=mask, other=0.0)
-    elif FP4 > 0:
-        m = load_decode4(m_ptr + poffs, pmask, s_ptr + gid, gmask, mask, GROUP, FP4, False)
+    elif FMT.FP4 > 0:
+        m = load_decode4(m_ptr + poffs, pmask, s_ptr + gid, gmask, mask, GROUP, FMT.FP4, False)
     else:
-        m = load_decode(m_ptr + offs, s_ptr + gid, e_ptr + gid, mask, gmask, EXPAND, IS_E4M3)
+        m = load_decode(m_ptr + offs, s_ptr + gid, e_ptr + gid, mask, gmask, FMT)
     if KIND == 0:  # SGD
         p = tl.load(p_ptr + offs, mask=mask, other=0.0)
         if HAS_WD:
@@ -100,12 +97,11 @@ def _momentum_kernel(p_ptr, g_ptr, u_ptr, m_ptr, s_ptr, e_ptr, nonfinite_ptr, n_
             tl.store(u_ptr + offs, m, mask=mask)
     if not COMPRESSED:
         tl.store(m_ptr + offs, m, mask=mask)
-    elif FP4 > 0:  # (the encoder wants exact zeros off the mask)
+    elif FMT.FP4 > 0:  # (the encoder wants exact zeros off the mask)
         m4 = tl.where(mask, m, 0.0)
-        encode_store4(m4, m_ptr + poffs, pmask, s_ptr + gid, gmask, GROUP, FP4, False, 0, False)
+        encode_store4(m4, m_ptr + poffs, pmask, s_ptr + gid, gmask, GROUP, FMT.FP4, False, 0, False)
     else:
-        encode_store(m, m_ptr + offs, s_ptr + gid, e_ptr + gid, mask, gmask, EXPAND, FP8_MAX, MBITS, EMIN,
-                     LOG2_MAX, K_NUMERATOR, IS_E4M3)  # fmt: skip
+        encode_store(m, m_ptr + offs, s_ptr + gid, e_ptr + gid, mask, gmask, FMT)
     bad = tl.sum(tl.sum(((m - m != 0) & mask).to(tl.int32), axis=1), axis=0)
     if bad > 0:  # rare: a NaN/Inf gradient, reported by nonfinite_parameters()
         tl.atomic_add(nonfinite_ptr, bad)
@@ -136,11 +132,9 @@ def _launch(kind: int, param: torch.Tensor, grad: torch.Tensor, state: dict, nam
         m = m.view(torch.uint8) if fmt.bits == 8 else m
         exps = state.get(name + EXPONENTS, scales)
     four = fmt is not None and isinstance(fmt.fmt, FP4Format)
-    constants = fp8_constants(fmt.fmt if fmt is not None and not four else FP8Format.E4M3)  # (4-bit: unused)
-    options = dict(NESTEROV=False, MAXIMIZE=False, HAS_WD=False, **constants)
+    options = dict(NESTEROV=False, MAXIMIZE=False, HAS_WD=False)
     options.update(flags, KIND=kind, FIRST=first and kind == SGD, COMPRESSED=fmt is not None)
-    options.update(FP4=E2M1 if four else 0, EXPAND=bool(fmt is not None and fmt.expand), GROUP=group_size)
-    options.update(EVEN=not four and cols % group_size == 0)
+    options.update(FMT=moment_format(fmt), GROUP=group_size, EVEN=not four and cols % group_size == 0)
     nonfinite = torch.zeros(1, dtype=torch.int32, device=grad.device)
     n_groups = rows * groups
     gpp = INTERPRETER_GROUPS_PER_PROGRAM if interpreting() else GROUPS_PER_PROGRAM

@@ -64,7 +64,7 @@ def compile_variant(fm: MomentFormat, fv: MomentFormat, grad: str):
     constexprs = dict(
         COMPRESSED=True, AMSGRAD=False, MAXIMIZE=False, HAS_SCALE=False, HAS_INF=False,
         GROUP=128, GPP=K.GROUPS_PER_PROGRAM, EVEN=True, MASTER=24,
-        **K._constants("M", fm), **K._constants("V", fv),
+        **K.format_constexprs(fm, fv),
     )  # fmt: skip
     signature = {n: pointers.get(n, "constexpr") for n in fn.arg_names}
     # torch tensors are 16-byte aligned: the launcher's JIT specializes pointers as divisible by 16
