@@ -14,9 +14,9 @@ CompiledActivations().options) would compile it: inductor's decompositions, its 
 passes and the partitioner (`partition_fn(partitioner_fn_override=...)`), then the two graphs run
 as plain fx code (no Triton or C++ generated: seconds, on fake tensors too). Every tensor the
 graphs create goes through the dispatcher, so the planner's LiveBytes sees what they hold, views
-and all. Run op by op, a graph would allocate every intermediate that inductor fuses away (on the
-7B Llama the backward's transient came out 3x the measured one at batch 8), so while a graph runs
-LiveBytes counts only what inductor materializes (`_Fused`).
+and all. Run op by op, a graph would allocate every intermediate that inductor fuses away (a
+transient several times the measured one: docs/planner.md), so while a graph runs LiveBytes
+counts only what inductor materializes (`_Fused`).
 
 FP8 linear layers are traced with torch._scaled_mm (the GPU's FP8 GEMM, which has a CPU kernel):
 the emulation on CPU computes in float32 and changes what the partitioner saves.

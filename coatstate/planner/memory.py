@@ -22,8 +22,8 @@ Per GPU, for one variant, micro-batch B and N GPUs:
                   tensors as it makes that layer's gradients, so all gradients exist only once
                   the activations are gone, and at backward's peak (the loss and the last layers)
                   only the first gradients do: one parameter's, the largest (a language model's
-                  head, the first to get its gradient). Measured on an H200 (docs/benchmarks.md,
-                  one GPU): Llama-2-7B at batch 1 peaks at the end of backward, at 5 at its start.
+                  head, the first to get its gradient). Which of the two is larger depends on the
+                  batch (docs/planner.md has the measured cases).
                   With grads_kept (zero_grad(set_to_none=False): gradients allocated through the
                   whole step) and no release, the sum.
 """
