@@ -6,10 +6,7 @@ Every test here failed before its fix: it names the defect it pins down.
 from __future__ import annotations
 
 import errno
-import hashlib
-import json
 import os
-import struct
 import tracemalloc
 import uuid
 import warnings
@@ -21,6 +18,7 @@ from coatstate.formats.schema import CheckpointError
 
 from coatstate.checkpoint import api as ck
 from coatstate.checkpoint import encoding
+from tests.checkpoint.files import with_header
 
 
 def _state(value: float, shape=(4, 4)) -> dict:
@@ -39,47 +37,6 @@ def _files(directory: str) -> set[str]:
         return {f[len(path.rstrip("/")) + 1 :] for f in fs.find(path)}
     except FileNotFoundError:
         return set()
-
-
-def _with_header(data: bytes, edit) -> bytes:
-    """The file with its coatstate header edited by `edit(header)` and its checksum recomputed."""
-    n = struct.unpack("<Q", data[:8])[0]
-    outer = json.loads(data[8 : 8 + n])
-    header = json.loads(outer["__metadata__"]["coatstate"])
-    edit(header)
-    text = json.dumps(header, separators=(",", ":"))
-    outer["__metadata__"]["coatstate"] = text
-    outer["__metadata__"]["coatstate.header_sha256"] = hashlib.sha256(text.encode()).hexdigest()
-    head = json.dumps(outer, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)
-    return struct.pack("<Q", len(head)) + head + data[8 + n :]
-
-
-@pytest.fixture(scope="module")
-def s3_bucket():
-    """A bucket on moto's S3 server, reached through s3fs (skipped without either)."""
-    pytest.importorskip("s3fs")
-    server_mod = pytest.importorskip("moto.server")
-    pytest.importorskip("flask")  # (moto's server needs it: the moto[server] extra)
-    import s3fs
-
-    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    old = fsspec.config.conf.get("s3")
-    try:
-        host, port = server.get_host_and_port()
-        endpoint = {"endpoint_url": f"http://{host}:{port}"}
-        opts = {"key": "testing", "secret": "testing", "client_kwargs": endpoint}
-        fsspec.config.conf["s3"] = opts
-        s3fs.S3FileSystem.clear_instance_cache()
-        s3fs.S3FileSystem(**opts).mkdir("coatstate-defects")
-        yield "s3://coatstate-defects"
-    finally:
-        if old is None:
-            fsspec.config.conf.pop("s3", None)
-        else:
-            fsspec.config.conf["s3"] = old
-        server.stop()
 
 
 @pytest.fixture(params=["local", "memory", "s3"])
@@ -276,7 +233,7 @@ def test_8_a_shape_whose_size_overflows_int64_is_a_checkpoint_error(tmp_path):
     path = tmp_path / "m.safetensors"
     ck.save(_state(1.0), str(path), model={"w": torch.zeros(64, 64)}, compress="zstd")
     huge = [4096, 2**52 + 1]
-    path.write_bytes(_with_header(path.read_bytes(), lambda h: h["tensors"]["model/w"].update(shape=huge)))
+    path.write_bytes(with_header(path.read_bytes(), lambda h: h["tensors"]["model/w"].update(shape=huge)))
     with pytest.raises(CheckpointError, match="model/w"):
         ck.read(str(path))
 
@@ -307,7 +264,7 @@ def test_6_group_size_is_capped_in_the_constructor_groups_and_files(tmp_path):
                 if key in h["tensors"]:
                     h["tensors"][key]["shape"] = [64, 1]
 
-    path.write_bytes(_with_header(path.read_bytes(), huge))
+    path.write_bytes(with_header(path.read_bytes(), huge))
     with pytest.raises(CheckpointError, match=r"group_size must be an integer from 1 to 65536"):
         ck.read(str(path))
 
@@ -397,7 +354,7 @@ def test_10_a_model_that_cannot_take_the_load_is_refused_before_anything_loads(t
 def test_12_every_header_field_has_its_type(tmp_path):
     path = tmp_path / "v.safetensors"
     ck.save(_state(1.0), str(path))
-    path.write_bytes(_with_header(path.read_bytes(), lambda h: h.update(library_version=["0.2", "\x1b[2J"])))
+    path.write_bytes(with_header(path.read_bytes(), lambda h: h.update(library_version=["0.2", "\x1b[2J"])))
     with pytest.raises(CheckpointError, match="library_version must be a string"):
         ck.read_header(str(path))
 
@@ -539,7 +496,7 @@ def test_c_extra_never_takes_what_it_cannot_store(tmp_path):
 def test_c_a_hostile_extra_is_refused(tmp_path, edit, problem):
     path = tmp_path / "e.safetensors"
     ck.save(_state(1.0), str(path), extra={"t": torch.ones(2), "n": 1})
-    path.write_bytes(_with_header(path.read_bytes(), edit))
+    path.write_bytes(with_header(path.read_bytes(), edit))
     with pytest.raises(CheckpointError, match=problem):
         ck.read(str(path))
 

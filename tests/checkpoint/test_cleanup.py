@@ -99,36 +99,8 @@ def test_a_save_removes_only_files_of_its_stem_that_name_its_save(kind, tmp_path
     _ownership_rule(directory)
 
 
-@pytest.fixture(scope="module")
-def s3_directory():
-    """A bucket on moto's S3 server, reached through s3fs (skipped without either)."""
-    pytest.importorskip("s3fs")
-    server_mod = pytest.importorskip("moto.server")
-    pytest.importorskip("flask")  # (moto's server needs it: the moto[server] extra)
-    import s3fs
-
-    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    try:
-        host, port = server.get_host_and_port()
-        endpoint = f"http://{host}:{port}"
-        opts = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": endpoint}}
-        old = fsspec.config.conf.get("s3")
-        fsspec.config.conf["s3"] = opts
-        s3fs.S3FileSystem.clear_instance_cache()
-        fs = s3fs.S3FileSystem(**opts)
-        fs.mkdir("coatstate-own")
-        yield "s3://coatstate-own"
-    finally:
-        if old is None:
-            fsspec.config.conf.pop("s3", None)
-        else:
-            fsspec.config.conf["s3"] = old
-        server.stop()
-
-
-def test_the_same_rule_on_s3(s3_directory):
-    _ownership_rule(f"{s3_directory}/{uuid.uuid4().hex}")
+def test_the_same_rule_on_s3(s3_bucket):
+    _ownership_rule(f"{s3_bucket}/{uuid.uuid4().hex}")
 
 
 def test_concurrent_sharded_saves_lose_nothing(tmp_path):

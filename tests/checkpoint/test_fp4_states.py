@@ -4,10 +4,6 @@ CheckpointError that names the problem, `coatstate convert` into and out of the 
 
 from __future__ import annotations
 
-import hashlib
-import json
-import struct
-
 import pytest
 import torch
 from coatstate.formats.schema import CheckpointError
@@ -15,6 +11,7 @@ from coatstate.formats.schema import CheckpointError
 from coatstate import CompressedAdamW
 from coatstate import checkpoint as ck
 from coatstate.cli import main as cli
+from tests.checkpoint.files import with_header
 
 FOUR_BIT = dict(exp_avg_format="e2m1", exp_avg_sq_format="ue3m1_sqrt")
 
@@ -84,20 +81,6 @@ def test_a_4bit_checkpoint_loads_into_torch_adamw_decompressed(saved):
     assert (state["exp_avg_sq"] > 0).all(), "ue3m1_sqrt is zero-free in groups that are not all zero"
 
 
-def _with_header(data: bytes, edit) -> bytes:
-    """The file with its coatstate header edited and its header checksum recomputed."""
-    n = struct.unpack("<Q", data[:8])[0]
-    outer = json.loads(data[8 : 8 + n])
-    header = json.loads(outer["__metadata__"]["coatstate"])
-    edit(header)
-    text = json.dumps(header, separators=(",", ":"))
-    outer["__metadata__"]["coatstate"] = text
-    outer["__metadata__"]["coatstate.header_sha256"] = hashlib.sha256(text.encode()).hexdigest()
-    head = json.dumps(outer, separators=(",", ":"))
-    head = head.encode() + b" " * (-len(head) % 8)
-    return struct.pack("<Q", len(head)) + head + data[8 + n :]
-
-
 def _moment(h, m="exp_avg"):
     return h["params"]["0"]["compressed"][m]
 
@@ -119,7 +102,7 @@ def test_hostile_4bit_headers_are_refused(saved, tmp_path, name):
     path, _, _ = saved
     edit, message = EDITS[name]
     bad = tmp_path / "bad.safetensors"
-    bad.write_bytes(_with_header(path.read_bytes(), edit))
+    bad.write_bytes(with_header(path.read_bytes(), edit))
     with pytest.raises(CheckpointError, match=message):
         ck.read(str(bad))
 
@@ -181,10 +164,10 @@ def test_convert_refuses_expand_with_4bit(tmp_path, capsys):
 def test_a_string_group_size_on_a_4bit_moment_is_refused_not_a_crash(saved, tmp_path):
     path, _, _ = saved
     bad = tmp_path / "bad.safetensors"
-    bad.write_bytes(_with_header(path.read_bytes(), lambda h: _moment(h).update(group_size="128")))
+    bad.write_bytes(with_header(path.read_bytes(), lambda h: _moment(h).update(group_size="128")))
     with pytest.raises(CheckpointError, match="positive int group_size"):
         ck.read(str(bad))
-    bad.write_bytes(_with_header(path.read_bytes(), lambda h: _group_size(h, 127)))
+    bad.write_bytes(with_header(path.read_bytes(), lambda h: _group_size(h, 127)))
     with pytest.raises(CheckpointError, match="even group_size"):
         ck.read(str(bad))
 

@@ -9,7 +9,6 @@ model's and the optimizer's state dicts are what they were before. Counts are pr
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import pickle
@@ -27,6 +26,7 @@ from coatstate.formats.schema import CheckpointError
 from coatstate import checkpoint as ck
 from coatstate.cli import main as cli
 from coatstate.optim import CompressedAdamW
+from tests.checkpoint.files import with_header
 from tests.conftest import child_env
 
 
@@ -142,26 +142,6 @@ def test_320_random_bit_flips_are_refused_or_harmless(saved, tmp_path):
 
 
 # ------------------------------------------------------------- header edits, checksum recomputed
-def _with_header(data: bytes, edit_text=None, edit=None, outer_text=None) -> bytes:
-    """The file with its coatstate header edited and its header checksum recomputed."""
-    n = struct.unpack("<Q", data[:8])[0]
-    outer = json.loads(data[8 : 8 + n])
-    text = outer["__metadata__"]["coatstate"]
-    if edit is not None:
-        header = json.loads(text)
-        edit(header)
-        text = json.dumps(header, separators=(",", ":"))
-    if edit_text is not None:
-        text = edit_text(text)
-    outer["__metadata__"]["coatstate"] = text
-    outer["__metadata__"]["coatstate.header_sha256"] = hashlib.sha256(text.encode()).hexdigest()
-    head = json.dumps(outer, separators=(",", ":"))
-    if outer_text is not None:
-        head = outer_text(head)
-    head = head.encode() + b" " * (-len(head) % 8)
-    return struct.pack("<Q", len(head)) + head + data[8 + n :]
-
-
 def _swap(d, a, b):
     d[a], d[b] = d[b], d[a]
 
@@ -237,7 +217,7 @@ def test_header_edits_with_a_valid_checksum_are_refused(saved, tmp_path, capsys)
     messages = {}
     for name, edit in HEADER_EDITS.items():
         bad = tmp_path / f"{name.replace(' ', '_').replace(':', '')}.safetensors"
-        bad.write_bytes(_with_header(data, **edit))
+        bad.write_bytes(with_header(data, **edit))
         messages[name] = target.refuses(bad)
         if name == "class SGD":  # a valid file of another optimizer: only loading it is wrong
             continue

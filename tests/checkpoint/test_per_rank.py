@@ -50,7 +50,9 @@ STEPS, MORE = 3, 2  # the second step already reads back quantized moments
 
 
 def _start(fn, world_size: int, *args, join: bool = True):
-    multiprocessing.set_forkserver_preload(["torch", "coatstate", "tests.integration.test_fsdp2_ddp", __name__])
+    multiprocessing.set_forkserver_preload(
+        ["torch", "coatstate", "tests.integration.test_fsdp2_ddp", __name__]
+    )
     return mp.start_processes(
         fn, args=(world_size, _rendezvous(), *args), nprocs=world_size, join=join, start_method="forkserver"
     )

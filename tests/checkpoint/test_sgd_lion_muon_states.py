@@ -14,7 +14,7 @@ from coatstate import CompressedLion, CompressedMuon, CompressedSGD
 from coatstate import checkpoint as ck
 from coatstate.cli import main
 from coatstate.planner.memory import optimizer_bytes
-from tests.checkpoint.test_hostile_input import _with_header
+from tests.checkpoint.files import with_header
 from tests.optim.test_sgd_lion_muon import Lion
 
 KINDS = {
@@ -197,7 +197,7 @@ def saved_files(tmp_path_factory):
 def test_hostile_edits_of_the_new_headers_are_refused(edit, saved_files, tmp_path):
     data, cls, kw = saved_files["muon" if edit in MUON_HOSTILE else "sgd"]
     bad = tmp_path / "bad.safetensors"
-    bad.write_bytes(_with_header(data, **{**HOSTILE, **MUON_HOSTILE}[edit]))
+    bad.write_bytes(with_header(data, **{**HOSTILE, **MUON_HOSTILE}[edit]))
     target = cls(_params(3), **kw)
     before = {
         k: v.clone() for k, v in target.state_dict()["param_groups"][0].items() if isinstance(v, torch.Tensor)
