@@ -43,6 +43,8 @@ MODELS = {
     "smoke": ModelConfig(vocab=256, dim=64, layers=2, heads=4, hidden=176, seq=64, loss_chunks=2),
 }
 LABELS = {"bf16": "bf16 AdamW", "coatstate": "coatstate", "release": "+ release", "4bit": "+ release + 4-bit"}
+
+
 def weight(the_plan, setup: str) -> float:
     """A setup's share of the time budget: half for one expected to stop at batch 1 (the eager
     baseline, or any the planner says does not fit), which needs no batch search."""

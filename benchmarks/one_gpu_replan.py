@@ -56,8 +56,10 @@ def replan(doc: dict, model: str) -> list[dict]:
     return rows
 
 
-HEADER = ("setup|batch|measured peak GB|planner now GB|error|planner at run time (error)|activations "
-          "measured / planned GB").split("|")
+HEADER = (
+    "setup|batch|measured peak GB|planner now GB|error|planner at run time (error)|activations "
+    "measured / planned GB"
+).split("|")
 
 
 def table_rows(rows: list[dict]) -> list[list[str]]:
