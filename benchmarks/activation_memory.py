@@ -3,31 +3,17 @@
     python benchmarks/activation_memory.py --compiled --cudagraphs    # H200: GPT-2-medium shape, bf16
     python benchmarks/activation_memory.py --arch llama --compiled --cudagraphs
     python benchmarks/activation_memory.py --smoke                    # tiny, CPU, a few seconds
-    python benchmarks/activation_memory.py --compiled model --out ..._whole_model_compile.json
 
-Variants (--variants picks a comma-separated subset): eager: none; compress_activations (default
-policy); the same without recomputing activation-function outputs; with every kind kept (the hooks'
-own cost: no kernels run); a saved_tensors_hooks pair that returns what it gets (identity hooks: the
-hook mechanism's own cost, the floor under anything built on saved-tensor hooks);
-torch.autograd.graph.save_on_cpu. With --compiled, each block
-torch.compile'd (or, with 'model', the whole model as one graph): uncompressed; inside
-compress_activations (entered outside the compiled calls; float32 saves kept, and as bf16); and
-compiled with coatstate.CompiledActivations' partitioner (FP8 saves inside the graphs, no hooks).
-With --cudagraphs also the uncompressed and the CompiledActivations blocks with CUDA graphs
-(cudagraph trees, as torch.compile(mode="reduce-overhead")): no launch cost left on the host.
-All variants share one model, optimizer and batches; each compiled variant has its own compiled
-blocks, swapped into the model for its steps.
-
-Timing: benchmarks/rounds.py (variants interleaved over --rounds rounds in this process, medians
-and min-max over rounds, paired per-round ratios, GPU kernel time from torch.profiler beside the
-wall time, host-bound flag). Ratios are to the uncompressed variant of the same mode (eager,
-compiled, or compiled with CUDA graphs) and, in the last columns, to eager `none`.
-
-Activation memory = peak allocated during a warm-up step minus what was allocated before it
-(params, grads kept allocated by zero_grad(set_to_none=False), AdamW state). On CPU there is no
-allocator peak: the table shows the saved-activation bytes compress_activations reports instead.
-The head and loss run over --loss-chunks chunks of tokens under non-reentrant checkpointing in every
-variant (benchmarks/models.py), so the (tokens x 50304) fp32 logits do not dominate.
+Variants (--variants picks a subset): eager `none`; compress_activations (default policy, without
+recompute, with every kind kept: the hooks' own cost); identity saved_tensors_hooks (the
+mechanism's floor); save_on_cpu. With --compiled each block torch.compile'd (or, 'model', the
+whole model): uncompressed, inside compress_activations, and with CompiledActivations' partitioner
+(FP8 saves inside the graphs); with --cudagraphs also with CUDA graphs. All variants share one
+model (coatstate.models; Llama in its eager layout), optimizer and batches; each compiled variant
+swaps its own compiled blocks in. Timing: rounds.py (interleaved rounds, paired per-round ratios
+to the uncompressed variant of the same mode, GPU kernel time, host-bound flag). Activation memory
+= peak allocated during a warm-up step minus what was allocated before it (on CPU: none). The head
+and loss run over --loss-chunks checkpointed chunks of tokens in every variant.
 """
 
 from __future__ import annotations
@@ -35,18 +21,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import sys
 import warnings
 from pathlib import Path
 
 import torch
+from common import add_shape_args, result_meta, shape_config
+from rounds import Variant, inductor_options, paired, run_rounds
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from models import MODELS, ModelConfig, add_shape_args  # noqa: E402
-from rounds import Variant, fmt_spread, inductor_options, paired, run_rounds  # noqa: E402
-
-from coatstate.activations import KEEP_ALL, compress_activations  # noqa: E402
-from coatstate.activations.compiled import CompiledActivations  # noqa: E402
+from coatstate.activations import KEEP_ALL, compress_activations
+from coatstate.activations.compiled import CompiledActivations
+from coatstate.models import MODELS
 
 
 def _same(x):
@@ -233,37 +217,6 @@ def _rows(result: dict, runners: dict, fp8s: dict) -> list[dict]:
     return rows
 
 
-def _print_table(rows: list[dict], args) -> None:
-    print(
-        f"{args.arch}: {args.layers} layers, d={args.dim}, seq {args.seq}, batch {args.batch}, "
-        f"{'fp32' if args.no_autocast else 'bf16 autocast'}, {args.device}; {args.rounds} interleaved "
-        f"rounds x {args.steps} steps: median [min-max over rounds]; ratios paired per round"
-    )
-    print(
-        f"{'variant':<32} {'act. MiB':>9} {'x base':>6} {'wall ms':>22} {'x base (wall)':>20} "
-        f"{'kernel ms':>9} {'x base (GPU)':>20} {'busy':>5}  saved MiB orig->held"
-    )
-    for r in rows:
-        act = r["activation_bytes"]
-        act_s = (
-            f"{act / 2**20:9.1f} {r.get('activation_vs_base', float('nan')):6.3f}"
-            if act
-            else f"{'n/a':>9} {'':>6}"
-        )
-        kernel = r["kernel_ms"]["median"] if r["kernel_ms"] else None
-        busy = r["busy"]["median"] if r["busy"] else None
-        flag = " host-bound" if r["host_bound"] else ""
-        saved = ""
-        if "saved_bytes_held" in r:
-            saved = f"  {r['saved_bytes_original'] / 2**20:.1f} -> {r['saved_bytes_held'] / 2**20:.1f}"
-        print(
-            f"{r['variant']:<32} {act_s} {fmt_spread(r['wall_ms']):>22} "
-            f"{fmt_spread(r['wall_vs_base'], '.3f'):>20} {'-' if kernel is None else f'{kernel:.1f}':>9} "
-            f"{fmt_spread(r['kernel_vs_base'], '.3f'):>20} {'-' if busy is None else f'{busy:.2f}':>5}"
-            f"{saved}{flag}"
-        )
-
-
 def _counter(group: str, name: str) -> int:
     """A torch._dynamo counter (dynamo and inductor count compiles, recompiles and CUDA-graph
     skips there)."""
@@ -280,7 +233,7 @@ def build(args, table: dict):
     """(model, optimizer, batches) that every variant of `table` shares, from seed 0."""
     device = args.device
     torch.manual_seed(0)
-    cfg = ModelConfig.from_args(args)
+    cfg = shape_config(args, layout="eager")
     model = MODELS[args.arch](cfg).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
     batches = [
@@ -306,8 +259,6 @@ def main(argv=None) -> dict:
     variants, runners, fp8s = _variants(model, opt, batches, args, table)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    from common import result_meta
-
     result = {"args": vars(args), "meta": result_meta(device=device), "torch": torch.__version__}
     result.update(method="rounds", rows=[])
     if device == "cuda":
@@ -340,7 +291,9 @@ def main(argv=None) -> dict:
             on_round=write,
         )
     write(summary)
-    _print_table(result["rows"], args)
+    from report import section_activation_memory  # the table docs/benchmarks.md shows
+
+    print(section_activation_memory(result, out))
     if result["graphs_compiled_during_rounds"]:
         print(f"WARNING: {result['graphs_compiled_during_rounds']} graph(s) compiled after warm-up")
     print(f"wrote {out}")

@@ -3,16 +3,11 @@
     python benchmarks/checkpoint_io.py                      # 100M-param GPT-shaped state, ~2 min on 2 cores
     python benchmarks/checkpoint_io.py --params 20e6 --stdlib-steps 0   # quick
 
-Builds a GPT-shaped set of fp32 parameters (vocab 50304, width 768), runs a few torch.optim.AdamW
-steps with structured gradients (lognormal row/column scales, Zipf-sampled embedding rows) so the
-moments look like Adam's, compresses the state with coatstate.optim.compress_adamw_state_dict,
-and measures file sizes, save/load MB/s (with fsync, on --dir), what zstd buys (whole file and
-FP8 codes alone, levels 1/3/9, against random FP8 codes), and the sha256 checksum cost. Then
-(--stdlib-steps, default 300) it trains examples/train_gpt.py's byte-level GPT on the Python
-standard library's source with torch.optim.AdamW and with CompressedAdamW and compares
-coatstate.save of the CompressedAdamW state (plain and zstd) against torch.save of the AdamW
-state dict: the size ratio (target <= 0.28) and what zstd buys on real FP8 states.
-Writes JSON (with the machine and date) to --out.
+A GPT-shaped AdamW state after a few steps of structured gradients (lognormal row/column scales,
+Zipf-sampled embedding rows), compressed by coatstate.optim.compress_adamw_state_dict: file sizes,
+save/load MB/s (with fsync, on --dir), what zstd buys (file, FP8 codes, random codes) and the
+sha256 cost. Then (--stdlib-steps) examples/train_gpt.py's byte-level GPT trained with AdamW and
+with CompressedAdamW: each optimizer's own saved state. Prints docs/benchmarks.md's tables; JSON.
 """
 
 from __future__ import annotations
@@ -34,7 +29,7 @@ import coatstate.checkpoint as ck
 from coatstate.optim import compress_adamw_state_dict
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent / "examples")]
+sys.path.insert(0, str(HERE.parent / "examples"))  # train_gpt, for the stdlib run
 from common import result_meta  # noqa: E402
 
 STDLIB_RUN = dict(layers=2, dim=256, seq=128, batch=16, lr=2e-3, seed=0)
@@ -231,35 +226,9 @@ def main() -> None:
         report["stdlib_model"] = stdlib_model(args.stdlib_steps)
         report["stdlib_model_s"] = round(time.perf_counter() - t, 1)
 
-    print(f"\n{'file':<28}{'MB':>10}{'ratio':>8}{'save s':>8}{'save MB/s':>11}{'load s':>8}{'load MB/s':>11}")
-    for name, r in rows.items():
-        print(
-            f"{name:<28}{r['bytes'] / 1e6:>10.1f}{r['ratio_vs_torch_adamw']:>8.3f}{r['save_s']:>8.2f}"
-            f"{r['save_MBps']:>11.0f}{r['load_s']:>8.2f}{r['load_MBps']:>11.0f}"
-        )
-    print(
-        f"\ncompressed / torch.save(AdamW) size: {report['ratio_compressed_vs_torch_adamw']:.3f} "
-        "(target <= 0.28)"
-    )
-    print(f"zstd on the whole compressed file: {report['zstd_file_gain']:.3f}x")
-    for m, gains in report["zstd_codes_gain"].items():
-        print(f"zstd on {m} codes (synthetic Adam-like): {gains}")
-    print(f"zstd on random FP8 codes: {report['zstd_random_fp8_gain']}")
-    real = report.get("stdlib_model")
-    if real:
-        print(
-            f"\nstdlib model ({real['params'] / 1e6:.2f}M params, {real['steps']} steps; "
-            f"final loss {real['final_loss']}):"
-        )
-        for name, r in real["files"].items():
-            print(f"  {name:<28}{r['bytes']:>12d} bytes{r['ratio_vs_torch_adamw']:>8.3f}x")
-        print(
-            f"  compressed / torch.save(AdamW) size: {real['ratio_compressed_vs_torch_adamw']:.3f} "
-            "(target <= 0.28); "
-            f"zstd gain on the file {real['zstd_file_gain']:.3f}x"
-        )
-        for m, gains in real["zstd_codes_gain"].items():
-            print(f"  zstd on {m} codes: {gains}")
+    from report import checkpoint_text  # the tables docs/benchmarks.md shows
+
+    print(checkpoint_text(report, Path(args.out)))
     print(f"sha256 over the compressed state: {report['sha256_MBps']:.0f} MB/s")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """What several benchmark scripts share, under public names (a script never imports another
-script's private helpers): the `meta` block every result JSON starts with, the GPT-shaped
-parameter set of the optimizer and checkpoint benchmarks and a CompressedAdamW stepped over it,
-median [min-max] statistics, and the torchrun set-up of the FSDP2 scripts."""
+script's private helpers): the `meta` block every result JSON starts with, the model-shape options,
+the GPT-shaped parameter set of the optimizer and checkpoint benchmarks and median [min-max]
+statistics. (What only the experiments share: experiments/helpers.py.)"""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from coatstate.models import ModelConfig
 
 
 # ------------------------------------------------------------------------- result JSON header
@@ -65,103 +67,41 @@ def _json_value(value: Any) -> Any:
     return str(value)
 
 
+# ------------------------------------------------------------------------------------ models
+def add_shape_args(p, *, dim: int = 1024, batch_help: str = "sequences per step") -> None:
+    """The GPU benchmarks' model-shape options (GPT-2-medium by default) and batch size."""
+    for flag, default in (("layers", 24), ("dim", dim), ("heads", 16), ("seq", 1024), ("batch", 8)):
+        p.add_argument(f"--{flag}", type=int, default=default, help=batch_help if flag == "batch" else None)
+    p.add_argument("--vocab", type=int, default=50304)
+    p.add_argument("--loss-chunks", type=int, default=8)
+
+
+def shape_config(args, **options) -> ModelConfig:
+    """The coatstate.models config that add_shape_args' options describe, with `options`."""
+    shape = {k: getattr(args, k) for k in ("vocab", "layers", "dim", "heads", "seq", "loss_chunks")}
+    return ModelConfig(**shape, **options)
+
+
+def param_count(model_class, cfg: ModelConfig) -> int:
+    """Parameters of model_class(cfg), built on the meta device (no memory)."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in model_class(cfg).parameters())
+
+
 # ------------------------------------------------------------------------ GPT-shaped state
 def gpt_shapes(vocab: int = 50304, d: int = 2048, layers: int = 24, scale: float = 1.0) -> list[tuple]:
     """Parameter shapes of a GPT (tied embedding, pre-norm blocks with 4x MLP); 1.31B at scale 1."""
     d = max(128, int(d * scale**0.5) // 128 * 128)
     layers = max(1, int(layers * scale**0.5))
     shapes = [(vocab, d), (1024, d)]
-    block = [
-        (d,),
-        (d,),
-        (3 * d, d),
-        (3 * d,),
-        (d, d),
-        (d,),
-        (d,),
-        (d,),
-        (4 * d, d),
-        (4 * d,),
-        (d, 4 * d),
-        (d,),
-    ]
+    block = [(d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,)]  # ln1, qkv, proj
+    block += [(d,), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,)]  # ln2, mlp
     for _ in range(layers):
         shapes += block
     return shapes + [(d,), (d,)]
-
-
-def stepped_optimizer(
-    device: str, vocab: int, scale: float, mesh=None, with_model: bool = True
-) -> tuple[torch.optim.Optimizer, dict, int]:
-    """(CompressedAdamW over gpt_shapes after one step, the float32 weights as a model state dict
-    ({} without `with_model`), the parameter count). With a device mesh each rank holds its dim-0
-    shard of every tensor."""
-    import coatstate
-
-    gen = torch.Generator(device).manual_seed(0)  # drawn where it lives: 1.31B on a CPU is slow
-    params = []
-    for shape in gpt_shapes(vocab=vocab, scale=scale):
-        t = torch.randn(shape, generator=gen, device=device) * 0.02
-        if mesh is not None:
-            from torch.distributed.tensor import Shard, distribute_tensor
-
-            t = distribute_tensor(t, mesh, [Shard(0)], src_data_rank=None)  # no communication
-        params.append(torch.nn.Parameter(t))
-    opt = coatstate.CompressedAdamW(params, lr=1e-3, weight_decay=0.1)
-    for p in params:
-        p.grad = torch.randn_like(p) * 1e-3
-    opt.step()
-    opt.zero_grad()
-    model = {f"w{i}": p.detach() for i, p in enumerate(params)} if with_model else {}
-    return opt, model, sum(p.numel() for p in params)
 
 
 # ------------------------------------------------------------------------------ statistics
 def median_range(values: list[float]) -> dict:
     """{median, min, max, all} of repeated measurements."""
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "all": list(values)}
-
-
-def fmt_median_range(s: dict, scale: float = 1.0, fmt: str = "{:.3f}") -> str:
-    """'median [min-max]' of a median_range() dict, each value times `scale`."""
-    return (
-        f"{fmt.format(s['median'] * scale)} [{fmt.format(s['min'] * scale)}-{fmt.format(s['max'] * scale)}]"
-    )
-
-
-# ---------------------------------------------------------------------------- FSDP2 scripts
-def torchrun_setup(smoke: bool):
-    """(1-D device mesh over all ranks, this rank's device) under torchrun: NCCL on CUDA, or gloo
-    on the CPU with `smoke`."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if "RANK" not in os.environ:
-        raise SystemExit("launch with torchrun, e.g. torchrun --standalone --nproc-per-node 2 " + sys.argv[0])
-    cuda = not smoke
-    if cuda and not torch.cuda.is_available():
-        raise SystemExit("no CUDA device: pass --smoke for the CPU/gloo run")
-    if cuda:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    else:
-        torch.set_num_threads(1)
-    dist.init_process_group("nccl" if cuda else "gloo")
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    return init_device_mesh(device.type, (dist.get_world_size(),)), device
-
-
-def log_rank0(*msg) -> None:
-    """print() on rank 0 only, flushed."""
-    import torch.distributed as dist
-
-    if dist.get_rank() == 0:
-        print(*msg, flush=True)
-
-
-def token_batch(cfg, batch: int, step: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inputs, targets) of random tokens below cfg.vocab, cfg.seq long, different per step and rank."""
-    import torch.distributed as dist
-
-    gen = torch.Generator().manual_seed(step * 1000 + dist.get_rank())
-    tokens = torch.randint(0, cfg.vocab, (batch, cfg.seq + 1), generator=gen)
-    return tokens[:, :-1].to(device), tokens[:, 1:].to(device)

@@ -1,17 +1,12 @@
 """A byte-level corpus found on any machine without network: the .py sources of this Python's
-standard library and installed packages (benchmarks/parity_gpu.py's data).
+standard library and installed packages (parity_gpu.py's and optimizers_cpu_train.py's data).
 
-load_corpus() lists every .py file under the chosen roots (sysconfig's "stdlib", "purelib", and
-"torch": the site directory holding torch, when it is elsewhere), skipping __pycache__, symlinks,
-files over 2 MiB (generated tables, not code) and unreadable ones, and reads them in name order
-into one uint8 stream, cached under cache_dir keyed by the listing (names, sizes, mtimes), so a
-rerun on the same machine only lists. A file validates when sha1(its root-relative name) % 100 <
-val_pct: a split by file, the same on every machine. joined_files() joins the training files (a
-byte 0 after each) and window_batch() draws a step's rows from them: random windows whose offsets
-come from (seed, step) alone, so any step's batch is reproducible without replaying the run (what
-nanoGPT's get_batch does; batches cut from one concatenated stream held one or two files each, and
-AdamW's seeds spread too far on them to resolve anything).
-validation_tokens() gives the held-out files in name order. Torch only (numpy may be absent).
+load_corpus() reads every .py file under the chosen roots (sysconfig's "stdlib", "purelib", and
+"torch") but generated giants, in name order, into one uint8 stream cached under cache_dir by the
+listing. A file validates when sha1(its root-relative name) % 100 < val_pct: the same split on
+every machine. window_batch() draws a step's rows as random windows of the joined training files,
+their offsets from (seed, step) alone, so any step's batch is reproducible without replaying the
+run (one concatenated stream cut into batches spread AdamW's seeds too far to resolve anything).
 """
 
 from __future__ import annotations

@@ -1,36 +1,20 @@
-"""python benchmarks/fp8_linear_train.py        (H200; `--smoke` runs tiny on CPU)
+"""python benchmarks/fp8_linear_train.py --rounds 5 --steps 6 --methods bf16,coatstate_compiled_ca
 
-Training throughput and peak memory of a ~1.06B-parameter Llama-style model (benchmarks/llama.py,
-seq 2048) with fp32 master weights under bfloat16 autocast, all in one run:
-  bf16          nn.Linear GEMMs in bf16, torch.optim.AdamW(fused=True)
-  bf16_compiled the same with its blocks torch.compile'd: the fair baseline of the compiled methods
-  torchao       torchao.float8.convert_to_float8_training (tensorwise scaling), torch.compile'd
-                blocks (how torchao is meant to run; then torchao_eager if that fails), fused AdamW
-  coatstate     coatstate.nn.convert_to_fp8 + compress_activations + CompressedAdamW (eager)
-  coatstate_fp8_only  (diagnostic) convert_to_fp8 + fused AdamW: the GEMM speedup alone
-  coatstate_compiled     convert_to_fp8 + CompressedAdamW, blocks torch.compile'd as torchao's are
-                         (inductor fuses FP8Linear's amax/scale/cast/transposes around the GEMMs)
-  coatstate_compiled_ca  the same inside compress_activations, entered OUTSIDE the compiled blocks
-                         (it compresses the compiled graphs' saved tensors at run time)
-  coatstate_compiled_graphs  convert_to_fp8 + CompressedAdamW, blocks compiled with
-                         coatstate.CompiledActivations (FP8 saves inside the graphs, no hooks)
-  coatstate_compiled_graphs_all  the same with norm="group", attention_v_out="group": it packs the
-                         norm inputs and attention's v/out that the default policy keeps (and that
-                         compress_activations around compiled blocks packs, not seeing their kind)
-  coatstate_compiled_ca_hp  the same with E4M3 output gradients and the weight-gradient GEMM in
-                         bf16 (weight_grad="high_precision"): the recipe whose gradient cosines
-                         clear 0.999 (experiments/fp8_linear_parity.py), priced here
-  coatstate_compiled_graphs[_all]_cg  the CompiledActivations methods with CUDA graphs
-                         (CompiledActivations(cudagraphs=True)): one graph launch per block
-The head stays bf16 everywhere (as torchtitan's float8 does). Every method is built at once and
-timed interleaved over --rounds rounds (benchmarks/rounds.py): tokens/s median [min-max] over
-rounds, speedups vs bf16 as the median of per-round ratios, GPU busy fraction from torch.profiler,
-own peak memory; for the methods under compress_activations, what its last step packed and kept.
-
-    python benchmarks/fp8_linear_train.py --rounds 5 --steps 6 --methods bf16,coatstate_compiled_ca
-
---inductor 'coordinate_descent_tuning=1' gives every compiled method (bf16's and torchao's too)
-those inductor options. Writes benchmarks/results/fp8_linear_train_rounds.json.
+Training throughput and peak memory of a ~1.06B-parameter Llama (coatstate.models, TinyLlama's
+shape, seq 2048) with fp32 master weights under bfloat16 autocast, the head in bf16 throughout:
+  bf16[_compiled]  nn.Linear in bf16 + torch AdamW(fused=True) (blocks torch.compile'd)
+  torchao[_eager]  torchao.float8.convert_to_float8_training (tensorwise), compiled blocks
+  coatstate        convert_to_fp8 + compress_activations + CompressedAdamW, eager
+  coatstate_fp8_only  convert_to_fp8 + fused AdamW: the GEMM speedup alone
+  coatstate_compiled[_ca]  convert_to_fp8 + CompressedAdamW, compiled blocks (inside
+                   compress_activations, entered outside the compiled blocks)
+  coatstate_compiled_graphs[_all][_cg]  blocks compiled with CompiledActivations (FP8 saves inside
+                   the graphs; _all: norm and attention_v_out "group"; _cg: CUDA graphs)
+  coatstate_compiled_ca_hp  _ca with E4M3 output gradients and a bf16 weight-gradient GEMM
+Every method is built at once and timed in interleaved rounds (rounds.py): tokens/s, speedups vs
+bf16 paired per round, GPU busy fraction, own peak memory, what compress_activations packed.
+--inductor 'coordinate_descent_tuning=1' gives every compiled method those inductor options.
+`--smoke` runs tiny on CPU. Writes benchmarks/results/fp8_linear_train_rounds.json.
 """
 
 from __future__ import annotations
@@ -49,31 +33,19 @@ from pathlib import Path
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import torch  # noqa: E402
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from llama import Llama, LlamaConfig  # noqa: E402
+from common import param_count  # noqa: E402
 from rounds import Variant, inductor_options, run_rounds, spread  # noqa: E402
 
 import coatstate  # noqa: E402
+from coatstate.models import Llama, ModelConfig  # noqa: E402
 from coatstate.nn import FP8LinearConfig, convert_to_fp8, fp8_fallbacks  # noqa: E402
+from coatstate.optim import optimizer_state_bytes  # noqa: E402
 
 GIB = 2.0**30
-METHODS = (
-    "bf16",
-    "bf16_compiled",
-    "coatstate_fp8_only",
-    "coatstate",
-    "coatstate_compiled",
-    "coatstate_compiled_ca",
-    "coatstate_compiled_graphs",
-    "coatstate_compiled_graphs_all",
-    "coatstate_compiled_graphs_cg",
-    "coatstate_compiled_graphs_all_cg",
-    "coatstate_compiled_ca_hp",
-    "torchao",
-    "torchao_eager",
-)
+TINYLLAMA = dict(vocab=32000, dim=2048, layers=18, heads=16, hidden=5632, loss_chunks=8)
+METHODS = """bf16 bf16_compiled coatstate_fp8_only coatstate coatstate_compiled coatstate_compiled_ca
+coatstate_compiled_graphs coatstate_compiled_graphs_all coatstate_compiled_graphs_cg
+coatstate_compiled_graphs_all_cg coatstate_compiled_ca_hp torchao torchao_eager""".split()
 
 
 def _not_head(module: torch.nn.Module, name: str) -> bool:
@@ -117,7 +89,7 @@ class _Compressing:
 
 
 # -- the methods -----------------------------------------------------------------------------------
-def build(method: str, cfg: LlamaConfig, device: torch.device, lr: float = 3e-4):
+def build(method: str, cfg: ModelConfig, device: torch.device, lr: float = 3e-4):
     """(model, optimizer, forward context factory, notes) for one method, from the same seed."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
@@ -176,17 +148,6 @@ def train_step(model, opt, ctx, idx, tgt, device) -> torch.Tensor:
     opt.step()
     opt.zero_grad(set_to_none=True)
     return loss.detach()
-
-
-def _state_bytes(obj) -> int:
-    """Bytes of the tensors in an optimizer's state (nested dicts and lists)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(_state_bytes(v) for v in obj.values())
-    if isinstance(obj, list | tuple):
-        return sum(_state_bytes(v) for v in obj)
-    return 0
 
 
 def _graphs_summary(graphs) -> dict:
@@ -250,7 +211,7 @@ def measure_interleaved(methods: list[str], cfg, device, args, partial=None) -> 
             finite=bool(torch.isfinite(last["loss"])),
         )
         if cuda:
-            own = sum(p.numel() * p.element_size() for p in model.parameters()) + _state_bytes(opt.state)
+            own = sum(p.numel() * p.element_size() for p in model.parameters()) + optimizer_state_bytes(opt)
             same["peak_allocated_gib"] = (row["peak_bytes"] + own) / GIB  # own peak, see above
             same["own_static_gib"] = own / GIB
         results[method] = dict(notes=notes, same_batch=same, rounds=row)
@@ -262,61 +223,21 @@ def measure_interleaved(methods: list[str], cfg, device, args, partial=None) -> 
     return results
 
 
-def summarize_rounds(results: dict) -> dict:
-    """summarize(), with speedups as the median [min-max] of per-round tokens/s ratios."""
-    summary = summarize(results)
-    base = results.get("bf16", {}).get("rounds")
-    for method, r in results.items():
-        if base is None or "rounds" not in r or method not in summary:
-            continue
-        ratios = [b / m for b, m in zip(base["round_wall_ms"], r["rounds"]["round_wall_ms"], strict=False)]
-        paired = spread(ratios)
-        summary[method]["speedup_vs_bf16"] = paired["median"]
-        summary[method]["speedup_vs_bf16_spread"] = paired
-        summary[method]["gpu_busy"] = r["rounds"]["busy"]
-        summary[method]["host_bound"] = r["rounds"]["host_bound"]
-    return summary
-
-
-def own_peak_gib(r: dict) -> float:
-    """A method's peak at the common batch (what a warm-up step adds, plus its own state)."""
-    return r["same_batch"]["peak_allocated_gib"]
-
-
 def summarize(results: dict) -> dict:
-    """Speedup and memory reduction (own peaks) against bf16 at the same batch."""
-    summary = {}
-    bf16 = results.get("bf16", {})
-    base = bf16.get("same_batch")
-    for method, r in results.items():
-        if not base or "same_batch" not in r:
+    """Per method against bf16: the speedup as the median [min-max] of per-round tokens/s ratios,
+    and the memory reduction (own peaks, on CUDA)."""
+    summary, bf16 = {}, results.get("bf16", {})
+    for method, r in results.items() if "rounds" in bf16 else ():
+        if "rounds" not in r:
             continue
-        s = r["same_batch"]
-        summary[method] = dict(speedup_vs_bf16=s["tokens_per_s"] / base["tokens_per_s"])
-        if "peak_allocated_gib" in s:
-            summary[method]["own_peak_gib"] = own_peak_gib(r)
-            summary[method]["memory_reduction_vs_bf16"] = own_peak_gib(bf16) / own_peak_gib(r)
+        walls = zip(bf16["rounds"]["round_wall_ms"], r["rounds"]["round_wall_ms"], strict=False)
+        paired = spread([b / m for b, m in walls])
+        summary[method] = dict(speedup_vs_bf16=paired["median"], speedup_vs_bf16_spread=paired)
+        summary[method] |= dict(gpu_busy=r["rounds"]["busy"], host_bound=r["rounds"]["host_bound"])
+        if "peak_allocated_gib" in r["same_batch"]:
+            peak, base = r["same_batch"]["peak_allocated_gib"], bf16["same_batch"]["peak_allocated_gib"]
+            summary[method] |= dict(own_peak_gib=peak, memory_reduction_vs_bf16=base / peak)
     return summary
-
-
-def print_table(results: dict, summary: dict) -> None:
-    nan = float("nan")
-    print(f"\n{'method':22s} {'tok/s':>9s} {'speedup':>8s} {'own peak':>9s} {'mem. red.':>9s}")
-    for method, r in results.items():
-        if "same_batch" not in r:
-            print(f"{method:22s} {r['error']}")
-            continue
-        s, m = r["same_batch"], summary.get(method, {})
-        spread = ""
-        if "speedup_vs_bf16_spread" in m:  # (--rounds)
-            sp, busy = m["speedup_vs_bf16_spread"], m.get("gpu_busy")
-            spread = f"  speedup [{sp['min']:.2f}-{sp['max']:.2f}] over {sp['n']} rounds"
-            spread += f", GPU busy {busy['median']:.2f}" if busy else ""
-            spread += " (host-bound)" if m.get("host_bound") else ""
-        print(
-            f"{method:22s} {s['tokens_per_s']:9.0f} {m.get('speedup_vs_bf16', nan):8.2f} "
-            f"{m.get('own_peak_gib', nan):9.2f} {m.get('memory_reduction_vs_bf16', nan):9.2f}{spread}"
-        )
 
 
 def main(argv=None) -> dict:
@@ -348,7 +269,7 @@ def main(argv=None) -> dict:
 
     if args.smoke:
         device = torch.device("cpu")
-        cfg = LlamaConfig(vocab=256, dim=64, layers=2, heads=2, hidden=176, seq=64, loss_chunks=2)
+        cfg = ModelConfig(vocab=256, dim=64, layers=2, heads=2, hidden=176, seq=64, loss_chunks=2)
         args.batch, args.warmup, args.steps = 2, 1, 2
         args.rounds = min(args.rounds, 2)
         torch.set_num_threads(1)  # (two threads on a shared 2-core host spin against each other)
@@ -357,13 +278,15 @@ def main(argv=None) -> dict:
         if not torch.cuda.is_available():
             raise SystemExit("needs a CUDA GPU (use --smoke for a tiny CPU run)")
         device = torch.device("cuda")
-        cfg = LlamaConfig(seq=args.seq)
-        out = Path(args.out or HERE / "results" / "fp8_linear_train_rounds.json")
-    print(f"Llama-style model, {cfg.params / 1e9:.3f}B params, seq {cfg.seq}, {device}", flush=True)
+        cfg = ModelConfig(**TINYLLAMA, seq=args.seq)
+        out = Path(args.out or Path(__file__).parent / "results" / "fp8_linear_train_rounds.json")
+    cfg = dataclasses.replace(cfg, cast_residual=True)  # the residual stream in bf16
+    params = param_count(Llama, cfg)
+    print(f"Llama-style model, {params / 1e9:.3f}B params, seq {cfg.seq}, {device}", flush=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     result = dict(
         command="python benchmarks/fp8_linear_train.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        model=dict(dataclasses.asdict(cfg), params=cfg.params),
+        model=dict(dataclasses.asdict(cfg), params=params),
         batch=args.batch,
         warmup=args.warmup,
         steps=args.steps,
@@ -384,10 +307,11 @@ def main(argv=None) -> dict:
         out.write_text(json.dumps(dict(result, partial_rounds=rounds_so_far), indent=1) + "\n")
 
     result["results"] = measure_interleaved(methods, cfg, device, args, partial)
-    result["summary"] = summarize_rounds(result["results"])
+    result["summary"] = summarize(result["results"])
     out.write_text(json.dumps(result, indent=1) + "\n")
-    print_table(result["results"], result["summary"])
-    print(f"wrote {out}")
+    from report import section_fp8_linear_train  # the table docs/benchmarks.md shows
+
+    print(section_fp8_linear_train(result, out) + f"\nwrote {out}")
     return result
 
 

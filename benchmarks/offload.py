@@ -1,24 +1,18 @@
 """python benchmarks/offload.py --max-minutes 8      (one GPU, capped at 24 GB; --smoke: tiny, on CPU)
 
-Optimizer states in host memory (issue 53): Llama-2-7B shapes (benchmarks/llama.py: 32 x 4096,
-32 heads, SwiGLU 11008, vocab 32000, seq 2048) in bf16 on ONE GPU capped at --cap-gb (24 GB, 1e9
-bytes, with torch.cuda.set_per_process_memory_fraction on a larger card), activation checkpointing
-per block, batch 1. Setups, each in a process of its own (the two hold too much host memory to
-share one, and an out-of-memory error must not decide the next setup's numbers):
+Optimizer states in host memory (issue 53): Llama-2-7B shapes (coatstate.models.Llama, seq 2048)
+in bf16 on ONE GPU capped at --cap-gb, activation checkpointing per block, batch 1. Setups, each
+in a process of its own (they hold too much host memory to share one):
   coatstate  coatstate.HostOffloadAdamW(master_bits=24): FP8 moments and a 1-byte master
              correction on the host, stepped during backward by CompressedAdamW's CPU path
-  torchao    torchao.optim.CPUOffloadOptimizer(offload_gradients=True) over torch.optim.AdamW
-             (fused=True, on the CPU) on an fp32 master of each bf16 weight: fp32 master and
-             moments on the host, stepped in opt.step() (skipped, with a note, without torchao)
-Per setup: peak GPU memory, host bytes of the optimizer states (moments and masters or master
-corrections) and of the host weight and gradient buffers, the process's peak RSS, and per step the
-forward, backward and opt.step() wall times, the host step and copy times, and tokens/s, in
-rounds (median [min-max] over rounds of the per-round medians). The setups share --max-minutes;
-a setup over its share is killed and keeps the steps it finished (its JSON is rewritten after
-every step). JSON with the common `meta` header goes to --out.
+  torchao    torchao.optim.CPUOffloadOptimizer(offload_gradients=True) over torch's fused CPU
+             AdamW on an fp32 master of each bf16 weight (skipped, with a note, without torchao)
+Per setup: peak GPU memory, the host bytes of the optimizer states and of the weight and gradient
+buffers, peak RSS, and per step the forward, backward, opt.step(), host step and copy times and
+tokens/s: median [min-max] over rounds. The setups share --max-minutes; one over its share is
+killed and keeps the steps it finished. JSON with the common `meta` header goes to --out.
 
     python benchmarks/offload.py --setups coatstate --rounds 2 --steps 1
-    python benchmarks/offload.py --smoke        # CPU, 2 layers x 64: the whole path, in seconds
 """
 
 from __future__ import annotations
@@ -28,6 +22,7 @@ import os
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before torch
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
 import resource  # noqa: E402
@@ -38,19 +33,20 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 import torch  # noqa: E402
 import torch.utils.checkpoint  # noqa: E402
-from common import fmt_median_range, median_range, result_meta  # noqa: E402
-from llama import Llama, LlamaConfig  # noqa: E402
+from common import median_range, result_meta  # noqa: E402
+
+from coatstate.models import Llama, ModelConfig  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
 
 GB = 1e9
 SETUPS = ("coatstate", "torchao")
 OPT = dict(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
 MODELS = {
-    "7b": LlamaConfig(vocab=32000, dim=4096, layers=32, heads=32, hidden=11008, seq=2048),
-    "smoke": LlamaConfig(vocab=256, dim=64, layers=2, heads=4, hidden=176, seq=64, loss_chunks=2),
+    "7b": ModelConfig(vocab=32000, dim=4096, layers=32, heads=32, hidden=11008, seq=2048),
+    "smoke": ModelConfig(vocab=256, dim=64, layers=2, heads=4, hidden=176, seq=64, loss_chunks=2),
 }
 
 
@@ -142,7 +138,7 @@ def checkpoint_blocks(model: Llama) -> None:
 
 
 # ------------------------------------------------------------------------------ one setup
-def run_setup(setup: str, cfg: LlamaConfig, device: str, cap_gb: float, batch: int, rounds: int,
+def run_setup(setup: str, cfg: ModelConfig, device: str, cap_gb: float, batch: int, rounds: int,
               steps: int, seconds: float, write) -> dict:  # fmt: skip
     """Build the model and optimizer, run a warm-up step then `rounds` x `steps` timed steps (fewer
     when `seconds` run out); `write(result)` after every step."""
@@ -241,23 +237,6 @@ def run_child(setup: str, args, cfg_name: str, seconds: float) -> dict:
     return result
 
 
-def table(results: dict) -> str:
-    head = ("setup", "peak GPU GB", "host states GB", "host buffers GB", "tokens/s", "backward s",
-            "host step s", "opt.step() s", "status")  # fmt: skip
-    lines = [" | ".join(head), " | ".join("---" for _ in head)]
-    for name, r in results.items():
-        s, hb = r.get("rounds", {}), r.get("host_bytes", {})
-        status = r.get("note") or r.get("status", "?")
-        status += " (warm-up step only)" if r.get("rounds_from_warmup") else ""
-        cell = lambda k, f="{:.2f}": fmt_median_range(s[k], fmt=f) if k in s else "-"  # noqa: E731
-        row = (name, f"{r['peak_gpu_gb']:.2f}" if "peak_gpu_gb" in r else "-",
-               f"{hb['states'] / GB:.2f}" if hb else "-", f"{hb['buffers'] / GB:.2f}" if hb else "-",
-               cell("tokens_per_s", "{:.0f}"), cell("backward_s"), cell("host_step_s"), cell("step_s"),
-               status)  # fmt: skip
-        lines.append(" | ".join(row))
-    return "\n".join(lines)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="2 layers x 64 on the CPU (torchao's row skipped)")
@@ -279,7 +258,7 @@ def main(argv=None) -> int:
     cfg_name = args.model or ("smoke" if args.smoke else "7b")
     cfg = MODELS[cfg_name]
     if args.layers:
-        cfg = LlamaConfig(**{**cfg.__dict__, "layers": args.layers})
+        cfg = dataclasses.replace(cfg, layers=args.layers)
     if args.child:
         part = Path(args.part)
         write = lambda r: part.write_text(json.dumps(r, indent=1))  # noqa: E731
@@ -305,11 +284,13 @@ def main(argv=None) -> int:
             results[setup]["elapsed_s"] = time.perf_counter() - t0
             done = results[setup]
             print(f"{setup}: {done.get('status')} in {done['elapsed_s']:.0f} s", flush=True)
-        out = {"meta": {**result_meta(args, args.device), "smoke": args.smoke}, "model": cfg.__dict__,
-               "setups": results}  # fmt: skip
+        meta = {**result_meta(args, args.device), "smoke": args.smoke}
+        out = {"meta": meta, "model": dataclasses.asdict(cfg), "setups": results}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(out, indent=1))
-    print(table({s: results[s] for s in setups}))
+    from report import offload_table
+
+    print(offload_table({s: results[s] for s in setups}))
     print(f"wrote {args.out}")
     return 0
 

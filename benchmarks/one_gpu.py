@@ -1,33 +1,16 @@
 """python benchmarks/one_gpu.py --models 7b --max-minutes 8      (one GPU; --smoke: tiny, on CPU)
 
-How many GPUs coatstate saves (issue 52): Llama-2-7B and Llama-2-13B shapes trained on ONE GPU of
-80 GB, beside COAT's Table 7 (one 80 GB GPU, Llama-2-7B at context 2048: BF16 runs out of memory,
-COAT peaks at 79.3 GB and runs 5,906 tokens/s; 13B needs 2 GPUs at context 1024).
-
-Model: benchmarks/llama.py with random init. 7B: 32 layers x 4096, 32 heads, SwiGLU 11008;
-13B: 40 x 5120, 40 heads, 13824; vocab 32000, seq 2048. A GPU with more than --cap-gb (80 GB,
-1e9 bytes: the planner's unit) is capped there with torch.cuda.set_per_process_memory_fraction,
-and the table says so. Setups (benchmarks/one_gpu_child.py builds them):
-  bf16       bf16 weights + torch.optim.AdamW(fused=True) on fp32 master weights (COAT's BF16
-             baseline: 16 bytes a parameter); expected to run out of memory: the table says where
-  coatstate  FP8Linear (convert_to_fp8, head in bf16) + CompiledActivations (each block compiled)
-             + CompressedAdamW(master_bits=24) on bf16 weights
-  release    the same with gradient_release=True
-  4bit       the same as release with 4-bit moments (exp_avg e2m1, exp_avg_sq ue3m1_sqrt)
-Per setup: moments and master GB, activation GB (allocated by the forward and held for
-backward), peak allocated GB and tokens/s (median [min-max] of the timed steps) at batch 1 and at
-the largest batch found, and the planner's prediction (coatstate.planner, made first on the CPU)
-beside each peak. The batch search starts at the planner's predicted largest batch and moves one
-batch at a time (each new batch compiles the blocks again: static shapes keep every saved tensor
-compressed); it stops at --max-batch or when the setup's share of --max-minutes is spent.
-
-Each setup runs in a process of its own (an out-of-memory error or a compile cache must not
-decide the next setup's numbers), with a time limit from --max-minutes: the setups share it
-(half a share for bf16 and for a setup the planner says does not fit); a setup over its share
-is killed and keeps what it measured, and so does one running when this script gets SIGTERM.
-JSON (the common `meta` header) goes to --out after every setup; a table is printed at the end.
-Memory: "activations" is what a forward allocates and holds until backward, "peak" is
-torch.cuda.max_memory_allocated over the timed steps, both in GB of 1e9 bytes (the planner's).
+How many GPUs coatstate saves (issue 52): Llama-2-7B and 13B shapes (coatstate.models.Llama,
+random init, seq 2048) trained on ONE GPU capped at --cap-gb (80 GB of 1e9 bytes, with
+torch.cuda.set_per_process_memory_fraction on a larger card), beside COAT's Table 7. Setups
+(one_gpu_child.py builds and runs each in a process of its own, so that an out-of-memory error or
+a compile cache does not decide the next setup's numbers): bf16 + torch AdamW on fp32 masters
+(COAT's BF16 baseline), the FP8 recipe (FP8Linear + CompiledActivations + CompressedAdamW with
+master_bits=24), + gradient release, + 4-bit moments. Per setup, at batch 1 and at the largest
+batch a search from the planner's guess finds (one batch at a time, within the setup's share of
+--max-minutes): moments, master, activation and peak GB, tokens/s, and coatstate.planner's
+prediction beside each peak. A setup over its share is killed and keeps what it measured, and so
+does one running when this script gets SIGTERM. Prints docs/benchmarks.md's table; JSON to --out.
 
     python benchmarks/one_gpu.py --models 13b --max-minutes 8 --setups coatstate,4bit
     python benchmarks/one_gpu.py --smoke        # CPU, 2 layers x 64: every setup, out-of-memory simulated
@@ -46,24 +29,20 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import param_count, result_meta
+from one_gpu_child import SETUPS
+
+from coatstate.models import Llama, ModelConfig
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from common import result_meta  # noqa: E402
-from llama import Llama, LlamaConfig  # noqa: E402
-from one_gpu_child import SETUPS  # noqa: E402
 
 GB = 1e9
 MODELS = {
-    "7b": LlamaConfig(vocab=32000, dim=4096, layers=32, heads=32, hidden=11008, seq=2048),
-    "13b": LlamaConfig(vocab=32000, dim=5120, layers=40, heads=40, hidden=13824, seq=2048),
-    "smoke": LlamaConfig(vocab=256, dim=64, layers=2, heads=4, hidden=176, seq=64, loss_chunks=2),
+    "7b": ModelConfig(vocab=32000, dim=4096, layers=32, heads=32, hidden=11008, seq=2048),
+    "13b": ModelConfig(vocab=32000, dim=5120, layers=40, heads=40, hidden=13824, seq=2048),
+    "smoke": ModelConfig(vocab=256, dim=64, layers=2, heads=4, hidden=176, seq=64, loss_chunks=2),
 }
 LABELS = {"bf16": "bf16 AdamW", "coatstate": "coatstate", "release": "+ release", "4bit": "+ release + 4-bit"}
-LEGEND = (
-    "bf16 AdamW: bf16 weights, torch AdamW fused on fp32 masters; coatstate: FP8Linear + "
-    "CompiledActivations + CompressedAdamW(master_bits=24);\n+ release: gradient_release=True; "
-    "+ 4-bit: exp_avg e2m1, exp_avg_sq ue3m1_sqrt"
-)
 
 
 def weight(the_plan, setup: str) -> float:
@@ -94,12 +73,12 @@ def variants():
     }
 
 
-def make_plan(cfg: LlamaConfig, cap_bytes: float, setups: list[str]):
+def make_plan(cfg: ModelConfig, cap_bytes: float, setups: list[str]):
     """The planner's plan of the same model (traced on the CPU with fake tensors: seconds)."""
     from coatstate.planner import plan, spec_from_factory
 
     vs = variants()
-    spec = spec_from_factory(lambda: Llama(cfg), f"benchmarks/llama.py ({cfg.layers} x {cfg.dim})")
+    spec = spec_from_factory(lambda: Llama(cfg), f"coatstate.models.Llama ({cfg.layers} x {cfg.dim})")
     return plan(
         spec,
         seq=cfg.seq,
@@ -124,7 +103,7 @@ def _stop(signum, frame) -> None:
     raise Stopped(f"signal {signum}")
 
 
-def run_child(setup: str, cfg: LlamaConfig, args, guess: int, budget_s: float, limit_s: float) -> dict:
+def run_child(setup: str, cfg: ModelConfig, args, guess: int, budget_s: float, limit_s: float) -> dict:
     """One setup in its own process, killed (its whole process group: inductor's compile workers
     too) after limit_s; what it wrote to its part file before then is kept."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -186,18 +165,18 @@ def add_predictions(res: dict, the_plan, setup: str) -> None:
 
 
 def run_model(name: str, args, t_end: float, doc: dict, write) -> None:
-    cfg = MODELS[name]
+    cfg, params = MODELS[name], param_count(Llama, MODELS[name])
     cap = args.cap_gb * GB if args.cap_gb > 0 else 80 * GB
     t0 = time.perf_counter()
     the_plan = make_plan(cfg, cap, args.setups)
     entry = doc["models"][name] = {
-        "config": {**dataclasses.asdict(cfg), "params": cfg.params},
+        "config": {**dataclasses.asdict(cfg), "params": params},
         "plan": the_plan.to_dict(),
         "plan_seconds": time.perf_counter() - t0,
         "paper": PAPER.get(name),
         "setups": {},
     }
-    shape = f"{cfg.params / 1e9:.2f}B params, {cfg.layers} x {cfg.dim}, seq {cfg.seq}"
+    shape = f"{params / 1e9:.2f}B params, {cfg.layers} x {cfg.dim}, seq {cfg.seq}"
     print(f"\nLlama {name}: {shape}; planned in {entry['plan_seconds']:.1f} s", flush=True)
     todo = list(args.setups)
     while todo:
@@ -219,101 +198,6 @@ def run_model(name: str, args, t_end: float, doc: dict, write) -> None:
         write()
         if res["stopped"]:
             raise Stopped("SIGTERM")
-
-
-def _gb(b) -> str:
-    return "-" if b is None else f"{b / GB:.2f}" if b >= GB / 100 else f"{b / GB:.1e}"
-
-
-def _column(res: dict) -> list[str]:
-    """One setup's column of the table (rows as in `table`)."""
-    b1, big = res.get("batch1"), res.get("largest")
-    if b1 is None:
-        oom = res.get("oom")
-        why = "out of memory at batch 1" if oom else res.get("status", "no result")
-        plan = res.get("predicted_batch1", {}).get("peak")
-        return [
-            why[:30],
-            "",
-            "",
-            f"- ({_gb(plan)})",
-            "",
-            f"- (plan {res.get('predicted_max_batch', '-')})",
-        ] + [""] * 5
-
-    def peak(r):
-        plan = _gb(r["predicted"]["peak"])
-        if "peak_bytes" not in r:  # (CPU: no allocator peak)
-            return f"- ({plan})"
-        return f"{_gb(r['peak_bytes'])} ({plan}, {100 * r['peak_error']:+.1f}%)"
-
-    def speed(r):
-        t = r["tokens_per_s"]
-        return f"{t['median']:.0f} [{t['min']:.0f}-{t['max']:.0f}]"
-
-    search = res.get("search", {})
-    note = " (time)" if search.get("cut_short_by_budget") else ""
-    return [
-        _gb(b1["moment_bytes"]),
-        _gb(b1["master_bytes"]),
-        _gb(b1["activation_bytes"]) if b1["activation_bytes"] else "-",
-        peak(b1),
-        speed(b1),
-        f"{big['batch']}{note} (plan {res['predicted_max_batch']})",
-        _gb(big["activation_bytes"]) if big["activation_bytes"] else "-",
-        peak(big),
-        speed(big),
-        "yes" if b1["finite"] and big["finite"] else "NO",
-        res.get("status", "")[:30],
-    ]
-
-
-def table(entry: dict, memory: dict | None) -> str:
-    labels = [
-        "moments GB",
-        "master weights GB",
-        "activations GB, batch 1",
-        "peak GB b1 (planner, error)",
-        "tokens/s b1 median [min-max]",
-        "largest batch (planner's)",
-        "activations GB there",
-        "peak GB there (planner, error)",
-        "tokens/s there",
-        "losses finite",
-        "status",
-    ]
-    names = list(entry["setups"])
-    cols = [_column(entry["setups"][n]) for n in names]
-    w = max(20, *(len(LABELS[n]) for n in names), *(len(c) for col in cols for c in col)) + 2
-    lines = [f"{'':32}" + "".join(f"{LABELS[n]:>{w}}" for n in names)]
-    lines += [f"{label:32}" + "".join(f"{c[i]:>{w}}" for c in cols) for i, label in enumerate(labels)]
-    if memory:
-        cap = memory.get("cap_bytes")
-        capped = f"capped at {cap / GB:.0f} GB (fraction {memory['fraction']:.3f})" if cap else "not capped"
-        lines.append(f"GPU: {memory['gpu']}, {memory['total_bytes'] / GB:.1f} GB, {capped}")
-    lines.append(LEGEND)
-    lines.append(
-        "GB = 1e9 bytes of allocated memory (torch.cuda.max_memory_allocated); planner = coatstate.planner"
-    )
-    for n in names:  # the cap is the allocator's to keep: say so if it did not
-        cap = (memory or {}).get("cap_bytes")
-        runs = [entry["setups"][n].get("batch1"), *entry["setups"][n].get("probes", [])]
-        over = [r["peak_reserved_bytes"] for r in runs if r and cap and r.get("peak_reserved_bytes", 0) > cap]
-        if over:
-            lines.append(
-                f"WARNING {LABELS[n]}: reserved {max(over) / GB:.2f} GB, above the {cap / GB:.0f} GB cap"
-            )
-    for n in names:  # in full, what the columns cut short
-        res = entry["setups"][n]
-        oom = res.get("oom")
-        if oom:
-            held = f", {oom['allocated_bytes'] / GB:.1f} GB allocated" if "allocated_bytes" in oom else ""
-            lines.append(f"{LABELS[n]}: out of memory at batch {oom['batch']} in {oom['phase']}{held}")
-        if res.get("status", "ok") != "ok":
-            lines.append(f"{LABELS[n]}: {res['status']}")
-    if entry.get("paper"):
-        lines.append(entry["paper"])
-    return "\n".join(lines)
 
 
 def _parse(argv=None) -> argparse.Namespace:
@@ -375,10 +259,15 @@ def main(argv=None) -> dict:
     except Stopped:
         doc["meta"]["stopped"] = "SIGTERM before the end: the setups not listed did not run"
         write()
-    for name, entry in doc["models"].items():
-        c = entry["config"]
-        print(f"\nLlama {name} ({c['params'] / 1e9:.2f}B params, seq {c['seq']}), one GPU:")
-        print(table(entry, doc["meta"].get("memory_cap")))
+    from report import section_one_gpu  # the table docs/benchmarks.md shows
+
+    print("\n" + section_one_gpu(doc, out, replan_now=False))
+    cap = (doc["meta"].get("memory_cap") or {}).get("cap_bytes") or float("inf")
+    for name, entry in doc["models"].items():  # the cap is the allocator's to keep: say so if it did not
+        for setup, res in entry["setups"].items():
+            runs = [r for r in [res.get("batch1"), *res.get("probes", [])] if r]
+            if (over := max((r.get("peak_reserved_bytes", 0) for r in runs), default=0)) > cap:
+                print(f"WARNING {name} {setup}: reserved {over / GB:.2f} GB, above the {cap / GB:.0f} GB cap")
     print(f"wrote {out}")
     return doc
 

@@ -2,19 +2,13 @@
 
     python benchmarks/one_gpu_child.py --setup coatstate --config '{"dim": 4096, ...}' --out part.json
 
-Why a process per setup: after an out-of-memory error the allocator, dynamo's caches and the
-compiled graphs of one setup must not decide whether the next one fits. The parent reads --out,
-which is rewritten after every measurement, so a setup killed at its time limit keeps what it
-measured. Setups (the parent's SETUPS say the same in words):
-  bf16       bf16 weights (cast_model: norms stay fp32), eager, torch.optim.AdamW(fused=True) on
-             fp32 master copies, stepped one layer at a time (MasterAdamW)
-  coatstate  convert_to_fp8 (head stays bf16) + cast_model + CompressedAdamW(master_bits=24), each
-             block torch.compile'd with CompiledActivations' options (FP8 saves inside the graphs)
-  release    the same with gradient_release=True
-  4bit       the same as release with 4-bit moments (exp_avg e2m1, exp_avg_sq ue3m1_sqrt)
-Per setup: batch 1 (warm-up steps, then timed steps), then a batch search that starts at the
-planner's predicted largest batch (--guess) and moves one batch at a time; each probe is a
-warm-up step and --probe-steps timed steps, so the largest batch's speed is its probe's.
+--out is rewritten after every measurement, so a setup killed at its time limit keeps what it
+measured. Setups: bf16 (bf16 weights, fp32 norms, torch AdamW(fused=True) on fp32 masters stepped
+a layer at a time: MasterAdamW); coatstate (convert_to_fp8 with the head in bf16, cast_model,
+CompressedAdamW(master_bits=24), each block compiled with CompiledActivations' options); release
+(the same with gradient_release=True); 4bit (release with 4-bit moments). Batch 1 first, then a
+search from the planner's largest batch (--guess), one batch at a time, each probe a warm-up step
+and --probe-steps timed steps.
 """
 
 from __future__ import annotations
@@ -27,19 +21,16 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import argparse  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
 import warnings  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 import torch  # noqa: E402
 from coatstate.formats.optimizer_state import MASTER_CORRECTION  # noqa: E402
 from common import median_range  # noqa: E402
-from llama import Llama, LlamaConfig  # noqa: E402
 
 import coatstate  # noqa: E402
+from coatstate.models import Llama, ModelConfig  # noqa: E402
 from coatstate.nn import convert_to_fp8, fp8_fallbacks  # noqa: E402
 
 SETUPS = ("bf16", "coatstate", "release", "4bit")
@@ -135,7 +126,7 @@ def compressed_split(opt: coatstate.CompressedAdamW) -> tuple[int, int]:
 class Trainer:
     """Model and optimizer of one setup; `phase` says what it was doing when something failed."""
 
-    def __init__(self, setup: str, cfg: LlamaConfig, device: torch.device, simulate_oom_above: int) -> None:
+    def __init__(self, setup: str, cfg: ModelConfig, device: torch.device, simulate_oom_above: int) -> None:
         self.setup, self.cfg, self.device = setup, cfg, device
         self.cuda = device.type == "cuda"
         self.simulate_oom_above = simulate_oom_above
@@ -287,7 +278,7 @@ def search(fits, known: int, guess: int, limit: int, time_left) -> tuple[int, li
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--setup", choices=SETUPS, required=True)
-    p.add_argument("--config", required=True, help="LlamaConfig fields as JSON")
+    p.add_argument("--config", required=True, help="coatstate.models.ModelConfig fields as JSON")
     p.add_argument("--out", required=True)
     p.add_argument("--device", default="cuda")
     p.add_argument("--cap-gb", type=float, default=80.0)
@@ -320,7 +311,7 @@ def main(argv=None) -> None:
 
     if cuda:
         res["memory"] = memory_cap(args.cap_gb)
-    cfg = LlamaConfig(**json.loads(args.config))
+    cfg = ModelConfig(**json.loads(args.config))
     trainer = Trainer(args.setup, cfg, device, args.simulate_oom_above)
     try:
         trainer.build()

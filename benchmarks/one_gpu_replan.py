@@ -2,11 +2,9 @@
 
     python benchmarks/one_gpu_replan.py benchmarks/results/one_gpu_7b.json [...]
 
-The JSON keeps the prediction the planner made when the run started (`predicted` beside each
-measurement); this plans the recorded model config again with the planner as it is now, for the
-same setups (one_gpu.variants: the planner row that models each setup's recipe), so that a change
-to the planner is checked against the GPU's measurements without a GPU (tests/planner/test_against_gpu_peaks.py,
-docs/benchmarks.md's one-GPU section).
+Plans each recorded model config again, for the same setups (one_gpu.variants), so that a change
+to the planner is checked against the GPU's measurements without a GPU
+(tests/planner/test_against_gpu_peaks.py, docs/benchmarks.md's one-GPU section).
 """
 
 from __future__ import annotations
@@ -15,10 +13,10 @@ import json
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from llama import LlamaConfig  # noqa: E402
-from one_gpu import GB, LABELS, make_plan, predicted  # noqa: E402
+from one_gpu import GB, LABELS, make_plan, predicted
+from report_common import md_table
+
+from coatstate.models import ModelConfig
 
 
 def measured_runs(entry: dict) -> list[tuple[str, dict]]:
@@ -34,7 +32,7 @@ def measured_runs(entry: dict) -> list[tuple[str, dict]]:
 def replan(doc: dict, model: str) -> list[dict]:
     """One row per measured (setup, batch) of `model`: measured and predicted bytes."""
     entry = doc["models"][model]
-    cfg = LlamaConfig(**{k: v for k, v in entry["config"].items() if k != "params"})
+    cfg = ModelConfig(**{k: v for k, v in entry["config"].items() if k != "params"})
     cap = (doc["meta"].get("memory_cap") or {}).get("cap_bytes") or 80 * GB
     runs = measured_runs(entry)
     if not runs:  # (a CPU --smoke run has no allocator peaks)
@@ -58,15 +56,10 @@ def replan(doc: dict, model: str) -> list[dict]:
     return rows
 
 
-HEADER = [
-    "setup",
-    "batch",
-    "measured peak GB",
-    "planner now GB",
-    "error",
-    "planner at run time (error)",
-    "activations measured / planned GB",
-]
+HEADER = (
+    "setup|batch|measured peak GB|planner now GB|error|planner at run time (error)|activations "
+    "measured / planned GB"
+).split("|")
 
 
 def table_rows(rows: list[dict]) -> list[list[str]]:
@@ -88,11 +81,7 @@ def main(argv=None) -> None:
     for path in argv if argv is not None else sys.argv[1:]:
         doc = json.loads(Path(path).read_text())
         for model in doc["models"]:
-            print(f"{path}: {model}")
-            rows = table_rows(replan(doc, model))
-            widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(HEADER)]
-            for line in [HEADER, *rows]:
-                print("  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True)))
+            print(f"{path}: {model}\n" + md_table(HEADER, table_rows(replan(doc, model))))
 
 
 if __name__ == "__main__":

@@ -1,14 +1,11 @@
 """python benchmarks/optimizer_cpu.py
 
-CPU step time of coatstate.CompressedAdamW (its compiled CPU step, kernels/cpu_step.cpp) beside
-torch.optim.AdamW(fused=True) and AdamW(foreach=True), on a GPT-shaped set of fp32 parameters
-(benchmarks/common.py's gpt_shapes) with random gradients. Every variant lives in memory at once
-and the variants take turns: each round runs each of them for --steps steps, in an order that
-rotates from round to round, so a noisy neighbour slows them alike. Reported per variant: the
-median of the rounds' medians with the rounds' min-max, ns per parameter, the ratio to torch
-fused, and the bytes-moved floor from this machine's measured copy bandwidth. Then, in fresh
-processes, the first step's time with inductor's cache directory cold and warm.
-Prints a table per thread count and writes benchmarks/results/optimizer_cpu.json.
+CPU step time of coatstate.CompressedAdamW (its C++ step, kernels/cpu_step.cpp) beside torch's
+AdamW (fused, foreach) on common.gpt_shapes' fp32 parameters with random gradients, all in memory at
+once and taking turns in rounds whose order rotates: per variant ns per parameter (median [min-max]
+over rounds), the ratio to torch fused, the bytes-moved floor at this machine's copy bandwidth, and
+the first step of a fresh process (inductor's cache cold and warm). Prints docs/benchmarks.md's
+table; writes benchmarks/results/optimizer_cpu.json.
 
     python benchmarks/optimizer_cpu.py --dim 64 --layers 1 --rounds 2 --threads 1 --out /tmp/cpu.json  # smoke
 """
@@ -26,13 +23,12 @@ import time
 from pathlib import Path
 
 import torch
+from common import gpt_shapes, median_range, result_meta
 
 import coatstate
 from coatstate.optim import optimizer_state_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import gpt_shapes, median_range, result_meta  # noqa: E402
 
 FOURBIT = dict(exp_avg_format="e2m1", exp_avg_sq_format="ue3m1_sqrt")
 PLAIN = dict(exp_avg_expand=False, exp_avg_sq_expand=False)
@@ -157,21 +153,11 @@ def main(argv=None) -> int:
         bandwidth = copy_bandwidth(threads)
         rows = time_variants(names, shapes, threads, args.rounds, args.steps)
         ref = rows[REFERENCE]["ns_per_param"]["median"]
-        print(f"\n{threads} thread(s): copy bandwidth {bandwidth / 1e9:.1f} GB/s, {args.rounds} rounds")
-        print(f"{'optimizer':<52}{'B/param':>8}{'ns/param [min-max]':>24}{'vs fused':>10}{'floor ns':>10}")
         for name, r in rows.items():
-            moved = VARIANTS.get(name, (None, None, 16.16))[2]
-            r["bytes_moved_per_param"] = moved
+            r["bytes_moved_per_param"] = moved = VARIANTS.get(name, (None, None, 16.16))[2]
             r["floor_ns_per_param"] = 1e9 * moved / bandwidth
             r["vs_reference"] = r["ns_per_param"]["median"] / ref
-            s = r["ns_per_param"]
-            span = f"{s['median']:.2f} [{s['min']:.2f}-{s['max']:.2f}]"
-            print(
-                f"{name:<52}{r['state_bytes_per_param']:>8.2f}{span:>24}{r['vs_reference']:>9.2f}x"
-                f"{r['floor_ns_per_param']:>10.2f}"
-            )
         first = first_step_seconds(shapes, threads)
-        print(f"first step of a fresh process: cold cache {first['cold']:.2f} s, warm {first['warm']:.2f} s")
         report["by_threads"][str(threads)] = {
             "copy_bandwidth_bytes_per_s": bandwidth,
             "rounds": args.rounds,
@@ -182,7 +168,9 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
-    print(f"wrote {out}")
+    from report import section_optimizer_cpu  # the table docs/benchmarks.md shows
+
+    print(section_optimizer_cpu(report, out) + f"\nwrote {out}")
     return 0
 
 

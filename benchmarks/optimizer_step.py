@@ -1,22 +1,15 @@
 """Optimizer step time and state bytes on a GPT-shaped parameter set, against the peers.
 
     python benchmarks/optimizer_step.py                 # 1.31B params, fp32 and bf16, on CUDA
-    python benchmarks/optimizer_step.py --scale 0.05    # a smaller set
     python benchmarks/optimizer_step.py --device cpu --scale 0.001 --which torch,coat   # smoke test
 
-Peers measured in the same run (each only where its package imports): torch.optim.AdamW(fused),
-bitsandbytes AdamW8bit, torchao AdamWFp8. Timing: benchmarks/rounds.py. Per params dtype every
-optimizer is built at once (each on its own parameters), then --rounds interleaved rounds time
---steps samples of each, the order rotated per round; a sample is --burst optimizer steps run back
-to back with one synchronisation at the end, as in a training loop where the host queues the next
-step while the GPU works. Per optimizer, per step, median [min-max over rounds]:
-  step ms    wall time of a sample / --burst (the headline)
-  GPU ms     kernel time of one profiled sample / --burst (busy below 0.9 of step ms: host-bound)
-  host ms    Python and launch time of opt.step() (hidden while the GPU is the busier side)
-  vs torch   the per-round ratio to torch AdamW fused on the same dtype, paired within rounds
-beside the state bytes per parameter, the floor (bytes a step must move / copy bandwidth measured
-in this run), the first step's seconds (Triton compilation) and the memory a step allocates.
-Writes JSON.
+Peers, where their packages import: torch.optim.AdamW(fused), bitsandbytes AdamW8bit, torchao
+AdamWFp8. Per params dtype every optimizer is built at once, then rounds.py's interleaved rounds
+time --steps samples of each; a sample is --burst steps back to back with one synchronisation (the
+host queues the next step while the GPU works). Per step, median [min-max over rounds]: wall time,
+GPU kernel time, host time, the paired ratio to torch's fused AdamW; beside them the state bytes per
+parameter, the floor (bytes a step must move / the copy bandwidth measured in this run) and the
+first step's seconds. Prints docs/benchmarks.md's table and writes JSON.
 """
 
 from __future__ import annotations
@@ -27,16 +20,14 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
+from pathlib import Path
 
 import torch
+from common import gpt_shapes, result_meta
+from rounds import Variant, paired, run_rounds
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import gpt_shapes, result_meta  # noqa: E402
-from rounds import Variant, fmt_spread, paired, run_rounds  # noqa: E402
-
-import coatstate  # noqa: E402
+import coatstate
 
 
 def copy_bandwidth(device) -> float:
@@ -259,40 +250,22 @@ def main():
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
-    _print_table(rows, bw, args)
     write_results(args.out, bw, rows, args.device, scale=args.scale, method="rounds", rounds=args.rounds,
                   steps=args.steps, burst=args.burst, errors=errors)  # fmt: skip
 
 
-def _print_table(rows: list[dict], bw: float, args) -> None:
-    n = rows[0]["params"] if rows else 0
-    print(
-        f"\n{n / 1e9:.3f}B params, copy bandwidth {bw / 1e12:.2f} TB/s, {_device_name(args.device)}, "
-        f"{args.rounds} rounds x {args.steps} samples of {args.burst} steps: median [min-max over rounds]"
-    )
-    print(
-        f"{'optimizer':48s} {'dtype':9s} {'B/param':>7s} {'floor ms':>8s} {'step ms':>22s} {'GPU ms':>8s} "
-        f"{'host ms':>7s} {'x floor':>7s} {'vs torch':>20s}"
-    )
-    for r in rows:
-        gpu = r["gpu_ms_spread"]["median"] if r["gpu_ms_spread"] else float("nan")
-        print(
-            f"{r['name'][:48]:48s} {r['dtype']:9s} {r['state_bytes_per_param']:7.3f} {r['floor_ms']:8.2f} "
-            f"{fmt_spread(r['step_ms_spread'], '.2f'):>22s} {gpu:8.2f} {r['host_ms_spread']['median']:7.2f} "
-            f"{r['pipelined_ms'] / r['floor_ms']:7.2f} {fmt_spread(r['vs_torch'], '.3f'):>20s}"
-        )
-
-
-def _device_name(device: str) -> str:
-    return torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor() or "cpu"
-
-
-def write_results(out: str, bw: float, rows: list, device: str, **meta) -> None:
-    """JSON with the machine, date and copy bandwidth beside the rows."""
+def write_results(out: str, bw: float, rows: list, device: str, show: bool = True, **meta) -> None:
+    """JSON with the machine, date and copy bandwidth beside the rows; `show`: print the table
+    docs/benchmarks.md makes of it (its section is named after the script, `out`'s stem aside)."""
     meta = result_meta(device=device) | dict(copy_bandwidth_Bps=bw, host=platform.node(), **meta)
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    if show:
+        import report
+
+        section = report.section_whole_state_step if "expand" in meta else report.section_optimizer_step
+        print(section(dict(meta=meta, rows=[r for r in rows if "floor_ms" in r]), Path(out)))
     print(f"wrote {out}")
 
 

@@ -1,17 +1,11 @@
 """python benchmarks/optimizers_cpu_train.py
 
-A short CPU training comparison of CompressedSGD, CompressedLion and CompressedMuon (default formats:
-FP8 E4M3 with range expansion) against their references (torch.optim.SGD, the float32 Lion of
-tests/optim/test_sgd_lion_muon.py, torch.optim.Muon), on a tiny byte-level GPT (benchmarks/models.py)
-trained on the Python standard library's sources (benchmarks/corpus_python.py: random windows,
-held-out files for validation). Muon steps the blocks' 2-D weights; torch AdamW steps the rest in
-both of its runs (the usual split), so only the momentum's compression differs. Each variant runs
---seeds seeds (model init and batches); the same seed gives both sides the same start and data.
-
-Reports state bytes per parameter of the optimizer being compared, the mean final validation loss
-(nats/byte) per variant, the reference's seed spread (max - min) and the compressed-minus-reference
-difference with a 95% interval over the paired seeds. Prints a table and writes
-benchmarks/results/optimizers_cpu_train.json.
+CompressedSGD, CompressedLion and CompressedMuon (default formats) against their references
+(torch.optim.SGD, the float32 Lion of tests/optim/test_sgd_lion_muon.py, torch.optim.Muon) on a
+tiny byte-level GPT (coatstate.models) trained on the standard library's sources (corpus_python.py).
+Muon steps the blocks' 2-D weights, torch AdamW the rest in both runs. --seeds seeds a variant,
+each seed the same init and batches on both sides. Reports state bytes per parameter, the mean final
+validation loss, the reference's seed spread and the paired difference with its 95% interval.
 
     python benchmarks/optimizers_cpu_train.py --steps 5 --seeds 1 --out /tmp/o.json   # smoke run
 """
@@ -20,28 +14,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+from common import result_meta
+from corpus_python import joined_files, load_corpus, validation_tokens, window_batch
+from report_common import interval, optimizers_cpu_train_table
 
 import coatstate
+from coatstate.models import GPT, ModelConfig
 from coatstate.optim import optimizer_state_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT))
-from common import result_meta  # noqa: E402
-from corpus_python import joined_files, load_corpus, validation_tokens, window_batch  # noqa: E402
-from models import GPT, ModelConfig  # noqa: E402
-from report_cpu import optimizers_cpu_train_table  # noqa: E402
+sys.path.insert(0, str(ROOT))  # the reference Lion lives with its tests
 from tests.optim.test_sgd_lion_muon import Lion  # noqa: E402
-
-T_975 = {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776, 6: 2.571, 7: 2.447, 8: 2.365, 9: 2.306, 10: 2.262}
-"""Student's t quantile (two-sided 95%) by sample size"""
 
 
 def _hidden(model: GPT) -> list[torch.nn.Parameter]:
@@ -111,21 +100,19 @@ def summarize(runs: list[dict]) -> list[dict]:
         ref = sorted((r for r in runs if r["kind"] == kind and not r["compressed"]), key=lambda r: r["seed"])
         ours = sorted((r for r in runs if r["kind"] == kind and r["compressed"]), key=lambda r: r["seed"])
         diffs = [b["val_loss"] - a["val_loss"] for a, b in zip(ref, ours, strict=True)]
-        n = len(diffs)
-        half = T_975.get(n, 1.96) * statistics.stdev(diffs) / math.sqrt(n) if n > 1 else float("nan")
         spread = max(r["val_loss"] for r in ref) - min(r["val_loss"] for r in ref)
         mean_diff = statistics.mean(diffs)
         rows.append(
             {
                 "optimizer": kind,
-                "seeds": n,
+                "seeds": len(diffs),
                 "ref_bytes_per_param": ref[0]["state_bytes_per_param"],
                 "ours_bytes_per_param": ours[0]["state_bytes_per_param"],
                 "ref_val_loss": statistics.mean(r["val_loss"] for r in ref),
                 "ours_val_loss": statistics.mean(r["val_loss"] for r in ours),
                 "ref_seed_spread": spread,
                 "diff": mean_diff,
-                "diff_ci95": [mean_diff - half, mean_diff + half],
+                "diff_ci95": list(interval(diffs) or (float("nan"),) * 2),  # 95% t interval of the mean
                 "within_spread": abs(mean_diff) <= spread,
             }
         )
@@ -160,7 +147,8 @@ def main() -> None:
                       f"({r['seconds']:.1f} s)", file=sys.stderr)  # fmt: skip
     rows = summarize(runs)
     print("\n".join(optimizers_cpu_train_table(rows)))
-    out = {"meta": {**result_meta(args), "threads": torch.get_num_threads()}, "corpus": corpus["stats"], "summary": rows, "runs": runs}
+    meta = {**result_meta(args), "threads": torch.get_num_threads()}
+    out = {"meta": meta, "corpus": corpus["stats"], "summary": rows, "runs": runs}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
 

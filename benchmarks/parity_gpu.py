@@ -5,37 +5,23 @@ Training parity on a GPU, for a skeptic: a 100M-parameter byte-level GPT trained
   adamw          torch.optim.AdamW(fused=True), fp32 parameters: the reference and the noise floor
   compressed     coatstate.CompressedAdamW with the library's defaults
   compressed_ca  + coatstate.CompiledActivations (FP8 saved activations inside the compiled blocks)
-  full           + FP8Linear GEMMs (coatstate.convert_to_fp8, lm_head excluded)
+  full           + FP8Linear GEMMs (coatstate.convert_to_fp8, the head excluded)
   master24       a bfloat16 model (coatstate.cast_model) with the defaults: master_bits=24
-  diagnostics    one deviation each: compressed_plain / compressed_expand (range expansion off / on
-                 for both moments), compressed_m_expand / compressed_v_expand (on for one moment),
-                 master16, compressed_off (compress=False: torch's arithmetic in our step)
-  4-bit moments  fp4 (exp_avg_format="e2m1", exp_avg_sq_format="ue3m1_sqrt"), fp4_v (FP8 m, 4-bit
-                 v): options of issue #33, judged here before any becomes a default
-Model: 14 pre-norm GPT-2 blocks of width 768 (12 heads of 64, 4x GELU-tanh MLP, causal SDPA),
-rotary positions, untied head, seq 1024: 99.6M parameters. (--positions learned: GPT-2's learned
-absolute positions, 100.4M, the design of results/parity_gpu_learned.json: its seeds spread 1.43%,
-each ranked as its loss at step 500, where the model leaves an early plateau that rotary positions
-mostly remove.) bf16 autocast; every block torch.compile'd in every variant, so compiling is not
-what differs. AdamW betas (0.9, 0.95), weight decay 0.1 on 2-D weights, grad clip 1.0 (global
-norm), linear warmup then cosine to 10%.
-Data (corpus_python.py): every .py file of this Python's stdlib and packages, bytes as tokens;
-files with sha1(path) % 100 < 1 are held out and never trained on. Each batch row is a random
-window of the training files, its offset drawn from (seed, step): the seed draws the initial
-weights and the batches, and every variant at seed s sees adamw:s's exact batches (the pairing).
-Recorded per run: train loss and grad norm every step, validation loss (the same held-out
-batches for every run: --val-tokens of them every --val-every steps, all of them at the end),
-tokens/s (median of 20-step windows after warm-up), peak memory, optimizer-state bytes; AdamW
-runs also what each FP8 format loses of their final moments (state_reconstruction.py). A run
-cut by --budget-s is checkpointed under --ckpt-dir and continued exactly by the next invocation;
-each invocation merges into --out (default benchmarks/results/parity_gpu.json), skips finished
-runs, then prints the seed table (mean, std, paired difference to adamw with its 95% interval)
-and draws --png. Runs on one GPU go one after another: three at once on one H200
-(CUDA_VISIBLE_DEVICES=0,0,0 --gpus 3) took 405 s together against about 103 s each alone (learned
-positions; rotary runs take about 150 s alone: benchmarks/experiments/parity_step_profile.py found 18 ms of
-the 81 ms step in the rotation's per-element cos and sin; tables made once took 16 ms off, but
-changed the compiled block's bits, so the rotation stays as it is and the runs one design), and
-such runs keep their losses but not their tokens/s (`gpu_shared_by`).
+  diagnostics    one deviation each (parity_variants.py): range expansion off / on for one or both
+                 moments, master16, compress=False (torch's arithmetic in our step)
+  4-bit moments  fp4 (e2m1 m, ue3m1_sqrt v), fp4_v (FP8 m, 4-bit v): options of issue #33
+Model: coatstate.models.GPT with GPT-2's init, untied head, 14 blocks of width 768, seq 1024,
+rotary positions (--positions learned: results/parity_gpu_learned.json's design). bf16 autocast;
+every block torch.compile'd in every variant. AdamW betas (0.9, 0.95), weight decay 0.1 on 2-D
+weights, grad clip 1.0, linear warmup then cosine to 10%.
+Data (corpus_python.py): the .py files of this Python's stdlib and packages, bytes as tokens, 1%
+of the files held out; each batch row a random window whose offset comes from (seed, step), so
+every variant at seed s sees adamw:s's batches (the pairing). Recorded per run: train loss and
+grad norm every step, validation loss, tokens/s, peak memory, optimizer-state bytes; AdamW runs
+also what each FP8 format loses of their final moments (state_reconstruction.py). A run cut by
+--budget-s is checkpointed under --ckpt-dir and continued exactly by the next invocation; each
+invocation merges into --out, skips finished runs, prints the seed table and draws --png. Runs
+sharing a GPU keep their losses but not their tokens/s (`gpu_shared_by`).
 
     python benchmarks/parity_gpu.py --smoke    # CPU, ~1 min: tiny runs, windows and resume checked
 """
@@ -45,6 +31,7 @@ from __future__ import annotations
 import argparse
 import collections
 import ctypes
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -61,19 +48,17 @@ from pathlib import Path
 T0 = time.monotonic()  # --budget-s counts from here (torch's import included)
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
+from common import result_meta  # noqa: E402
+from corpus_python import joined_files, load_corpus, validation_tokens, window_batch  # noqa: E402
+from parity_variants import BF16_MODEL, OPTIMIZER_OPTIONS, OPTION_KEYS, RECIPES, VARIANTS  # noqa: E402
+from report_common import plot_parity  # noqa: E402
+from state_reconstruction import state_reconstruction  # noqa: E402
 
 import coatstate  # noqa: E402
+from coatstate.models import GPT, ModelConfig  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 CUDA = torch.cuda.is_available()
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import result_meta  # noqa: E402
-from corpus_python import joined_files, load_corpus, validation_tokens, window_batch  # noqa: E402
-from parity_variants import BF16_MODEL, OPTIMIZER_OPTIONS, OPTION_KEYS, RECIPES, RETIRED, VARIANTS  # noqa: E402
-from report_common import plot_parity, print_report  # noqa: E402
-from state_reconstruction import state_reconstruction  # noqa: E402
 
 FINAL_VAL = "every held-out file"
 """The final validation point reads all held-out tokens (whole batches); the curve's points the
@@ -161,68 +146,20 @@ def left_s(args) -> float:
 
 
 # -- model ---------------------------------------------------------------------------------------
-def rotate(x: torch.Tensor, seq_dim: int = -2) -> torch.Tensor:
-    """Rotary position embedding of queries or keys, in fp32: head_dim last, seq at `seq_dim`
-    ((batch, heads, seq, head_dim) by default; -3 for (batch, seq, heads, head_dim))."""
-    s, half = x.shape[seq_dim], x.shape[-1] // 2
-    freq = 10000.0 ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
-    angle = torch.arange(s, device=x.device, dtype=torch.float32).view(s, *[1] * (-seq_dim - 1)) * freq
-    cos, sin, xf = angle.cos(), angle.sin(), x.float()
-    a, b = xf[..., :half], xf[..., half:]
-    return torch.cat((a * cos - b * sin, a * sin + b * cos), -1).to(x.dtype)
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int, heads: int, rope: bool = False) -> None:
-        super().__init__()
-        self.heads, self.rope = heads, rope
-        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
-        self.fc, self.fc_proj = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, d = x.shape
-        q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2) for t in self.qkv(self.ln1(x)).split(d, 2))
-        if self.rope:
-            q, k = rotate(q), rotate(k)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, s, d))
-        return x + self.fc_proj(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
-
-
-class GPT(nn.Module):
-    def __init__(self, layers: int, dim: int, heads: int, seq: int, positions: str = "learned") -> None:
-        super().__init__()
-        self.wte = nn.Embedding(256, dim)
-        self.wpe = nn.Embedding(seq, dim) if positions == "learned" else None
-        self.blocks = nn.ModuleList(Block(dim, heads, rope=positions == "rope") for _ in range(layers))
-        self.ln_f = nn.LayerNorm(dim)
-        self.lm_head = nn.Linear(dim, 256, bias=False)
-        for name, p in self.named_parameters():  # GPT-2's init: residual outputs scaled by depth
-            if p.dim() == 2:
-                std = 0.02 / math.sqrt(2 * layers) if name.endswith("proj.weight") else 0.02
-                nn.init.normal_(p, std=std)
-            elif name.endswith("bias"):
-                nn.init.zeros_(p)
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor, eager: bool = False) -> torch.Tensor:
-        x = self.wte(idx)
-        if self.wpe is not None:
-            x = x + self.wpe(torch.arange(idx.shape[1], device=idx.device))
-        for block in self.blocks:  # eager: around compile (validation: no inference graphs to build)
-            x = block.forward(x) if eager else block(x)
-        logits = self.lm_head(self.ln_f(x))
-        return F.cross_entropy(logits.float().view(-1, 256), targets.reshape(-1))
+def gpt(args) -> GPT:
+    """GPT-2 (GPT-2's init, untied head) over bytes, with --positions."""
+    cfg = ModelConfig(vocab=256, layers=args.layers, dim=args.dim, heads=args.heads, seq=args.seq)
+    return GPT(dataclasses.replace(cfg, positions=args.positions, tied=False, gpt2_init=True))
 
 
 def build(variant: str, seed: int, args, device: torch.device):
     """(model, optimizer, CompiledActivations or None, compiled?) for a variant, seeded."""
     opt_kind, with_ca, with_fp8 = VARIANTS[variant]
     torch.manual_seed(seed)
-    model = GPT(args.layers, args.dim, args.heads, args.seq, args.positions).to(device)
+    model = gpt(args).to(device)
     if with_fp8:
         # every width: the recipe is here to measure FP8's accuracy, and 768 is below the default
-        coatstate.convert_to_fp8(model, filter_fn=lambda m, name: name != "lm_head", min_features=None)
+        coatstate.convert_to_fp8(model, filter_fn=lambda m, name: name != "head", min_features=None)
     if opt_kind in BF16_MODEL:
         coatstate.cast_model(model)  # bfloat16 weights; the master lives in the optimizer
     ps = list(model.parameters())  # weight decay on matrices (and embeddings), not on norms and biases
@@ -302,10 +239,10 @@ def evaluate(model, val: torch.Tensor, args, autocast) -> float:
     n, batches = args.batch * args.seq, (len(val) - 1) // (args.batch * args.seq)
     model.eval()
     total = torch.zeros((), device=val.device)
-    for k in range(batches):
+    for k in range(batches):  # eager around compile: no inference graphs to build
         chunk = val[k * n : (k + 1) * n + 1].long()
-        with autocast():
-            total += model(chunk[:-1].view(args.batch, -1), chunk[1:].view(args.batch, -1), eager=True)
+        with autocast(), torch.compiler.set_stance("force_eager"):
+            total += model(chunk[:-1].view(args.batch, -1), chunk[1:].view(args.batch, -1))
     model.train()
     return total.item() / batches
 
@@ -456,7 +393,7 @@ def merge(args, header: dict, key: str | None = None, record: dict | None = None
 
 def make_header(args, corpus: dict, val: torch.Tensor) -> dict:
     with torch.device("meta"):
-        model = GPT(args.layers, args.dim, args.heads, args.seq, args.positions)
+        model = gpt(args)
     meta = result_meta(argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "runs"}))
     shape = dict(layers=args.layers, dim=args.dim, heads=args.heads, seq=args.seq, vocab=256, mlp=4)
     shape |= dict(params=sum(p.numel() for p in model.parameters()), positions=args.positions, head="untied")
@@ -510,9 +447,13 @@ def launch(args, argv) -> int:
 
 # -- report ----------------------------------------------------------------------------------------
 def report(args) -> None:
-    """The seed table and the expansion measure (report_common.print_report), then the PNG."""
+    """The seed table and the expansion measure as docs/benchmarks.md shows them, then the PNG."""
+    from report import parity_text
+
     data = read_results(args.out)
-    print_report(data, [*VARIANTS, *RETIRED])
+    print(parity_text(data, Path(args.out)))
+    if partial := [k for k, r in data["runs"].items() if r["status"] != "done"]:
+        print(f"unfinished (not in the table): {', '.join(partial)}")
     if args.png:
         try:
             plot_parity(data, Path(args.png))

@@ -50,7 +50,4 @@ OPTION_KEYS = {
     "min_numel",
     "master_bits",
 }  # recorded per run, as the optimizer resolved them
-RETIRED = ("fp4_nearest", "fp4_v_nearest")  # their code changed after they ran: reported, never run
-"""until 2026-12-02 the step rounded a ue3m1_sqrt second moment to the nearest level; it rounds
-stochastically since (formats/fp4.py): the fp4 / fp4_v runs of before were renamed to these"""
 BF16_MODEL = {"master", "master16"}  # optimizer kinds that train a coatstate.cast_model'd model

@@ -1,15 +1,12 @@
 """What benchmarks/report.py and the scripts share for reporting: where results and docs live,
-the provenance of a result (machine_meta writes it, provenance reads it), number and table
-formatting, figure helpers, and the seed statistics and loss-curve figure of parity_gpu.py's
-results (parity_gpu.py prints and plots with them too, so the script and the report agree).
+the provenance of a result (common.result_meta writes its header, provenance reads it), number
+and table formatting, the seed statistics and loss-curve figure of parity_gpu.py's results, and
+the tables a script prints as the report renders them (parity_gpu.py, optimizers_cpu_train.py).
 """
 
 from __future__ import annotations
 
-import datetime
 import math
-import os
-import platform
 import re
 import statistics
 import subprocess
@@ -19,39 +16,6 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 DOCS = ROOT / "docs"
 IMG = DOCS / "img"
-
-
-def machine_meta(device: str = "cpu") -> dict:
-    """Date (UTC), machine, software versions and the load when a benchmark started."""
-    import torch
-
-    if device.startswith("cuda") and torch.cuda.is_available():
-        machine = torch.cuda.get_device_name()
-    else:
-        model = next(
-            (
-                line.split(":", 1)[1].strip()
-                for line in _read_lines("/proc/cpuinfo")
-                if line.startswith("model name")
-            ),
-            platform.processor() or platform.machine(),
-        )
-        machine = f"{model}, {os.cpu_count()} CPU cores"
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": machine,
-        "device": device,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "load_average_1min": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
-    }
-
-
-def _read_lines(path: str) -> list[str]:
-    try:
-        return Path(path).read_text().splitlines()
-    except OSError:
-        return []
 
 
 def provenance(data: dict, path: Path) -> tuple[str, str]:
@@ -101,51 +65,12 @@ def fmt_spread(s: dict | None, spec: str = ".2f", suffix: str = "") -> str:
     return "-" if not s else f"{s['median']:{spec}}{suffix} [{s['min']:{spec}}-{s['max']:{spec}}]"
 
 
-def _f(value, spec: str = ".2f", missing: str = "-") -> str:
+def fmt_num(value, spec: str = ".2f", missing: str = "-") -> str:
     """A number formatted by spec, or `missing` where an older JSON lacks the field."""
     return missing if value is None else format(value, spec)
 
 
-def _figure(name: str, title: str, date: str, machine: str, nrows: int = 1):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(nrows, 1, figsize=(8, 4.5 if nrows == 1 else 6.5), sharex=True, squeeze=True)
-    fig.suptitle(title, fontsize=11)
-    fig.text(0.99, 0.01, f"{machine} · {date}", ha="right", va="bottom", fontsize=7, color="0.35")
-    return fig, ax, IMG / f"{name}.png"
-
-
-def _save(fig, path: Path) -> str:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
-    fig.savefig(path, dpi=110, bbox_inches="tight")  # long bar labels stay whole
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
-    return f"![{path.stem}](img/{path.name})"
-
-
-def _running_mean(xs: list[float], window: int = 20) -> list[float]:
-    return [
-        sum(xs[max(0, i - window + 1) : i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(xs))
-    ]
-
-
-def plot_loss_curves(ax, runs: dict[str, list[float]], labels: dict[str, str]) -> None:
-    """Loss per step of each run (light) and its 20-step running mean, labelled."""
-    for name, losses in runs.items():
-        line = ax.plot(losses, alpha=0.25, linewidth=0.8)[0]
-        ax.plot(_running_mean(losses), color=line.get_color(), linewidth=1.6, label=labels[name])
-    ax.set_ylabel("cross-entropy (nats/byte)")
-    ax.legend(fontsize=8)
-    first = next(iter(runs.values()))[0]
-    ax.set_ylim(top=min(ax.get_ylim()[1], first * 1.05))
-
-
-def _md_table(header: list[str], rows: list[list]) -> str:
+def md_table(header: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
         line = "| " + " | ".join(str(c) for c in r) + " |"
@@ -203,7 +128,7 @@ def variant_summary(data: dict, variant: str) -> dict | None:
     # instability shows in the clipped gradient's norm: its largest value after the first fifth of
     # the run (past warm-up and the early fall), per seed
     late_max = [max(r["grad_norm"][len(r["grad_norm"]) // 5 :]) for r in runs.values() if r.get("grad_norm")]
-    out = {
+    return {
         "variant": variant,
         "grad_norm_late_max": max(late_max) if late_max else None,
         "seeds": sorted(runs),
@@ -221,7 +146,6 @@ def variant_summary(data: dict, variant: str) -> dict | None:
         "peak_gib": max(r["peak_gib"] for r in runs.values()),
         "opt_state_mb": max(r.get("opt_state_bytes", 0) for r in runs.values()) / 1e6,
     }
-    return out
 
 
 NOISIER = 2.0
@@ -268,10 +192,6 @@ def fmt_ci(ci: tuple[float, float] | None) -> str:
     return "-" if ci is None else f"[{ci[0]:+.2f}, {ci[1]:+.2f}]"
 
 
-COLUMNS = (
-    "variant|seeds|val loss mean|std|vs adamw mean %|95% CI (Welch)|paired % (mean)|paired 95% CI|tokens/s"
-    "|peak GiB|opt MB"
-)
 UPDATE_PAIRS = ("plain/plain", "expand/expand", "plain/expand", "expand/plain")
 
 
@@ -286,42 +206,6 @@ def reconstruction_rows(data: dict) -> tuple[list[str], list[tuple[int, list[flo
             vals = [mo["m"]["plain"], mo["m"]["expand"], mo["v"]["plain"], mo["v"]["expand"]]
             rows.append((seed, vals + [up[k]["rel_sq_err"] for k in UPDATE_PAIRS]))
     return heads, rows
-
-
-def print_report(data: dict, order: list[str]) -> None:
-    """The seed table (one row per variant) and, from AdamW's final moments, the relative squared
-    error of each moment format and of the update m / (sqrt(v) + eps) under each format pair."""
-    m, c = data["model"], data["corpus"]
-    print(f"\n{m['params'] / 1e6:.1f}M params, {c['total_bytes'] / 2**20:.0f} MiB corpus, batches of "
-          f"{data['config']['sampling']}, final validation loss in nats/byte")  # fmt: skip
-    rows = summaries(data, order)
-    ref = next((r for r in rows if r["variant"] == "adamw"), None)
-    if ref and ref["std"] is not None:
-        spread = f"std {ref['std']:.4f}, spread (max - min) / mean {ref['spread_pct']:.2f}%"
-        print(f"noise floor: adamw at seeds {ref['seeds']}: {spread}")
-    if noise := pooled_noise(data, order):
-        pooled = f"pooled over {noise['runs']} runs ({noise['dof']} dof): {noise['std_pct']:.2f}% of the loss"
-        if noise["excluded"]:
-            pooled += f" (left out, over {NOISIER:g}x AdamW's std: {', '.join(noise['excluded'])})"
-        print(f"one run's std, {pooled}; 3 seeds a side resolve +-{noise['resolvable_3_seeds_pct']:.2f}%")
-    table = [[r["variant"], ",".join(map(str, r["seeds"])), f"{r['mean']:.4f}",
-              "-" if r["std"] is None else f"{r['std']:.4f}", fmt_pct(r["vs_adamw_mean_pct"]),
-              fmt_ci(r["welch_ci_pct"]), fmt_pct(r["paired_mean_pct"]), fmt_ci(r["paired_ci_pct"]),
-              f"{r['tokens_per_s']:.0f}" if r["tokens_per_s"] else "-", f"{r['peak_gib']:.1f}",
-              f"{r['opt_state_mb']:.1f}"] for r in rows]  # fmt: skip
-    cols = COLUMNS.split("|")
-    width = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(cols)]
-    for row in [cols, *table]:
-        print("  ".join(f"{x:>{w}}" for x, w in zip(row, width, strict=True)))
-    if partial := [k for k, r in data["runs"].items() if r["status"] != "done"]:
-        print(f"unfinished (not in the table): {', '.join(partial)}")
-    heads, recon = reconstruction_rows(data)
-    if recon:
-        print("\nE4M3 groups of 128 on AdamW's final moments: relative squared error")
-        print("(update m/v: the update m / (sqrt(v) + eps) with m and v in those formats)")
-        print("seed  " + "  ".join(f"{h:<20}" for h in heads))
-        for seed, vals in recon:
-            print(f"{seed:>4}  " + "  ".join(f"{x:<20.3e}" for x in vals))
 
 
 # ------------------------------------------------------------------ parity_gpu.py's loss curves
@@ -381,3 +265,25 @@ def plot_parity(data: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
+
+
+# ------------------------------------------------ optimizers_cpu_train.py's table
+OPTIMIZER_NAMES = {"sgd": "SGD (nesterov)", "lion": "Lion", "muon": "Muon (hidden 2-D weights)"}
+
+
+def optimizers_cpu_train_table(rows: list[dict]) -> list[str]:
+    """The table of benchmarks/optimizers_cpu_train.py's summary rows (the script prints it too)."""
+    out = [
+        "| optimizer | state B/param (reference -> compressed) | reference val loss | compressed val loss "
+        "| reference seed spread | compressed - reference [95% CI] | within spread |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lo, hi = r["diff_ci95"]
+        out.append(
+            f"| {OPTIMIZER_NAMES[r['optimizer']]} | {r['ref_bytes_per_param']:.2f} -> "
+            f"{r['ours_bytes_per_param']:.3f} | {r['ref_val_loss']:.4f} | {r['ours_val_loss']:.4f} "
+            f"| {r['ref_seed_spread']:.4f} | {r['diff']:+.4f} [{lo:+.4f}, {hi:+.4f}] "
+            f"| {'yes' if r['within_spread'] else 'no'} |"
+        )
+    return out

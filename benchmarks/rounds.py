@@ -1,25 +1,18 @@
 """Step times that hold on a noisy, shared host: interleaved rounds, paired ratios, GPU busy time.
 
-Used by activation_memory.py and fp8_linear_train.py. A one-shot ratio of two step times measured
-minutes apart says as much about the host's neighbours as about the code, so:
-
-- every variant is warmed up once (compilation, CUDA-graph recording), then R rounds run every
-  variant for `steps` timed steps each, the order rotated by one per round (round r starts with
-  variant r mod V), so load that drifts over minutes hits every variant alike;
-- per variant the round value is the median of its steps; the summary is the median over rounds
-  and the spread is min-max over rounds (not an IQR: with 5 rounds the extremes are the data);
+A one-shot ratio of two step times measured minutes apart says as much about the host's
+neighbours as about the code, so:
+- every variant is warmed up once (compilation, CUDA-graph recording), then each round runs every
+  variant for `steps` timed steps, the order rotated by one per round;
+- a variant's round value is the median of its steps; its summary the median over rounds with the
+  min-max spread (with 5 rounds the extremes are the data);
 - a ratio of two variants is paired: the ratio within each round, then the median and min-max of
-  those per-round ratios (a slow round slows both sides of its ratio);
-- beside the wall time of a step (host clock, synchronized at its end) each step is bracketed by
-  CUDA events (GPU timeline, idle gaps included), and one extra step per variant per round runs
-  under torch.profiler, whose kernel intervals (merged, so overlapping streams count once) give
-  the GPU's busy time. busy = kernel time / wall time below HOST_BOUND marks a host-bound step:
-  its wall time is set by Python and the launch path, not by the kernels.
-
-Activation memory is read during warm-up (the steps after the first, which may compile): peak
-allocated minus allocated before the step. That is also where CUDA graphs allocate (cudagraph
-trees record through the caching allocator); their replays allocate nothing, so a peak read
-during timed replays would miss the graphs' memory pool.
+  those per-round ratios;
+- one extra step per variant per round runs under torch.profiler, whose kernel intervals (merged:
+  overlapping streams count once) give the GPU's busy time; busy / wall below HOST_BOUND marks a
+  host-bound step.
+Activation memory is read during warm-up (peak allocated minus allocated before the step): CUDA
+graphs allocate while recording, and their replays allocate nothing.
 """
 
 from __future__ import annotations
@@ -218,13 +211,6 @@ def paired(result: dict, name: str, base: str, key: str = "round_wall_ms") -> di
     a, b = result[name][key], result[base][key]
     ratios = [x / y for x, y in zip(a, b, strict=False) if x is not None and y]
     return spread(ratios)
-
-
-def fmt_spread(s: dict | None, spec: str = ".1f") -> str:
-    """'median [min-max]' or '-'."""
-    if s is None:
-        return "-"
-    return f"{s['median']:{spec}} [{s['min']:{spec}}-{s['max']:{spec}}]"
 
 
 def inductor_options(text: str) -> dict:

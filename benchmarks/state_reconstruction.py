@@ -1,16 +1,11 @@
 """What a moment format loses of real Adam moments (COAT's Table 1 measure, on our states).
 
-reconstruction(opt, m_codecs, v_codecs) takes a torch.optim.AdamW after training (its exact
-float32 moments), encodes every moment CompressedAdamW would compress (matrices of at least
-MIN_NUMEL elements) with each codec, decodes it and compares:
-
-  m, v     relative squared error  sum((x' - x)^2) / sum(x^2), per moment and codec
-  update   m / (sqrt(v) + eps) with each (m codec, v codec) pair: mean squared error (the
-           paper's Table 1 measure) and relative squared error against the exact update
-
-state_reconstruction(opt) is the FP8 case, E4M3 groups of 128 plain and expanded: parity_gpu.py
-records it at the end of each AdamW run, so the formats are judged on the states of the very
-runs whose losses its table reports. experiments/fp4_reconstruction.py measures the 4-bit candidates.
+reconstruction(opt, m_codecs, v_codecs) encodes each float32 moment of a trained
+torch.optim.AdamW that CompressedAdamW would compress (matrices of at least MIN_NUMEL elements)
+with each codec and decodes it: per moment the relative squared error, and for the update
+m / (sqrt(v) + eps) under each (m, v) codec pair its mean and relative squared errors.
+state_reconstruction(opt) is the FP8 case (E4M3 groups of 128, plain and expanded) that
+parity_gpu.py records at the end of each AdamW run.
 """
 
 from __future__ import annotations

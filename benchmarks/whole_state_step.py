@@ -1,109 +1,72 @@
 """python benchmarks/whole_state_step.py          (CUDA; `--scale 0.02` for a quick run)
 
-The whole training state per parameter (weights + master correction + gradients + optimizer
-moments) and the optimizer step time, on the 1.31B GPT-shaped parameter set of
-benchmarks/optimizer_step.py, for bfloat16 models with compact master weights against the peers:
-  torch AdamW fused, float32 params          the reference (16 B/param)
-  torch AdamW fused, bfloat16 params         no master: updates round to bfloat16
-  FlashOptim FlashAdamW, master 24 / 32      bfloat16 weights + int8 / int16 error correction
-  optimi AdamW, kahan_sum=True               bfloat16 weights + a bfloat16 Kahan compensation
-  coatstate CompressedAdamW, float32 params  FP8 moments
-  coatstate CompressedAdamW, bfloat16, master_bits 32 / 24 / 16
-  coatstate CompressedAdamW, bfloat16, master_bits 24, 4-bit moments (e2m1 m, ue3m1_sqrt v)
-  coatstate CompressedAdamW, bfloat16, master_bits 24, FP8 m + 4-bit v (ue3m1_sqrt)
-  torchao AdamW4bit, bfloat16 params        4-bit moments, no master (skipped with a note when
-                                            torchao does not import)
-Each variant builds its parameters and gradients (random, never zero), runs warm-up steps, then
-the variants are timed in interleaved rounds (--rounds): per round and variant, --steps steps
-back to back between two CUDA events (the GPU's time per step, as in a training loop). Reported:
-the median over rounds with the min-max spread, the bytes a step must move and that floor at the
-copy bandwidth measured in the same run, the first step's time (compilation), and bytes per
-parameter split into weights, correction, gradients and moments. With gradient release the
-gradients column would be one parameter's at a time: the "release" total drops it. Writes JSON.
+The whole training state per parameter (weights + master correction + gradients + moments) and the
+step time, on optimizer_step.py's 1.31B GPT-shaped parameter set, for bfloat16 models with compact
+master weights against the peers: torch AdamW fused (fp32 params: the reference; bf16 params: no
+master), FlashOptim FlashAdamW (master 24 / 32), optimi AdamW (Kahan summation), torchao AdamW4bit
+(no master), and coatstate CompressedAdamW (fp32 params; bf16 with master_bits 32 / 24 / 16; 24 with
+4-bit moments or FP8 m + 4-bit v). Peers that do not import are skipped with a note. The variants
+are timed in interleaved rounds of --steps back-to-back steps between CUDA events: median over
+rounds with the min-max spread, the floor at the copy bandwidth measured in the same run, the first
+step's time, and the bytes per parameter by kind ("release": without the gradients, as with
+gradient release). Prints docs/benchmarks.md's table and writes JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import os
 import statistics
-import sys
+from functools import partial
 
 import torch
+from coatstate.formats.defaults import EXPAND
+from coatstate.formats.optimizer_state import MASTER_CORRECTION
+from common import gpt_shapes
+from optimizer_step import build_optimizer, copy_bandwidth, expand_configs, write_results
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from coatstate.formats.defaults import EXPAND  # noqa: E402
-from coatstate.formats.optimizer_state import MASTER_CORRECTION  # noqa: E402
-from common import gpt_shapes  # noqa: E402
-from optimizer_step import build_optimizer, copy_bandwidth, expand_configs, write_results  # noqa: E402
-
-import coatstate  # noqa: E402
+import coatstate
 
 
 def variants(which: set[str]) -> dict:
-    """name -> (parameter dtype, optimizer factory)."""
-    out = {}
+    """name -> (parameter dtype, optimizer factory); a peer that does not import is named, not fatal."""
+    f32, bf16, out = torch.float32, torch.bfloat16, {}
     if "torch" in which:
-        out["torch AdamW fused, fp32 params"] = (
-            torch.float32,
-            lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
-        )
-        out["torch AdamW fused, bf16 params (no master)"] = (
-            torch.bfloat16,
-            lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
-        )
+        adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True)  # noqa: E731
+        out["torch AdamW fused, fp32 params"] = (f32, adamw)
+        out["torch AdamW fused, bf16 params (no master)"] = (bf16, adamw)
     if "flashoptim" in which:
         try:
             from flashoptim import FlashAdamW
 
             for bits in (24, 32):
-                out[f"FlashOptim FlashAdamW, bf16, master {bits}"] = (
-                    torch.bfloat16,
-                    lambda ps, b=bits: FlashAdamW(ps, lr=1e-3, master_weight_bits=b),
-                )
-        except Exception as e:  # noqa: BLE001 - a missing peer is reported, not fatal
+                flash = lambda ps, b=bits: FlashAdamW(ps, lr=1e-3, master_weight_bits=b)  # noqa: E731
+                out[f"FlashOptim FlashAdamW, bf16, master {bits}"] = (bf16, flash)
+        except Exception as e:  # noqa: BLE001
             print(f"flashoptim unavailable: {type(e).__name__}: {e}")
     if "optimi" in which:
         try:
             from optimi import AdamW as OptimiAdamW
 
-            out["optimi AdamW, bf16, kahan_sum"] = (
-                torch.bfloat16,
-                lambda ps: OptimiAdamW(ps, lr=1e-3, kahan_sum=True),
-            )
+            out["optimi AdamW, bf16, kahan_sum"] = (bf16, lambda ps: OptimiAdamW(ps, lr=1e-3, kahan_sum=True))
         except Exception as e:  # noqa: BLE001
             print(f"optimi unavailable: {type(e).__name__}: {e}")
     if "torchao" in which:
         try:
             from torchao.optim import AdamW4bit
 
-            out["torchao AdamW4bit, bf16 params (no master)"] = (
-                torch.bfloat16,
-                lambda ps: AdamW4bit(ps, lr=1e-3),
-            )
-        except Exception as e:  # noqa: BLE001 - a missing peer is reported, not fatal
+            out["torchao AdamW4bit, bf16 params (no master)"] = (bf16, lambda ps: AdamW4bit(ps, lr=1e-3))
+        except Exception as e:  # noqa: BLE001
             print(f"torchao unavailable (AdamW4bit row skipped): {type(e).__name__}: {e}")
     if "coat" in which:  # FP8 moments at CompressedAdamW's defaults (the JSON's meta.expand says which)
-        expand = {}
-        out["coatstate CompressedAdamW, fp32 params"] = (
-            torch.float32,
-            lambda ps: coatstate.CompressedAdamW(ps, lr=1e-3, **expand),
-        )
+        coat = lambda ps, **kw: coatstate.CompressedAdamW(ps, lr=1e-3, **kw)  # noqa: E731
+        name = "coatstate CompressedAdamW"
+        out[f"{name}, fp32 params"] = (f32, coat)
         for bits in (32, 24, 16):
-            out[f"coatstate CompressedAdamW, bf16, master_bits={bits}"] = (
-                torch.bfloat16,
-                lambda ps, b=bits: coatstate.CompressedAdamW(ps, lr=1e-3, master_bits=b, **expand),
-            )
-        four = {"exp_avg_format": "e2m1", "exp_avg_sq_format": "ue3m1_sqrt"}  # issue #33
-        out["coatstate CompressedAdamW, bf16, master_bits=24, 4-bit moments"] = (
-            torch.bfloat16,
-            lambda ps: coatstate.CompressedAdamW(ps, lr=1e-3, master_bits=24, **four),
-        )
-        out["coatstate CompressedAdamW, bf16, master_bits=24, FP8 m + 4-bit v"] = (
-            torch.bfloat16,
-            lambda ps: coatstate.CompressedAdamW(ps, lr=1e-3, master_bits=24, exp_avg_sq_format="ue3m1_sqrt"),
-        )
+            out[f"{name}, bf16, master_bits={bits}"] = (bf16, partial(coat, master_bits=bits))
+        v4 = partial(coat, master_bits=24, exp_avg_sq_format="ue3m1_sqrt")  # issue #33
+        out[f"{name}, bf16, master_bits=24, 4-bit moments"] = (bf16, partial(v4, exp_avg_format="e2m1"))
+        out[f"{name}, bf16, master_bits=24, FP8 m + 4-bit v"] = (bf16, v4)
     return out
 
 
@@ -229,29 +192,18 @@ def main() -> None:
 
 
 def report(rows: dict, bw: float, args, rounds_done: int, show: bool = True) -> None:
-    out = print if show else (lambda *a, **k: None)
-    out(f"\ncopy bandwidth {bw / 1e12:.2f} TB/s, {torch.cuda.get_device_name()}, rounds {rounds_done}")
-    head = f"{'variant':64s} {'weights':>7s} {'corr':>5s} {'grads':>5s} {'moments':>7s} {'total':>6s} "
-    out(head + f"{'release':>7s} {'floor ms':>8s} {'step ms':>8s} {'spread':>13s} {'first s':>7s}")
     for r in rows.values():
         if not r["times_ms"] or "params" not in r:
-            out(f"{r['name']:64s} failed: {r.get('error')}")
+            if show:
+                print(f"{r['name']}: failed: {r.get('error')}")
             continue
         r["step_ms"] = statistics.median(r["times_ms"])
         r["spread_ms"] = [min(r["times_ms"]), max(r["times_ms"])]
         r["floor_ms"] = r["bytes_moved"] / bw * 1e3
         r["total_B"] = r["weights_B"] + r["correction_B"] + r["grads_B"] + r["moments_B"]
         r["total_with_release_B"] = r["total_B"] - r["grads_B"]
-        out(
-            f"{r['name']:64s} {r['weights_B']:7.2f} {r['correction_B']:5.2f} {r['grads_B']:5.2f} "
-            f"{r['moments_B']:7.2f} {r['total_B']:6.2f} {r['total_with_release_B']:7.2f} "
-            f"{r['floor_ms']:8.2f} {r['step_ms']:8.2f} {r['spread_ms'][0]:6.2f}-{r['spread_ms'][1]:6.2f} "
-            f"{r['first_step_s']:7.2f}"
-        )
-    write_results(
-        args.out, bw, list(rows.values()), "cuda", scale=args.scale, steps=args.steps, rounds=rounds_done,
-        expand=EXPAND,
-    )  # fmt: skip
+    meta = dict(scale=args.scale, steps=args.steps, rounds=rounds_done, expand=EXPAND)
+    write_results(args.out, bw, list(rows.values()), "cuda", show, **meta)
 
 
 if __name__ == "__main__":

@@ -19,16 +19,13 @@ measurably. Needs the `hf` extra: pip install -e '.[hf]'.
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
+from train_gpt import stdlib_corpus  # the same corpus as the other examples (this folder is on sys.path)
 
 import coatstate
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_gpt import stdlib_corpus  # noqa: E402 - the same corpus as the other examples
 
 try:
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments

@@ -39,9 +39,7 @@ from tqdm import tqdm  # noqa: E402
 
 import coatstate  # noqa: E402
 from coatstate.activations import KEEP_ALL  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from models import GPT, ModelConfig  # noqa: E402 - the shared model definitions
+from coatstate.models import GPT, ModelConfig  # noqa: E402
 
 
 def stdlib_corpus(max_bytes: int = 8 * 2**20) -> torch.Tensor:
@@ -252,7 +250,9 @@ def main(argv=None) -> dict:
     rows = [result]
     if args.compare:  # the same run with the other optimizer: memory and speed side by side
         other = "adamw" if args.optimizer == "compressed" else "compressed"
-        rows.append(train(argparse.Namespace(**{**vars(args), "optimizer": other, "save": None, "resume": None})))
+        rows.append(
+            train(argparse.Namespace(**{**vars(args), "optimizer": other, "save": None, "resume": None}))
+        )
     print_table(rows)
     precision = "bf16 autocast" if result["autocast"] else "fp32"
     print(f"({args.device}, {precision}; {args.batch} x {args.seq} tokens per step)")

@@ -3,7 +3,7 @@ python benchmarks/experiments/activation_grad_error.py --train-steps 600 \
     --out benchmarks/experiments/results/activation_grad_error_600.json
     (about 15 minutes more: a later state)
 
-Where do FP8 saved activations cost gradient accuracy? parity_gpu.py's GPT (its classes; by default
+Where do FP8 saved activations cost gradient accuracy? parity_gpu.py's GPT (coatstate.models; by default
 4 layers x 256, 4 heads, seq 256, batch 8) is trained --train-steps with torch AdamW, bf16 autocast,
 on random windows of the stdlib's .py files; then, weights fixed, the parameter gradients of
 --batches held-out batches are compared per variant with a reference's on the same batch:
@@ -13,9 +13,9 @@ on random windows of the stdlib's .py files; then, weights fixed, the parameter 
                  one ActivationPolicy field changed, to attribute the error to a saved-tensor kind
   ca_qk, ca_vout VariantBlock "split_v" (v copied out of the qkv buffer): q, k or v and out packed
   fq, ca_fq      VariantBlock "fq": attention's forward reads FP8-decoded q, k, v, without / with CA
-  fp8linear, full, full_vs_ref   convert_to_fp8 (lm_head kept); + CA against fp8linear / against ref
+  fp8linear, full, full_vs_ref   convert_to_fp8 (head kept); + CA against fp8linear / against ref
   eager_ca       compress_activations() on eager blocks, against noise_eager
-Per parameter kind (head = ln_f + lm_head, which CA cannot change), over the kind's concatenated
+Per parameter kind (head = ln_f + head, which CA cannot change), over the kind's concatenated
 gradients: cos (mean cosine), rel (mean ||e|| / ||g_ref||, e = g - g_ref), bias (||mean_b e|| /
 mean_b ||g_ref||), coh (||mean_b e|| / rms_b ||e||: 1/sqrt(batches) for errors independent between
 batches, 1 for a systematic one), scale (mean <e, g_ref> / ||g_ref||^2: a gradient systematically
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import sys
@@ -42,12 +43,12 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]
 from coatstate.formats import activation as codec  # noqa: E402
 from common import result_meta  # noqa: E402
 from corpus_python import joined_files, load_corpus, window_batch  # noqa: E402
-from parity_gpu import GPT, Block  # noqa: E402
 
 import coatstate  # noqa: E402
+from coatstate.models import GPT, GPTBlock, ModelConfig  # noqa: E402
 
-KINDS = {"qkv": ".qkv.", "attn_out": ".proj.", "fc1": ".fc.", "fc2": ".fc_proj.", "ln": ".ln"}
-KINDS |= {"embedding": "wte wpe", "head": "ln_f lm_head"}
+KINDS = {"qkv": ".qkv.", "attn_out": ".attn.proj.", "fc1": ".mlp.0.", "fc2": ".mlp.2.", "ln": ".ln"}
+KINDS |= {"embedding": "wte wpe", "head": "ln_f .head."}
 V = dict  # a variant: ca (policy overrides or None), eager, autocast, fp8, hooks, block, ref (its reference)
 VARIANTS = {
     "noise_eager": V(eager=True),
@@ -85,8 +86,8 @@ class FakeQuant(torch.autograd.Function):
         return g
 
 
-class VariantBlock(Block):
-    """parity_gpu's Block, with `mode` "split_v": v copied out of the qkv buffer (same values), so
+class VariantBlock(GPTBlock):
+    """The GPT's block, with `mode` "split_v": v copied out of the qkv buffer (same values), so
     that q/k and v are two storages that CompiledActivations packs by their own kinds; "fq": the
     attention reads q, k, v decoded from FP8 in forward too (the fix: lse and output then belong
     to the values backward reads; CA's packing of them is then lossless)."""
@@ -95,13 +96,13 @@ class VariantBlock(Block):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
-        qkv = self.qkv(self.ln1(x))
+        qkv = self.attn.qkv(self.ln1(x))
         qkv = FakeQuant.apply(qkv) if self.mode == "fq" else qkv
-        q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2) for t in qkv.split(d, 2))
+        q, k, v = (t.view(b, s, self.attn.heads, -1).transpose(1, 2) for t in qkv.split(d, 2))
         v = v.clone(memory_format=torch.contiguous_format) if self.mode == "split_v" else v
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, s, d))
-        return x + self.fc_proj(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+        x = x + self.attn.proj(y.transpose(1, 2).reshape(b, s, d))
+        return x + self.mlp(self.ln2(x))
 
 
 def parse_args(argv=None):
@@ -125,9 +126,10 @@ def parse_args(argv=None):
 
 def new_model(args, mode=None) -> GPT:
     torch.manual_seed(args.seed)
-    model = GPT(args.layers, args.dim, args.heads, args.seq)
+    cfg = ModelConfig(vocab=256, layers=args.layers, dim=args.dim, heads=args.heads, seq=args.seq)
+    model = GPT(dataclasses.replace(cfg, tied=False, gpt2_init=True))  # (parity_gpu.py's)
     for i, blk in enumerate(model.blocks if mode else []):
-        model.blocks[i] = VariantBlock(args.dim, args.heads)
+        model.blocks[i] = VariantBlock(model.cfg)
         model.blocks[i].mode = mode
         model.blocks[i].load_state_dict(blk.state_dict())
     return model
@@ -164,7 +166,7 @@ def gradients(spec: dict, state: dict, args, batches) -> tuple[list[dict], dict]
     model = new_model(args, spec.get("block"))
     model.load_state_dict(state)
     if spec.get("fp8"):
-        coatstate.convert_to_fp8(model, filter_fn=lambda m, name: name != "lm_head")
+        coatstate.convert_to_fp8(model, filter_fn=lambda m, name: name != "head")
     ca = coatstate.CompiledActivations(**spec["ca"]) if spec.get("ca") is not None else None
     if not spec.get("eager"):
         for blk in model.blocks:
@@ -238,10 +240,10 @@ def attention_check(state: dict, args, rows: torch.Tensor) -> list[dict]:
     model.load_state_dict(state)
     seen, hd = {}, args.dim // args.heads
     for i, blk in enumerate(model.blocks):
-        blk.qkv.register_forward_hook(lambda m, a, o, i=i: seen.__setitem__(("qkv", i), o.detach()))
-        blk.proj.register_full_backward_hook(lambda m, gi, go, i=i: seen.__setitem__(("do", i), gi[0]))
+        blk.attn.qkv.register_forward_hook(lambda m, a, o, i=i: seen.__setitem__(("qkv", i), o.detach()))
+        blk.attn.proj.register_full_backward_hook(lambda m, gi, go, i=i: seen.__setitem__(("do", i), gi[0]))
     with torch.autocast("cpu", torch.bfloat16):
-        model(rows[:, :-1], rows[:, 1:], eager=True).backward()
+        model(rows[:, :-1], rows[:, 1:]).backward()
     out, mask = [], torch.ones(args.seq, args.seq, dtype=torch.bool).tril()
     for i in range(args.layers):
         qkv, b, s, d = seen["qkv", i], *seen["do", i].shape

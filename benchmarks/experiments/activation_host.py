@@ -60,9 +60,9 @@ from torch.overrides import TorchFunctionMode
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from common import result_meta  # noqa: E402
-from models import GPT, ModelConfig  # noqa: E402
 
 from coatstate.activations import KEEP_ALL, compress_activations  # noqa: E402
+from coatstate.models import GPT, ModelConfig  # noqa: E402
 
 
 def _parse() -> argparse.Namespace:

@@ -6,7 +6,7 @@ blocks would need for activation memory below 0.45x of uncompressed (docs/benchm
 `norm="group"` (COAT's FP8 norm inputs instead of the default bfloat16), the other way there.
 docs/FORMAT.md says why norm inputs stay bfloat16 although this short check passes: in 150 steps of
 training the FP8 norm inputs ended 3.8% above uncompressed. Per
-architecture (benchmarks/models.py GPT and Llama, 2 layers x 128, seq 64, batch 4, bf16
+architecture (coatstate.models' GPT and eager Llama, 2 layers x 128, seq 64, batch 4, bf16
 autocast) and seed: the worst cosine over all parameters between the gradients with and without
 compression, for CompiledActivations (blocks compiled) against the same compiled blocks
 uncompressed, and for compress_activations (eager) against eager uncompressed; and the saved
@@ -32,10 +32,10 @@ import torch.nn.functional as F
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
-from models import GPT, Llama, ModelConfig  # noqa: E402
 
 from coatstate import compress_activations  # noqa: E402
 from coatstate.activations.compiled import CompiledActivations  # noqa: E402
+from coatstate.models import GPT, Llama, ModelConfig  # noqa: E402
 
 POLICIES = {
     "default": {},
@@ -74,7 +74,7 @@ def main(argv=None) -> dict:
     p.add_argument("--out", default=str(HERE / "results" / "activation_policy_cosine.json"))
     args = p.parse_args(argv)
     warnings.simplefilter("ignore")  # (compiled float32 saves kept: expected)
-    cfg = ModelConfig(vocab=128, layers=2, dim=128, heads=4, seq=64, loss_chunks=1)
+    cfg = ModelConfig(vocab=128, layers=2, dim=128, heads=4, seq=64, loss_chunks=1, layout="eager")
     rows = []
     for arch, cls in (("gpt", GPT), ("llama", Llama)):
         for seed in range(args.seeds):

@@ -29,7 +29,7 @@ HERE = Path(__file__).resolve().parent
 
 def _child(args) -> None:
     sys.path.insert(0, str(HERE.parent))
-    from common import stepped_optimizer  # (checkpoint_scale.py's GPT-shaped state, one process)
+    from helpers import stepped_optimizer  # (checkpoint_scale.py's GPT-shaped state, one process)
 
     import coatstate
 
@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         _child(args)
         return 0
     sys.path.insert(0, str(HERE.parent))
-    from common import fmt_median_range, median_range, result_meta
+    from common import median_range, result_meta
+    from helpers import fmt_median_range
 
     trees = {"this tree": HERE.parents[1]} | ({"old": Path(args.old).resolve()} if args.old else {})
     runs: dict[str, list[dict]] = {name: [] for name in trees}

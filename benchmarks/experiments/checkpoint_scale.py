@@ -43,7 +43,8 @@ from pathlib import Path
 import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
-from common import fmt_median_range, median_range, result_meta, stepped_optimizer  # noqa: E402
+from common import median_range, result_meta  # noqa: E402
+from helpers import fmt_median_range, stepped_optimizer  # noqa: E402
 
 VARIANTS = ("blocking", "async", "dcp_async", "floor", "floor_mem", "load")
 

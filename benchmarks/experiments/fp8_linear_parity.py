@@ -1,7 +1,7 @@
 """python benchmarks/experiments/fp8_linear_parity.py
 
 Does training with FP8 linear layers reach the loss of BF16 training? The byte-level GPT of
-benchmarks/models.py on the Python standard library's own source (examples/train_gpt.py's corpus
+coatstate.models on the Python standard library's own source (examples/train_gpt.py's corpus
 and batches), trained twice from the same initial weights on the same batches, both under
 bfloat16 autocast with torch.optim.AdamW:
   bf16: the model as is (its GEMMs in bfloat16);
@@ -63,9 +63,9 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 sys.path.insert(0, str(HERE.parents[1] / "examples"))
-from models import GPT, ModelConfig  # noqa: E402
 from train_gpt import batches, stdlib_corpus  # noqa: E402
 
+from coatstate.models import GPT, ModelConfig  # noqa: E402
 from coatstate.nn import FP8Linear, FP8LinearConfig, convert_to_fp8, fp8_fallbacks  # noqa: E402
 
 TOLERANCE = 0.01

@@ -10,7 +10,7 @@
    moments) are compared bit for bit; then a DCP save, a load into a fresh FSDP2 model, and
    coatstate.read of the DCP directory (whole tensors) must give the same bits again. On CPU the
    pure-torch step runs (tests/integration/test_fsdp2_ddp.py explains its 1-ulp caveat for uneven shards).
-2. Throughput (--layers/--dim: 24 x 2048, a 1.31B-parameter GPT from benchmarks/models.py):
+2. Throughput (--layers/--dim: 24 x 2048, a 1.31B-parameter GPT from coatstate.models):
    FSDP2 (bf16 compute, fp32 reduce) with CompressedAdamW + compress_activations against FSDP2
    with torch.optim.AdamW(fused=True), and CompressedAdamW alone (what the optimizer buys).
    Tokens/s over all ranks (median step after --warmup) and peak allocated memory per GPU, side
@@ -40,12 +40,13 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
-from common import log_rank0, result_meta, token_batch, torchrun_setup  # noqa: E402
-from models import GPT, ModelConfig, add_shape_args  # noqa: E402
+from common import add_shape_args, result_meta, shape_config  # noqa: E402
+from helpers import log_rank0, token_batch, torchrun_setup  # noqa: E402
 
 import coatstate  # noqa: E402
 from coatstate import CompressedAdamW, compress_activations  # noqa: E402
 from coatstate.distributed import full_tensor  # noqa: E402
+from coatstate.models import GPT, ModelConfig  # noqa: E402
 
 VARIANTS = {  # --variants: column titles
     "coatstate": "CompressedAdamW+compress_act",
@@ -275,7 +276,7 @@ def main() -> None:
                 log_rank0(f"    {key}: {n} elements differ, max |diff| {d:.3g}")
         log_rank0(f"fused Triton step used: {check['fused_step_used']}")
 
-    cfg = ModelConfig.from_args(args)
+    cfg = shape_config(args)
     rows = [throughput(v, cfg, args, mesh, device) for v in args.variants.split(",")]
     log_rank0(
         f"\nGPT {rows[0]['params'] / 1e9:.3f}B params, {world} x {device.type}, batch {args.batch} x seq "

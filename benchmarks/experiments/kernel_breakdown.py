@@ -101,9 +101,11 @@ def show(title: str, results: dict) -> None:
 
 def fp8_methods(methods: list[str], batch: int, seq: int) -> dict:
     import fp8_linear_train as F
-    from llama import LlamaConfig
 
-    cfg, device, out = LlamaConfig(seq=seq), torch.device("cuda"), {}
+    from coatstate.models import ModelConfig
+
+    cfg = ModelConfig(**F.TINYLLAMA, seq=seq, cast_residual=True)
+    device, out = torch.device("cuda"), {}
     for method in methods:
         model, opt, ctx, _ = F.build(method, cfg, device)
         g = torch.Generator(device=device).manual_seed(batch)

@@ -1,6 +1,6 @@
 """python benchmarks/experiments/master_train.py          (CUDA; --smoke: a tiny CPU run of every variant)
 
-End to end, the ~1B Llama of benchmarks/llama.py (seq 2048, bf16 compute) trained with each way
+End to end, the ~1B Llama of fp8_linear_train.py (seq 2048, bf16 compute) trained with each way
 of holding the training state, side by side in one process:
   fp32 + torch AdamW        float32 weights, bf16 autocast, torch AdamW fused (the reference)
   bf16 + torch AdamW        cast_model'd bfloat16 weights, torch AdamW fused (no master: lossy)
@@ -19,6 +19,7 @@ gradients are the weights' dtype, or one parameter's at a time with release). Wr
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import gc
 import json
@@ -31,10 +32,12 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
-from llama import Llama, LlamaConfig  # noqa: E402
+from common import param_count  # noqa: E402
+from fp8_linear_train import TINYLLAMA  # noqa: E402
 from whole_state_step import state_split  # noqa: E402
 
 import coatstate  # noqa: E402
+from coatstate.models import Llama, ModelConfig  # noqa: E402
 
 
 @functools.cache
@@ -65,7 +68,7 @@ def variants() -> dict:
     return out
 
 
-def build(name: str, cfg: LlamaConfig, device: torch.device):
+def build(name: str, cfg: ModelConfig, device: torch.device):
     half, make = variants()[name]
     torch.manual_seed(0)
     with device:
@@ -191,9 +194,10 @@ def main(argv=None) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     if args.smoke:
         args.batch, args.seq, args.rounds, args.steps, args.warmup = 2, 32, 1, 1, 0
-        cfg = LlamaConfig(vocab=256, dim=64, layers=2, heads=2, hidden=128, seq=32, loss_chunks=2)
+        cfg = ModelConfig(vocab=256, dim=64, layers=2, heads=2, hidden=128, seq=32, loss_chunks=2)
+        cfg = dataclasses.replace(cfg, cast_residual=True)
     else:
-        cfg = LlamaConfig(seq=args.seq)
+        cfg = ModelConfig(**TINYLLAMA, seq=args.seq, cast_residual=True)
         torch.backends.cuda.matmul.allow_tf32 = True
     names = [n for n in variants() if not args.variants or n in args.variants.split(",")]
     capacity = torch.cuda.get_device_properties(0).total_memory if device.type == "cuda" else None
@@ -208,7 +212,7 @@ def main(argv=None) -> None:
     result = {
         "config": {
             **vars(args),
-            "model_params": cfg.params,
+            "model_params": param_count(Llama, cfg),
             "device": torch.cuda.get_device_name() if capacity else "cpu",
         },
         "rows": rows,

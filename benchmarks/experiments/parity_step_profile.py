@@ -37,25 +37,42 @@ import torch.nn.functional as F
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 from common import result_meta  # noqa: E402
-from parity_gpu import GPT, Block, rotate  # noqa: E402
+
+from coatstate.models import GPT, GPTBlock, ModelConfig  # noqa: E402
 
 VARIANTS = ("learned", "rope", "rope_bshd", "rope_table")
 
 
-class BlockBSHD(Block):
-    """parity_gpu.Block with q and k rotated in (batch, seq, heads, head_dim), before the transpose."""
+def config(args, positions: str = "rope") -> ModelConfig:
+    """parity_gpu.py's GPT."""
+    cfg = ModelConfig(vocab=256, layers=args.layers, dim=args.dim, heads=args.heads, seq=args.seq)
+    return ModelConfig(**{**cfg.__dict__, "positions": positions, "tied": False, "gpt2_init": True})
+
+
+def rotate_bshd(x: torch.Tensor) -> torch.Tensor:
+    """coatstate.models.rotate on (batch, seq, heads, head_dim), by the same expression."""
+    s, half = x.shape[-3], x.shape[-1] // 2
+    freq = 10000.0 ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
+    angle = torch.arange(s, device=x.device, dtype=torch.float32).view(s, 1, 1) * freq
+    cos, sin, xf = angle.cos(), angle.sin(), x.float()
+    a, b = xf[..., :half], xf[..., half:]
+    return torch.cat((a * cos - b * sin, a * sin + b * cos), -1).to(x.dtype)
+
+
+class BlockBSHD(GPTBlock):
+    """The GPT's block with q and k rotated in (batch, seq, heads, head_dim), before the transpose."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
-        q, k, v = (t.view(b, s, self.heads, -1) for t in self.qkv(self.ln1(x)).split(d, 2))
-        q, k = rotate(q, seq_dim=-3), rotate(k, seq_dim=-3)  # contiguous (b, s, h, hd), like v's rows
+        q, k, v = (t.view(b, s, self.attn.heads, -1) for t in self.attn.qkv(self.ln1(x)).split(d, 2))
+        q, k = rotate_bshd(q), rotate_bshd(k)  # contiguous (b, s, h, hd), like v's rows
         y = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, s, d))
-        return x + self.fc_proj(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+        x = x + self.attn.proj(y.transpose(1, 2).reshape(b, s, d))
+        return x + self.mlp(self.ln2(x))
 
 
 def rope_tables(seq: int, head_dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of parity_gpu.rotate's angles, (seq, head_dim / 2) float32, by the same expression."""
+    """cos and sin of coatstate.models.rotate's angles, (seq, head_dim / 2) float32, the same way."""
     half = head_dim // 2
     freq = 10000.0 ** (-torch.arange(half, device=device, dtype=torch.float32) / half)
     angle = torch.arange(seq, device=device, dtype=torch.float32).view(seq, 1) * freq
@@ -63,41 +80,42 @@ def rope_tables(seq: int, head_dim: int, device: torch.device) -> tuple[torch.Te
 
 
 def rotate_table(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """parity_gpu.rotate for (batch, heads, seq, head_dim) with the angles' cos and sin given."""
+    """coatstate.models.rotate for (batch, heads, seq, head_dim) with the angles' cos and sin given."""
     half, xf = x.shape[-1] // 2, x.float()
     a, b = xf[..., :half], xf[..., half:]
     return torch.cat((a * cos - b * sin, a * sin + b * cos), -1).to(x.dtype)
 
 
-class BlockTable(Block):
-    """parity_gpu.Block with the rotation's tables passed in: forward(x, (cos, sin))."""
+class BlockTable(GPTBlock):
+    """The GPT's block with the rotation's tables passed in: forward(x, (cos, sin))."""
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         b, s, d = x.shape
-        q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2) for t in self.qkv(self.ln1(x)).split(d, 2))
+        qkv = self.attn.qkv(self.ln1(x)).split(d, 2)
+        q, k, v = (t.view(b, s, self.attn.heads, -1).transpose(1, 2) for t in qkv)
         q, k = rotate_table(q, *rope), rotate_table(k, *rope)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, s, d))
-        return x + self.fc_proj(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+        x = x + self.attn.proj(y.transpose(1, 2).reshape(b, s, d))
+        return x + self.mlp(self.ln2(x))
 
 
 class GPTTable(GPT):
-    """parity_gpu.GPT whose blocks get the tables, computed once per (seq, device) outside compile."""
+    """The GPT whose blocks get the tables, computed once per (seq, device) outside compile."""
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor, eager: bool = False) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         key = (idx.shape[1], idx.device)
         if getattr(self, "_tables_key", None) != key:
-            head_dim = self.blocks[0].qkv.in_features // self.blocks[0].heads
+            head_dim = self.cfg.dim // self.cfg.heads
             self._tables_key, self._tables = key, rope_tables(idx.shape[1], head_dim, idx.device)
         x = self.wte(idx)
         for block in self.blocks:
-            x = block.forward(x, self._tables) if eager else block(x, self._tables)
-        return F.cross_entropy(self.lm_head(self.ln_f(x)).float().view(-1, 256), targets.reshape(-1))
+            x = block(x, self._tables)
+        return F.cross_entropy(self.head(self.ln_f(x)).float().view(-1, 256), targets.reshape(-1))
 
 
 def swap_blocks(model: GPT, cls: type, args) -> None:
     for i, block in enumerate(model.blocks):
-        swapped = cls(args.dim, args.heads, rope=True)
+        swapped = cls(model.cfg)
         swapped.load_state_dict(block.state_dict())
         model.blocks[i] = swapped
 
@@ -105,7 +123,7 @@ def swap_blocks(model: GPT, cls: type, args) -> None:
 def build(variant: str, args, device: torch.device):
     torch.manual_seed(0)
     cls = GPTTable if variant == "rope_table" else GPT
-    model = cls(args.layers, args.dim, args.heads, args.seq, "learned" if variant == "learned" else "rope")
+    model = cls(config(args, "learned" if variant == "learned" else "rope"))
     if variant in ("rope_bshd", "rope_table"):
         swap_blocks(model, BlockBSHD if variant == "rope_bshd" else BlockTable, args)
     model.to(device)
@@ -116,11 +134,11 @@ def build(variant: str, args, device: torch.device):
 
 
 def same_function(args) -> float:
-    """Max |Block(rope) - BlockBSHD| on one random input, eager fp32 on CPU: the candidate layout
+    """Max |GPTBlock(rope) - BlockBSHD| on one random input, eager fp32 on CPU: the candidate layout
     must compute the harness's function before its time means anything."""
     torch.manual_seed(0)
-    a = Block(64, 2, rope=True)
-    b = BlockBSHD(64, 2, rope=True)
+    cfg = ModelConfig(vocab=256, layers=1, dim=64, heads=2, seq=16, positions="rope")
+    a, b = GPTBlock(cfg), BlockBSHD(cfg)
     b.load_state_dict(a.state_dict())
     x = torch.randn(2, 16, 64)
     with torch.no_grad():
@@ -133,8 +151,8 @@ def table_bitwise(args, device: torch.device) -> dict:
     parameters' gradients, eager and (on CUDA, where inductor writes Triton) compiled. All 0.0: the
     table changes no bit of a run."""
     torch.manual_seed(0)
-    ref = Block(args.dim, args.heads, rope=True).to(device)
-    new = BlockTable(args.dim, args.heads, rope=True).to(device)
+    ref = GPTBlock(config(args)).to(device)
+    new = BlockTable(config(args)).to(device)
     new.load_state_dict(ref.state_dict())
     x = torch.randn(2, args.seq, args.dim, device=device)
     up = torch.randn(2, args.seq, args.dim, device=device)

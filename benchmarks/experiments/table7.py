@@ -4,7 +4,7 @@ torchrun --standalone --nproc-per-node 2 benchmarks/experiments/table7.py --smok
 python benchmarks/experiments/table7.py --smoke  # the same; starts torchrun itself
 
 COAT's Table 7 (Xi et al. 2024) on Llama-2-7B shapes: memory and speed per GPU under FSDP2.
-The model is benchmarks/llama.py at 7B shapes (32 layers, d 4096, 32 heads, SwiGLU 11008,
+The model is coatstate.models.Llama at 7B shapes (32 layers, d 4096, 32 heads, SwiGLU 11008,
 vocab 32000, seq 2048; random init, no weights), every block and the root fully_shard'ed over
 the GPUs present (bf16 compute, fp32 reduce, fp32 master weights), set up as
 benchmarks/fsdp_train.py does (its NCCL settings, torchrun launch and gloo --smoke). Setups:
@@ -50,10 +50,11 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 # importing fsdp_train sets its NCCL environment (NVLS and multicast off) before any process group
-from common import log_rank0, result_meta, token_batch, torchrun_setup  # noqa: E402
-from llama import Llama, LlamaConfig  # noqa: E402
+from common import param_count, result_meta  # noqa: E402
+from helpers import log_rank0, token_batch, torchrun_setup  # noqa: E402
 
 import coatstate  # noqa: E402
+from coatstate.models import Llama, ModelConfig  # noqa: E402
 
 GIB = 2.0**30
 SETUPS = ("bf16", "coatstate", "torchao", "torchao_eager")
@@ -103,10 +104,12 @@ def _parse(argv=None) -> argparse.Namespace:
     return args
 
 
-def model_config(args) -> LlamaConfig:
+def model_config(args) -> ModelConfig:
     if args.smoke:
-        return LlamaConfig(vocab=256, dim=64, layers=args.layers, heads=4, hidden=176, seq=64, loss_chunks=2)
-    return LlamaConfig(vocab=32000, dim=4096, layers=args.layers, heads=32, hidden=11008, seq=2048)
+        cfg = ModelConfig(vocab=256, dim=64, layers=args.layers, heads=4, hidden=176, seq=64, loss_chunks=2)
+    else:
+        cfg = ModelConfig(vocab=32000, dim=4096, layers=args.layers, heads=32, hidden=11008, seq=2048)
+    return dataclasses.replace(cfg, cast_residual=True)  # (as the benchmarks' Llama was)
 
 
 # -- memory accounting -------------------------------------------------------------------------
@@ -158,7 +161,7 @@ def _torchao_adamw_fp8():
 class Trainer:
     """Model, optimizer and forward context of one setup, FSDP2-sharded; rebuilt after an OOM."""
 
-    def __init__(self, setup: str, cfg: LlamaConfig, mesh, device: torch.device) -> None:
+    def __init__(self, setup: str, cfg: ModelConfig, mesh, device: torch.device) -> None:
         self.setup, self.cfg, self.mesh, self.device = setup, cfg, mesh, device
         self.notes: dict = {}
         self.model = self.opt = None
@@ -297,7 +300,7 @@ def _per_gpu(local: dict) -> dict:
     return out
 
 
-def measure(setup: str, cfg: LlamaConfig, args, mesh, device) -> dict:
+def measure(setup: str, cfg: ModelConfig, args, mesh, device) -> dict:
     t0 = time.perf_counter()
     trainer = Trainer(setup, cfg, mesh, device)
     res = {"params": trainer.params, "notes": trainer.notes}
@@ -441,14 +444,15 @@ def main(argv=None) -> None:
         "command": "torchrun ... benchmarks/experiments/table7.py "
         + " ".join(sys.argv[1:] if argv is None else argv),
         "world_size": world,
-        "model": {**dataclasses.asdict(cfg), "params": cfg.params},
+        "model": {**dataclasses.asdict(cfg), "params": param_count(Llama, cfg)},
         "batch": args.batch,
         "smoke": args.smoke,
         "config": vars(args),
         "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
     }
     log_rank0(
-        f"Llama {cfg.params / 1e9:.3f}B params ({cfg.layers} layers, d {cfg.dim}, seq {cfg.seq}), "
+        f"Llama {param_count(Llama, cfg) / 1e9:.3f}B params "
+        f"({cfg.layers} layers, d {cfg.dim}, seq {cfg.seq}), "
         f"FSDP2 over {world} x {meta['machine']}, bf16 compute, batch {args.batch} per GPU"
     )
     out = Path(args.out)

@@ -1,6 +1,6 @@
 """python benchmarks/experiments/training_parity.py
 
-Training parity on a real corpus: a byte-level GPT (benchmarks/models.py, 2 layers, width 256,
+Training parity on a real corpus: a byte-level GPT (coatstate.models, 2 layers, width 256,
 1.68M params) trained on the Python standard library's own source for 300 steps on CPU, with the
 same seed, initial weights and batches, under
   1. torch.optim.AdamW                       (the reference)
@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "benchmarks" / "experiments")]
 import train_gpt  # noqa: E402 - the example's corpus, model and loop: one training code path
 from common import result_meta  # noqa: E402
-from report_common import plot_loss_curves  # noqa: E402
+from helpers import plot_loss_curves  # noqa: E402
 
 from coatstate.activations import ActivationPolicy  # noqa: E402
 

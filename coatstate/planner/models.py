@@ -1,10 +1,7 @@
-"""Models the planner builds itself from config keys or plain numbers (no transformers needed).
-
-Two block layouts cover the configs people plan with: GPT-2 (learned positions, LayerNorm, GELU
-MLP, fused qkv, tied head) and Llama (RMSNorm, SwiGLU, rotary embeddings, grouped-query
-attention, untied head; also Mistral/Qwen2-style configs with the same keys). Attention runs
-through F.scaled_dot_product_attention (flash/memory-efficient: no seq x seq tensor is saved),
-as any training run that cares about memory does.
+"""The shapes the planner plans with, from config keys, plain numbers or a parameter count (no
+transformers needed), and the model each one builds: coatstate.models' GPT (GPT-2 configs) or
+Llama (Llama configs; also Mistral/Qwen2-style configs with the same keys, grouped-query
+attention included).
 """
 
 from __future__ import annotations
@@ -13,11 +10,9 @@ import dataclasses
 import math
 from typing import Any
 
-import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
+from coatstate.models import MODELS, ModelConfig
 from coatstate.planner.units import check_range
 
 
@@ -213,94 +208,17 @@ def shape_from_config(cfg: dict[str, Any], *, loss_chunks: int = 1) -> Shape:
     )
 
 
-def _loss(head: nn.Module, h: torch.Tensor, targets: torch.Tensor, chunks: int) -> torch.Tensor:
-    h, targets = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
-    if chunks <= 1:
-        return F.cross_entropy(head(h).float(), targets)
-    piece = lambda hc, tc: F.cross_entropy(head(hc).float(), tc, reduction="sum")  # noqa: E731
-    total = sum(
-        checkpoint(piece, hc, tc, use_reentrant=False)
-        for hc, tc in zip(h.chunk(chunks), targets.chunk(chunks), strict=False)
+def build_model(s: Shape) -> nn.Module:
+    """The coatstate.models GPT or Llama of a Shape: forward(idx, targets) -> mean cross-entropy."""
+    cfg = ModelConfig(
+        vocab=s.vocab,
+        layers=s.layers,
+        dim=s.hidden,
+        heads=s.heads,
+        seq=s.max_seq,
+        loss_chunks=s.loss_chunks,
+        hidden=s.ffn,
+        kv_heads=s.kv_heads,
+        tied=s.tied,
     )
-    return total / targets.numel()
-
-
-class _RMSNorm(nn.Module):
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, 1e-6)
-
-
-class _Attention(nn.Module):
-    def __init__(self, s: Shape) -> None:
-        super().__init__()
-        self.s = s
-        hd = s.hidden // s.heads
-        bias = s.arch == "gpt"
-        self.qkv = nn.Linear(s.hidden, (s.heads + 2 * s.kv_heads) * hd, bias=bias)
-        self.proj = nn.Linear(s.hidden, s.hidden, bias=bias)
-        if s.arch == "llama":
-            inv = 1.0 / (10000.0 ** (torch.arange(0, hd, 2).float() / hd))
-            ang = torch.outer(torch.arange(s.max_seq).float(), inv)
-            self.register_buffer("cos", torch.cat((ang, ang), -1).cos(), persistent=False)
-            self.register_buffer("sin", torch.cat((ang, ang), -1).sin(), persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, n, d = x.shape
-        s, hd = self.s, d // self.s.heads
-        q, k, v = self.qkv(x).split((s.heads * hd, s.kv_heads * hd, s.kv_heads * hd), dim=2)
-        q, k, v = (t.view(b, n, -1, hd).transpose(1, 2) for t in (q, k, v))
-        if s.arch == "llama":
-            cos, sin = self.cos[:n].to(q.dtype), self.sin[:n].to(q.dtype)
-            rot = lambda t: torch.cat((-t[..., hd // 2 :], t[..., : hd // 2]), -1)  # noqa: E731
-            q, k = q * cos + rot(q) * sin, k * cos + rot(k) * sin
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=s.kv_heads != s.heads)
-        return self.proj(y.transpose(1, 2).reshape(b, n, d))
-
-
-class _Block(nn.Module):
-    def __init__(self, s: Shape) -> None:
-        super().__init__()
-        gpt = s.arch == "gpt"
-        self.norm1 = nn.LayerNorm(s.hidden) if gpt else _RMSNorm(s.hidden)
-        self.attn = _Attention(s)
-        self.norm2 = nn.LayerNorm(s.hidden) if gpt else _RMSNorm(s.hidden)
-        self.up = nn.Linear(s.hidden, s.ffn if gpt else 2 * s.ffn, bias=gpt)
-        self.down = nn.Linear(s.ffn, s.hidden, bias=gpt)
-        self.gpt = gpt
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x))
-        h = self.up(self.norm2(x))
-        if self.gpt:
-            h = F.gelu(h, approximate="tanh")
-        else:
-            gate, lin = h.chunk(2, dim=-1)
-            h = F.silu(gate) * lin
-        return x + self.down(h)
-
-
-class PlannerLM(nn.Module):
-    """A GPT-2 or Llama shaped language model: forward(idx, targets) -> mean cross-entropy."""
-
-    def __init__(self, s: Shape) -> None:
-        super().__init__()
-        self.shape = s
-        self.embed = nn.Embedding(s.vocab, s.hidden)
-        self.pos = nn.Embedding(s.max_seq, s.hidden) if s.arch == "gpt" else None
-        self.layers = nn.ModuleList(_Block(s) for _ in range(s.layers))
-        self.norm = nn.LayerNorm(s.hidden) if s.arch == "gpt" else _RMSNorm(s.hidden)
-        self.head = nn.Linear(s.hidden, s.vocab, bias=False)
-        if s.tied:
-            self.head.weight = self.embed.weight
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        x = self.embed(idx)
-        if self.pos is not None:
-            x = x + self.pos(torch.arange(idx.shape[1], device=idx.device))
-        for layer in self.layers:
-            x = layer(x)
-        return _loss(self.head, self.norm(x), targets, self.shape.loss_chunks)
+    return MODELS[s.arch](cfg)

@@ -29,7 +29,13 @@ import torch
 from torch import nn
 
 from coatstate.planner.memory import Plan, Row, Variant, optimizer_bytes
-from coatstate.planner.models import PlannerLM, Shape, shape_for_params, shape_from_config, shape_from_numbers
+from coatstate.planner.models import (
+    Shape,
+    build_model,
+    shape_for_params,
+    shape_from_config,
+    shape_from_numbers,
+)
 from coatstate.planner.trace import ActivationModel, Progress, find_layers, trace
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -85,8 +91,8 @@ def spec_from_shape(shape: Shape, name: str) -> ModelSpec:
     def build(k: int | None) -> nn.Module:
         if k is None:
             with torch.device("meta"):
-                return PlannerLM(shape)
-        return PlannerLM(dataclasses.replace(shape, layers=k))
+                return build_model(shape)
+        return build_model(dataclasses.replace(shape, layers=k))
 
     return ModelSpec(name, build, shape.layers, shape.hidden, shape.vocab, shape.max_seq)
 

@@ -8,11 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from coatstate.formats import activation as codec
-from models import GPT, Llama, ModelConfig  # noqa: E402
 from torch import nn
 
 from coatstate.activations import compiled as compiled_module
 from coatstate.activations.compiled import CompiledActivations
+from coatstate.models import GPT, Llama, ModelConfig
 from tests.conftest import requires_cuda
 
 pytestmark = pytest.mark.slow  # inductor compiles in every test: most of the suite's CPU time
@@ -45,7 +45,7 @@ def _compiled_blocks(model, options=None):
 )
 def test_gradient_fidelity_and_bytes(arch, autocast, device="cpu"):
     """Blocks compiled with the FP8 partitioner against the same blocks compiled without it."""
-    cfg = ModelConfig(vocab=128, layers=2, dim=128, heads=4, seq=64, loss_chunks=1)
+    cfg = ModelConfig(vocab=128, layers=2, dim=128, heads=4, seq=64, loss_chunks=1, layout="eager")
     model = {"gpt": GPT, "llama": Llama}[arch](cfg).to(device)
     idx = torch.randint(0, cfg.vocab, (4, cfg.seq), device=device)
     tgt = torch.randint(0, cfg.vocab, (4, cfg.seq), device=device)
@@ -316,7 +316,7 @@ def test_fused_consumers_change_nothing_but_kernels(device="cpu"):
     kernel (its compiler may contract a multiply-add differently), so there a bfloat16 rounding
     of the forward may differ: the loss agrees to 1e-3 and each gradient within its own
     run-to-run noise plus 2**-7 of its largest value (one bfloat16 step)."""
-    cfg = ModelConfig(vocab=128, layers=1, dim=128, heads=4, seq=64, loss_chunks=1)
+    cfg = ModelConfig(vocab=128, layers=1, dim=128, heads=4, seq=64, loss_chunks=1, layout="eager")
     for arch in ("gpt", "llama"):
         model = {"gpt": GPT, "llama": Llama}[arch](cfg).to(device)
         idx = torch.randint(0, cfg.vocab, (2, cfg.seq), device=device)

@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from coatstate.activations import ActivationPolicy, compress_activations
+from coatstate.models import GPT, Llama, ModelConfig, RMSNorm
 from tests.conftest import requires_cuda
 
 ROOT = Path(__file__).resolve().parents[2]
-from models import GPT, Llama, ModelConfig, RMSNorm  # noqa: E402
 
 
 def test_policy_validation():
@@ -65,7 +65,7 @@ def test_pack_hook_detaches_and_makes_no_cycle():
 
 def test_parameters_buffers_inputs_never_compressed():
     torch.manual_seed(0)
-    model = Llama(ModelConfig(vocab=64, layers=1, dim=64, heads=2, seq=32))
+    model = Llama(ModelConfig(vocab=64, layers=1, dim=64, heads=2, seq=32, layout="eager"))
     lin = nn.Linear(64, 64)
     x = torch.randn(4, 64, requires_grad=True)
     h = x * 2  # made before the context: alive anyway
@@ -457,7 +457,7 @@ def _grads(model, idx, tgt, ctx, autocast):
 )
 def test_gradient_fidelity_and_bytes(arch, autocast, device="cpu"):
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab=128, layers=2, dim=128, heads=4, seq=64)
+    cfg = ModelConfig(vocab=128, layers=2, dim=128, heads=4, seq=64, layout="eager")
     model = {"gpt": GPT, "llama": Llama}[arch](cfg).to(device)
     idx = torch.randint(0, cfg.vocab, (4, cfg.seq), device=device)
     tgt = torch.randint(0, cfg.vocab, (4, cfg.seq), device=device)
@@ -492,7 +492,7 @@ def test_compiled_model_on_cuda_packs_with_the_kernels(arch):
     saves go through the Triton pack kernels; gradients stay close to the uncompressed compiled
     model's (the compiled policy cannot keep attention's v/out as eager does: bound 0.998)."""
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab=512, layers=2, dim=256, heads=4, seq=256)
+    cfg = ModelConfig(vocab=512, layers=2, dim=256, heads=4, seq=256, layout="eager")
     model = (GPT if arch == "gpt" else Llama)(cfg).cuda()
     idx = torch.randint(0, cfg.vocab, (4, cfg.seq), device="cuda")
     torch._dynamo.reset()

@@ -140,7 +140,7 @@ def test_benchmarks_share_helpers_through_public_names():
         f"{s}: from {m} import {n}"
         for s, m, n in _benchmark_imports()
         if n.startswith("_") and not (s.startswith("report") and m == "report_common")
-    ]  # (report.py and report_one_gpu.py use report_common.py's helpers: the report's own files)
+    ]  # (report.py uses report_common.py's helpers: the report's own files)
     assert not private, private
 
 
@@ -172,10 +172,9 @@ def test_result_meta_is_the_one_json_header():
     assert meta["args"] == {"device": "cpu", "out": "/tmp/x.json", "sizes": [1, 2]}
     assert json.loads(json.dumps(meta)) == meta
     assert "CPU cores" in meta["machine"] and result_meta()["device"] == "cpu" and "args" not in result_meta()
-    # the CPU and checkpoint benchmarks write their header with it, none with report's machine_meta
+    # the CPU and checkpoint benchmarks write their header with it
     users = {s for s, m, n in _benchmark_imports() if m == "common" and n == "result_meta"}
     assert {"checkpoint_scale.py", "checkpoint_load.py", "optimizer_cpu.py", "training_parity.py"} <= users
-    assert not [s for s, m, n in _benchmark_imports() if n == "machine_meta" and not s.startswith("report")]
 
 
 @pytest.mark.slow
@@ -205,8 +204,8 @@ def test_one_gpu_smoke_runs_every_setup_and_its_out_of_memory_recovery(tmp_path)
     assert states["bf16"]["master_bytes"] > 3 * states["coatstate"]["master_bytes"]
     assert states["release"]["moment_bytes"] == states["coatstate"]["moment_bytes"]
     assert states["4bit"]["moment_bytes"] < states["release"]["moment_bytes"]
-    assert "peak GB b1 (planner, error)" in stdout and "wrote" in stdout
-    from report_one_gpu import section_one_gpu  # docs/benchmarks.md's section reads the same JSON
+    assert "peak GB, batch 1 (planner, error)" in stdout and "wrote" in stdout
+    from report import section_one_gpu  # docs/benchmarks.md's section reads the same JSON
 
     assert section_one_gpu(data, out).count("\n| ") == 1 + 4  # the header and a row per setup
 

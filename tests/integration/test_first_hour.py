@@ -19,6 +19,7 @@ import torch
 
 from coatstate import compress_activations
 from coatstate.activations import KEEP_ALL
+from coatstate.models import GPT, ModelConfig
 from coatstate.planner import Variant, plan, resolve_model
 from coatstate.planner.planning import fp8_linear_converter, spec_from_factory
 from coatstate.planner.trace import Progress, _prepare, _run, find_layers, trace
@@ -26,7 +27,6 @@ from coatstate.planner.trace import Progress, _prepare, _run, find_layers, trace
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 import train_gpt  # noqa: E402
-from models import GPT, ModelConfig  # noqa: E402
 
 
 # -- 1. the planner traces fake tensors ---------------------------------------------------------

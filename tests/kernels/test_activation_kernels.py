@@ -66,7 +66,7 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
             if not same_bits(KT.unpack_tensorwise(c, s, dt), tensorwise.dequantize_tensorwise(c2, s2, dt)):
                 bad.append(("unpack_tensorwise (float32 scale)", dt, shape))
     # the whole hook path on the kernels (backend="triton") equals the twin path bit for bit
-    from models import GPT, ModelConfig
+    from coatstate.models import GPT, ModelConfig
     from coatstate.activations import compress_activations
     model = GPT(ModelConfig(vocab=64, layers=1, dim=32, heads=2, seq=16))
     idx = torch.randint(0, 64, (2, 16))

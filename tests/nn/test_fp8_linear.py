@@ -70,8 +70,9 @@ def test_gradient_fidelity_against_nn_linear(grad_fmt, bound, k, n):
 def _real_linear_io(steps: int = 10):
     """(layer, its input, its output gradient) of every linear of a small byte-level GPT after a
     few AdamW steps on the standard library's source: gradients with a real network's structure."""
-    from models import GPT, ModelConfig
     from train_gpt import batches, stdlib_corpus
+
+    from coatstate.models import GPT, ModelConfig
 
     torch.manual_seed(5)
     model = GPT(ModelConfig(vocab=256, layers=2, dim=128, heads=2, seq=128))

@@ -4,18 +4,20 @@ tensors, and against what the partitioned graphs are known to hold."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch  # noqa: E402
-from llama import Llama, LlamaConfig  # noqa: E402
 
+from coatstate.models import Llama, ModelConfig
 from coatstate.nn import convert_to_fp8  # noqa: E402
 from coatstate.planner.trace import trace  # noqa: E402
 
-CFG = LlamaConfig(vocab=512, dim=256, layers=4, heads=4, hidden=688, seq=256, loss_chunks=2)
+CFG = ModelConfig(vocab=512, dim=256, layers=4, heads=4, hidden=688, seq=256, loss_chunks=2)
 
 
 def _build(k: int):
-    return Llama(LlamaConfig(**{**CFG.__dict__, "layers": k}))
+    return Llama(dataclasses.replace(CFG, layers=k))
 
 
 def _trace(real: bool):

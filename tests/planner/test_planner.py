@@ -14,12 +14,12 @@ from torch import nn
 from coatstate import CompressedAdamW, compress_activations
 from coatstate.activations import KEEP_ALL
 from coatstate.cli import main
+from coatstate.models import GPT, ModelConfig
 from coatstate.optim import optimizer_state_bytes
 from coatstate.planner import Variant, optimizer_bytes, plan, resolve_model
 from coatstate.planner.memory import FOUR_BIT_OPTIONS
 
 ROOT = Path(__file__).resolve().parents[2]
-from models import GPT, ModelConfig  # noqa: E402
 
 VARIANTS = [Variant("adamw", "adamw", "none"), Variant("compressed", "compressed", "compressed")]
 

@@ -4,15 +4,15 @@
 # isolation, as ../shared/NOTES.md says), prints nvidia-smi, runs each model with a time budget and
 # copies its JSON and log to $OUT (default ./gpu_out), also when a run is cut off.
 #
-#     bash benchmarks/gpu_one_gpu.sh 7b      # one call: 8 minutes of benchmark (MINUTES=8)
-#     bash benchmarks/gpu_one_gpu.sh 13b     # another call
-#     bash benchmarks/gpu_one_gpu.sh all     # both in one call, 4.2 minutes each (fits 600 s)
+#     bash benchmarks/experiments/gpu_one_gpu.sh 7b      # one call: 8 minutes of benchmark (MINUTES=8)
+#     bash benchmarks/experiments/gpu_one_gpu.sh 13b     # another call
+#     bash benchmarks/experiments/gpu_one_gpu.sh all     # both in one call, 4.2 minutes each (fits 600 s)
 #
 # The device allows 600 s a command: a model at 8 minutes takes one call. 13B runs the setup the
 # planner says fits (4-bit moments) first, so that it gets the compile and the batch search; the
 # others (bf16, and the 8-bit recipes the planner puts over 80 GB) say where they run out.
 set -u
-cd "$(dirname "$0")/.."  # the repository root: the install and the paths below are relative to it
+cd "$(dirname "$0")/../.."  # the repository root: the install and the paths below are relative to it
 WHICH=${1:-all}
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
@@ -39,6 +39,6 @@ case "$WHICH" in
     all)
         run 7b "${MINUTES:-4.2}" bf16,coatstate,release,4bit
         run 13b "${MINUTES:-4.2}" 4bit,release,coatstate,bf16 ;;
-    *) echo "usage: bash benchmarks/gpu_one_gpu.sh 7b | 13b | all" >&2; exit 2 ;;
+    *) echo "usage: bash benchmarks/experiments/gpu_one_gpu.sh 7b | 13b | all" >&2; exit 2 ;;
 esac
 ls -l "$OUT"

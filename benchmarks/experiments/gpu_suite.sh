@@ -8,12 +8,12 @@
 # Each step has a time limit; what finished is kept.
 # Results: JSON per benchmark and one log, under $OUT (default ./gpu_out).
 #
-#     bash benchmarks/gpu_suite.sh all | a | b | step | defaults | fp8 | fsdp
+#     bash benchmarks/experiments/gpu_suite.sh all | a | b | step | defaults | fp8 | fsdp
 set -u
 LANE=${1:-all}
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
-source benchmarks/gpu_setup.sh
+source benchmarks/experiments/gpu_setup.sh
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=index,name,memory.total --format=csv >> "$OUT/log.txt"
 TUNED=coordinate_descent_tuning=1
@@ -83,6 +83,6 @@ case "$LANE" in
     fsdp)
         step 0,1 110 fsdp_train torchrun --standalone --nproc-per-node 2 benchmarks/experiments/fsdp_train.py \
             --steps 6 --warmup 2 --out "$OUT/fsdp_train.json" ;;
-    *) echo "usage: bash benchmarks/gpu_suite.sh all | a | b | step | defaults | fp8 | fsdp" >&2; exit 2 ;;
+    *) echo "usage: bash benchmarks/experiments/gpu_suite.sh all | a | b | step | defaults | fp8 | fsdp" >&2; exit 2 ;;
 esac
 grep -E "^== |passed|failed" "$OUT/log.txt"
