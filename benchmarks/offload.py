@@ -5,6 +5,8 @@ in bf16 on ONE GPU capped at --cap-gb, activation checkpointing per block, batch
 in a process of its own (they hold too much host memory to share one):
   coatstate  coatstate.HostOffloadAdamW(master_bits=24): FP8 moments and a 1-byte master
              correction on the host, stepped during backward by CompressedAdamW's CPU path
+  coatstate-4bit   the same with 4-bit moments (e2m1 / ue3m1_sqrt)
+  coatstate-plain  the same with FP8 moments without dynamic range expansion
   torchao    torchao.optim.CPUOffloadOptimizer(offload_gradients=True) over torch's fused CPU
              AdamW on an fp32 master of each bf16 weight (skipped, with a note, without torchao)
 Per setup: peak GPU memory, the host bytes of the optimizer states and of the weight and gradient
@@ -42,7 +44,12 @@ from coatstate.models import Llama, ModelConfig  # noqa: E402
 HERE = Path(__file__).resolve().parent
 
 GB = 1e9
-SETUPS = ("coatstate", "torchao")
+COATSTATE_SETUPS = {  # HostOffloadAdamW's formats per setup: the host step's cost is in them
+    "coatstate": {},
+    "coatstate-4bit": dict(exp_avg_format="e2m1", exp_avg_sq_format="ue3m1_sqrt"),
+    "coatstate-plain": dict(exp_avg_expand=False, exp_avg_sq_expand=False),
+}
+SETUPS = (*COATSTATE_SETUPS, "torchao")
 OPT = dict(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
 MODELS = {
     "7b": ModelConfig(vocab=32000, dim=4096, layers=32, heads=32, hidden=11008, seq=2048),
@@ -93,10 +100,11 @@ def _nbytes(tensors) -> int:
 
 def build_optimizer(setup: str, model: torch.nn.Module):
     """(optimizer, host_bytes() -> dict, timings() -> dict of this step's seconds)."""
-    if setup == "coatstate":
+    if setup in COATSTATE_SETUPS:
         import coatstate
 
-        opt = coatstate.HostOffloadAdamW(model.parameters(), master_bits=24, **OPT)
+        formats = COATSTATE_SETUPS[setup]
+        opt = coatstate.HostOffloadAdamW(model.parameters(), master_bits=24, **OPT, **formats)
 
         def host_bytes():
             b = opt.host_bytes()

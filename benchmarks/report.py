@@ -223,14 +223,14 @@ def section_optimizer_cpu(data: dict, path: Path) -> str:
         f"params in {data['tensors']} tensors, random gradients. Every variant lives in memory at once "
         "and they take turns, in an order rotated per round; ns/param = median [min-max] over the "
         "rounds of each round's median step. Moved = bytes a step must read and write; floor = moved / "
-        "this machine's measured copy bandwidth (read + write). Source: `python benchmarks/optimizer_cpu.py`"
+        "this machine's measured in-place bandwidth (an in-place `add_`'s read + write). Source: `python benchmarks/optimizer_cpu.py`"
         " -> `benchmarks/results/optimizer_cpu.json`.",
         "",
     ]
     for threads, run in data["by_threads"].items():
         first = run.get("first_step_s", {})
         out += [
-            f"**{threads} thread(s)**: copy bandwidth {run['copy_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, "
+            f"**{threads} thread(s)**: in-place bandwidth {run['inplace_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, "
             f"{run['rounds']} rounds of {run['steps_per_round']} steps; first step of a fresh process "
             f"(the C++ step built and loaded): {first.get('cold', float('nan')):.1f} s with an empty cache, "
             f"{first.get('warm', float('nan')):.2f} s with it warm.",
@@ -272,7 +272,8 @@ def section_offload(data: dict, path: Path) -> str:
         "## Optimizer states in host memory (7B shapes, GPU capped at 24 GB)",
         f"{machine}, {date}, GPU capped at {a['cap_gb']:.0f} GB, batch {a['batch']}, seq 2048, "
         f"{a['rounds']} rounds x {a['steps']} steps: median [min-max]. coatstate: HostOffloadAdamW "
-        "(FP8 moments + 24-bit master on the host, its CPU step); torchao: CPUOffloadOptimizer (fp32 "
+        "(FP8 moments + 24-bit master on the host, its CPU step; -4bit: 4-bit moments; -plain: FP8 "
+        "without dynamic range expansion); torchao: CPUOffloadOptimizer (fp32 "
         "master and moments, torch's fused CPU AdamW). Host states: the optimizer's host bytes; host "
         "buffers: pinned weights and gradients. " + source(data, path),
         "",
@@ -729,6 +730,20 @@ def one_gpu_line(seven: dict, thirteen: dict) -> str:
             "out of memory on both. COAT's Table 7: 7B at 79.3 GB and 5,906 tokens/s, 13B needs 2 GPUs.")
 
 
+def cpu_step_line(data: dict) -> str:
+    """The README's answer to "how fast is the CPU step?": optimizer_cpu.py at its most threads."""
+    threads = max(data["by_threads"], key=int)
+    run = data["by_threads"][threads]
+    rows, first = run["rows"], run["first_step_s"]
+    ratio = lambda name: f"{rows[name]['vs_reference']:.1f}x"  # noqa: E731
+    return (f"On {data['meta']['machine']} ({threads} threads, {data['meta']['date'][:10]}), "
+            f"CompressedAdamW's CPU step takes {ratio('coatstate defaults (FP8, expansion)')} torch's "
+            f"fused AdamW's time with the defaults, {ratio('coatstate plain E4M3')} with plain E4M3 and "
+            f"{ratio('coatstate 4-bit (e2m1 / ue3m1_sqrt)')} with 4-bit moments; the first step of a "
+            f"process builds the C++ step in {first['cold']:.0f} s once, then loads it in "
+            f"{first['warm']:.1f} s ([details](docs/benchmarks.md#optimizer-step-cpu)).")
+
+
 def tables() -> dict[str, str]:
     """{marker name: markdown} of every generated table of the README and docs pages."""
     load = lambda name: json.loads((RESULTS / f"{name}.json").read_text())
@@ -738,6 +753,7 @@ def tables() -> dict[str, str]:
         "accuracy-summary": accuracy_table(parity, short=True),
         "headline": headline_table(*map(load, ("whole_state_step", "activation_memory", "checkpoint_io"))),
         "one-gpu": one_gpu_line(load("one_gpu_7b"), load("one_gpu_13b")),
+        "cpu-step": cpu_step_line(load("optimizer_cpu")),
         "activations": activations_table(
             load("activation_memory"), load("activation_memory_llama"), load("fp8_linear_train_rounds")
         ),

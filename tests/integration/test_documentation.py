@@ -216,7 +216,7 @@ def test_generated_tables_are_the_json_s():
             stale = f"{page}'s table {name} is stale: run benchmarks/report.py"
             assert block == generated[name] + "\n", stale
     readme = (ROOT / "README.md").read_text()
-    assert set(marked_blocks(readme)) == {"accuracy-summary", "headline", "one-gpu"}
+    assert set(marked_blocks(readme)) == {"accuracy-summary", "headline", "one-gpu", "cpu-step"}
     prose = re.sub(r"<!-- table:([\w-]+) -->.*?<!-- /table:\1 -->", "", readme, flags=re.S)
     assert not re.search(r"20\d\d-\d\d-\d\d", prose), "a date in the README's prose: it belongs in docs/"
     assert "not understood" not in readme and "not re-run" not in readme
