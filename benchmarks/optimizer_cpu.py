@@ -41,10 +41,11 @@ VARIANTS = {
     "coatstate 4-bit (e2m1 / ue3m1_sqrt)": (lambda ps: coatstate.CompressedAdamW(ps, **FOURBIT), torch.float32, 14.13),
     "coatstate bf16 params, 24-bit master": (lambda ps: coatstate.CompressedAdamW(ps), torch.bfloat16, 12.16),
     "coatstate compress=False": (lambda ps: coatstate.CompressedAdamW(ps, compress=False), torch.float32, 28.0),
+    # the oracle, timed with --twin: what the CPU step was before the C++ one
+    (TWIN := "coatstate defaults, pure-torch twin (fused=False)"): (
+        lambda ps: coatstate.CompressedAdamW(ps, fused=False), torch.float32, 16.16),
 }  # fmt: skip
 REFERENCE = "torch AdamW fused=True"
-TWIN = "coatstate defaults, pure-torch twin (fused=False)"
-"""the oracle, timed with --twin: what the CPU step was before the compiled one"""
 
 
 def inplace_bandwidth(threads: int, mib: int = 512, repeats: int = 5) -> float:
@@ -88,7 +89,7 @@ def time_variants(names, shapes, threads: int, rounds: int, steps: int) -> dict:
     grads = [[torch.randn(s, generator=gen) * 1e-3 for s in shapes] for _ in range(2)]
     variants = []
     for name in names:
-        make, dtype, _ = VARIANTS.get(name, (lambda ps: coatstate.CompressedAdamW(ps, fused=False), torch.float32, 0))
+        make, dtype, _ = VARIANTS[name]
         v = Variant(name, make, dtype, shapes, grads)
         v.run(1, 0)  # warm-up: states created, the CPU step built and loaded
         variants.append(v)
@@ -145,7 +146,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     shapes = gpt_shapes(d=args.dim, layers=args.layers)
     n = sum(torch.Size(s).numel() for s in shapes)
-    names = list(VARIANTS) + ([TWIN] if args.twin else [])
+    names = [name for name in VARIANTS if args.twin or name != TWIN]
     meta = result_meta(args, device="cpu")
     print(f"{n / 1e6:.1f}M params in {len(shapes)} tensors; {meta['machine']}")
     report = {"meta": meta, "params": n, "tensors": len(shapes), "reference": REFERENCE, "by_threads": {}}
@@ -154,7 +155,7 @@ def main(argv=None) -> int:
         rows = time_variants(names, shapes, threads, args.rounds, args.steps)
         ref = rows[REFERENCE]["ns_per_param"]["median"]
         for name, r in rows.items():
-            r["bytes_moved_per_param"] = moved = VARIANTS.get(name, (None, None, 16.16))[2]
+            r["bytes_moved_per_param"] = moved = VARIANTS[name][2]
             r["floor_ns_per_param"] = 1e9 * moved / bandwidth
             r["vs_reference"] = r["ns_per_param"]["median"] / ref
         first = first_step_seconds(shapes, threads)

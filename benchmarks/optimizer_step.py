@@ -80,11 +80,6 @@ def make_optimizers(which):
     return out
 
 
-def launch_config_name(gpp, warps, cap) -> str:
-    """The config string with_launch_config parses: "GPPxWARPS", or "GPPxWARPSrREGS" with a cap."""
-    return f"{gpp}x{warps}" + (f"r{cap}" if cap else "")
-
-
 def with_launch_config(name, factory, config):
     """A factory that sets the fused kernel's groups per program and warps, and optionally a
     register cap (config "GPPxWARPS" or "GPPxWARPSrREGS", e.g. 8x4r72)."""

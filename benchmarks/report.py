@@ -223,14 +223,14 @@ def section_optimizer_cpu(data: dict, path: Path) -> str:
         f"params in {data['tensors']} tensors, random gradients. Every variant lives in memory at once "
         "and they take turns, in an order rotated per round; ns/param = median [min-max] over the "
         "rounds of each round's median step. Moved = bytes a step must read and write; floor = moved / "
-        "this machine's measured in-place bandwidth (an in-place `add_`'s read + write). Source: `python benchmarks/optimizer_cpu.py`"
-        " -> `benchmarks/results/optimizer_cpu.json`.",
+        "this machine's in-place bandwidth (an `add_`'s read + write). Source: "
+        "`python benchmarks/optimizer_cpu.py` -> `benchmarks/results/optimizer_cpu.json`.",
         "",
     ]
     for threads, run in data["by_threads"].items():
         first = run.get("first_step_s", {})
         out += [
-            f"**{threads} thread(s)**: in-place bandwidth {run['inplace_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, "
+            f"**{threads} thread(s)**: in-place bandwidth {run['inplace_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, "  # noqa: E501
             f"{run['rounds']} rounds of {run['steps_per_round']} steps; first step of a fresh process "
             f"(the C++ step built and loaded): {first.get('cold', float('nan')):.1f} s with an empty cache, "
             f"{first.get('warm', float('nan')):.2f} s with it warm.",
@@ -733,15 +733,14 @@ def one_gpu_line(seven: dict, thirteen: dict) -> str:
 def cpu_step_line(data: dict) -> str:
     """The README's answer to "how fast is the CPU step?": optimizer_cpu.py at its most threads."""
     threads = max(data["by_threads"], key=int)
-    run = data["by_threads"][threads]
-    rows, first = run["rows"], run["first_step_s"]
-    ratio = lambda name: f"{rows[name]['vs_reference']:.1f}x"  # noqa: E731
+    rows, first = data["by_threads"][threads]["rows"], data["by_threads"][threads]["first_step_s"]
+    x = lambda name: f"{rows['coatstate ' + name]['vs_reference']:.1f}x"  # noqa: E731
     return (f"On {data['meta']['machine']} ({threads} threads, {data['meta']['date'][:10]}), "
-            f"CompressedAdamW's CPU step takes {ratio('coatstate defaults (FP8, expansion)')} torch's "
-            f"fused AdamW's time with the defaults, {ratio('coatstate plain E4M3')} with plain E4M3 and "
-            f"{ratio('coatstate 4-bit (e2m1 / ue3m1_sqrt)')} with 4-bit moments; the first step of a "
-            f"process builds the C++ step in {first['cold']:.0f} s once, then loads it in "
-            f"{first['warm']:.1f} s ([details](docs/benchmarks.md#optimizer-step-cpu)).")
+            f"CompressedAdamW's CPU step takes {x('defaults (FP8, expansion)')} torch's fused AdamW's "
+            f"time with the defaults, {x('plain E4M3')} with plain E4M3 and {x('4-bit (e2m1 / ue3m1_sqrt)')} "
+            f"with 4-bit moments; the first step of a process builds the C++ step in {first['cold']:.0f} s "
+            f"once, then loads it in {first['warm']:.1f} s "
+            "([details](docs/benchmarks.md#optimizer-step-cpu)).")
 
 
 def tables() -> dict[str, str]:
