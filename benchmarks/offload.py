@@ -5,8 +5,7 @@ in bf16 on ONE GPU capped at --cap-gb, activation checkpointing per block, batch
 in a process of its own (they hold too much host memory to share one):
   coatstate  coatstate.HostOffloadAdamW(master_bits=24): FP8 moments and a 1-byte master
              correction on the host, stepped during backward by CompressedAdamW's CPU path
-  coatstate-4bit   the same with 4-bit moments (e2m1 / ue3m1_sqrt)
-  coatstate-plain  the same with FP8 moments without dynamic range expansion
+  coatstate-4bit, coatstate-plain: the same with 4-bit moments, or FP8 without range expansion
   torchao    torchao.optim.CPUOffloadOptimizer(offload_gradients=True) over torch's fused CPU
              AdamW on an fp32 master of each bf16 weight (skipped, with a note, without torchao)
 Per setup: peak GPU memory, the host bytes of the optimizer states and of the weight and gradient

@@ -269,7 +269,7 @@ def section_offload(data: dict, path: Path) -> str:
     date, machine = provenance(data, path)
     a = data["meta"]["args"]
     return "\n".join([
-        "## Optimizer states in host memory (7B shapes, GPU capped at 24 GB)",
+        "## Optimizer states in host memory (7B shapes)" + ", repeated" * ("_repeat" in path.stem),
         f"{machine}, {date}, GPU capped at {a['cap_gb']:.0f} GB, batch {a['batch']}, seq 2048, "
         f"{a['rounds']} rounds x {a['steps']} steps: median [min-max]. coatstate: HostOffloadAdamW "
         "(FP8 moments + 24-bit master on the host, its CPU step; -4bit: 4-bit moments; -plain: FP8 "
@@ -504,6 +504,7 @@ SECTIONS = {  # result file stem -> its section of docs/benchmarks.md, in the pa
     "optimizer_cpu": section_optimizer_cpu,
     "optimizers_cpu_train": section_optimizers_cpu_train,
     "offload": section_offload,
+    "offload_repeat": section_offload,  # the same machine minutes later: the run-to-run spread
     "parity_gpu": section_parity_gpu,
     "parity_gpu_learned": section_parity_gpu,  # docs/accuracy.md: why rotary positions
     "activation_memory": section_activation_memory,

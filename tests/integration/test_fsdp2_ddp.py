@@ -52,13 +52,16 @@ def _rendezvous() -> str:
     return f"file://{directory}/store"
 
 
-def _spawn(fn, world_size: int, *args) -> None:
+def _spawn(fn, world_size: int, *args, start_method: str = "forkserver") -> None:
     # a fork server that has imported torch and coatstate once starts each rank in ~0.1 s (a
     # spawned rank takes ~5-10 s to import them on a 2-core CI machine); it has never run an
-    # OpenMP region, so forking it is safe
-    multiprocessing.set_forkserver_preload(["torch", "coatstate", "coatstate.kernels.adamw_fused", __name__])
+    # OpenMP region, so forking it is safe. CUDA ranks spawn: importing the Triton kernels may
+    # initialize CUDA in the server, and a forked child cannot use it then.
+    if start_method == "forkserver":
+        preload = ["torch", "coatstate", "coatstate.kernels.adamw_fused", __name__]
+        multiprocessing.set_forkserver_preload(preload)
     mp.start_processes(
-        fn, args=(world_size, _rendezvous(), *args), nprocs=world_size, start_method="forkserver"
+        fn, args=(world_size, _rendezvous(), *args), nprocs=world_size, start_method=start_method
     )
 
 
@@ -399,7 +402,7 @@ def test_fused_step_on_local_shards_interpreter():
 @pytest.mark.gpu
 @requires_cuda
 def test_fused_step_on_local_shards_cuda():
-    _spawn(_fused_worker, min(2, torch.cuda.device_count()), "cuda")
+    _spawn(_fused_worker, min(2, torch.cuda.device_count()), "cuda", start_method="spawn")
 
 
 def test_ddp_matches_one_process(tmp_path):
