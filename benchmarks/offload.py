@@ -102,8 +102,7 @@ def build_optimizer(setup: str, model: torch.nn.Module):
     if setup in COATSTATE_SETUPS:
         import coatstate
 
-        formats = COATSTATE_SETUPS[setup]
-        opt = coatstate.HostOffloadAdamW(model.parameters(), master_bits=24, **OPT, **formats)
+        opt = coatstate.HostOffloadAdamW(model.parameters(), master_bits=24, **OPT, **COATSTATE_SETUPS[setup])
 
         def host_bytes():
             b = opt.host_bytes()

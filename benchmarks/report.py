@@ -230,7 +230,8 @@ def section_optimizer_cpu(data: dict, path: Path) -> str:
     for threads, run in data["by_threads"].items():
         first = run.get("first_step_s", {})
         out += [
-            f"**{threads} thread(s)**: in-place bandwidth {run['inplace_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, "  # noqa: E501
+            f"**{threads} thread(s)**: in-place bandwidth "
+            f"{run['inplace_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, "
             f"{run['rounds']} rounds of {run['steps_per_round']} steps; first step of a fresh process "
             f"(the C++ step built and loaded): {first.get('cold', float('nan')):.1f} s with an empty cache, "
             f"{first.get('warm', float('nan')):.2f} s with it warm.",

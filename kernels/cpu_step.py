@@ -256,10 +256,8 @@ def supports(param: torch.Tensor, grad: torch.Tensor, state: dict, formats: dict
     m, v = formats["exp_avg"], formats["exp_avg_sq"]
     if m is None or v is None or param.device.type != "cpu" or grad.device != param.device:
         return False
-    if param.dtype not in (torch.float32, torch.bfloat16) or grad.dtype not in (
-        torch.float32,
-        torch.bfloat16,
-    ):
+    floats = (torch.float32, torch.bfloat16)
+    if param.dtype not in floats or grad.dtype not in floats:
         return False
     if amsgrad and v.bits == 4:
         return False  # a 4-bit maximum rounds to nearest, which only the twin spells out

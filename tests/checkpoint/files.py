@@ -1,4 +1,4 @@
-"""What the checkpoint tests share: crafted files and an S3 bucket."""
+"""What the checkpoint tests share to craft files (the S3 bucket fixture is in conftest.py)."""
 
 from __future__ import annotations
 
