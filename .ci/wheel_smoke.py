@@ -4,7 +4,8 @@ It checks that only the declared runtime dependencies are there (no numpy, trito
 that every module imports from site-packages (kernel modules may need triton), that a CPU
 CompressedAdamW step under compress_activations runs, that save/load through a real file gives
 the state back bit for bit with this version in its header, that the `coatstate` command answers
---help, --version and inspect, and that compress="zstd" without zstandard names the extra.
+--help, --version and inspect, that compress="zstd" without zstandard names the extra, and
+that the wheel carries the CPU step's C++ source and, where a compiler exists, builds it.
 Every check runs; the failures are listed at the end and the exit status is 1 if there is one.
 """
 
@@ -145,6 +146,16 @@ def check_cli(tmp: Path) -> None:
     assert "CompressedAdamW" in out and "checksums: all verified" in out, out
 
 
+def check_cpu_step_builds() -> None:
+    """The wheel carries the C++ step's source: where a compiler exists, the step builds."""
+    from coatstate.kernels import cpu_step
+
+    missing = [p.name for p in (cpu_step.SOURCE, *cpu_step.HEADERS) if not p.exists()]
+    assert not missing, f"the wheel lacks {missing}: CompressedAdamW's CPU step falls back to the twin"
+    if cpu_step.compiler() is not None:
+        assert cpu_step.library() is not None, "the CPU step did not build (see the log line above)"
+
+
 def check_cli_version() -> None:
     import coatstate
 
@@ -164,6 +175,7 @@ def main() -> int:
             (check_zstd_names_the_extra, (Path(d),)),
             (check_cli, (Path(d),)),
             (check_cli_version, ()),
+            (check_cpu_step_builds, ()),
         ]
         for check, args in checks:
             try:
