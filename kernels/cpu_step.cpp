@@ -164,14 +164,20 @@ void encode_fp8(const CoatMoment& mo, const CoatStep& a, const Group& gr, const 
   mo.exponents[gr.index] = (uint8_t)k16;
 }
 
+// floats per scratch array of one thread: a group, padded by a vector for odd groups
+COAT_INLINE int64_t scratch_stride(int64_t group_size) { return (group_size + 64) & ~int64_t(15); }
+
 // u = sqrt(x) (ue3m1_sqrt, rounded stochastically) or x (e2m1, to nearest); codes[] is scratch
 template <bool SQ, int N>
 void encode_fp4(const CoatMoment& mo, const CoatStep& a, const Group& gr, const float* __restrict x,
                 uint32_t* __restrict codes) {
   const int n = N ? N : gr.n;  // N: a full group of the default size, known to the compiler
   int32_t mx_bits = 0, finite = 0;
+  // the square roots, taken once: scratch beside codes (coat_adamw_step allocates both)
+  float* __restrict roots = (float*)(codes + scratch_stride(a.group_size));
   for (int j = 0; j < n; ++j) {
     float u = SQ ? std::sqrt(x[j]) : x[j];
+    if (SQ) roots[j] = u;
     int32_t b = (int32_t)(as_bits(u) & 0x7FFFFFFFu);
     finite += b < 0x7F800000;
     b = b < 0x7F800000 ? b : 0;
@@ -183,7 +189,7 @@ void encode_fp4(const CoatMoment& mo, const CoatStep& a, const Group& gr, const 
   const float to_units = s > 0.0f ? top / s : 0.0f;
   const uint32_t key = a.rounding_key, off0 = (uint32_t)gr.offset;  // offsets count mod 2^32
   for (int j = 0; j < n; ++j) {
-    float u = SQ ? std::sqrt(x[j]) : x[j];
+    float u = SQ ? roots[j] : x[j];
     u = is_finite(u) ? u : 0.0f;
     float y = std::fabs(u) * to_units;
     y = y > top ? top : y;
@@ -256,8 +262,9 @@ COAT_INLINE void store_param(const ParamPtrs& q, int64_t i, float p, uint32_t of
   }
 }
 
-// torch's single-tensor AdamW on one group: m, v (and vm) in scratch, p and g in place
-template <int N, int PM, bool GRAD_BF16, bool FMA_LERP, bool FMA_ADDCMUL>
+// torch's single-tensor AdamW on one group: m, v (and vm) in scratch, p and g in place. COMMON:
+// no maximize, gradient scale or amsgrad, known to the compiler (fewer selects per element)
+template <int N, int PM, bool GRAD_BF16, bool FMA_LERP, bool FMA_ADDCMUL, bool COMMON>
 int64_t update(const CoatStep& a, const Group& gr, float* __restrict m, float* __restrict v,
                float* __restrict vm) {
   const int n = N ? N : gr.n;  // N: a full group of the default size, known to the compiler
@@ -268,13 +275,13 @@ int64_t update(const CoatStep& a, const Group& gr, float* __restrict m, float* _
   const bool from_start = std::fabs(a.lerp_weight) < 0.5f;
   const float coeff = from_start ? a.lerp_weight : a.lerp_weight - 1.0f;
   const float inv_scale = a.has_inv_scale ? a.inv_scale : 1.0f, decay = a.decay;
-  const bool maximize = a.maximize;
-  const bool scaled = a.has_inv_scale, decayed = a.weight_decay, amsgrad = a.amsgrad;
+  const bool maximize = !COMMON && a.maximize, decayed = a.weight_decay;
+  const bool scaled = !COMMON && a.has_inv_scale, amsgrad = !COMMON && a.amsgrad;
   const float beta2 = a.beta2, omb2 = a.one_minus_beta2, bc2 = a.bc2_sqrt, eps = a.eps, nstep = a.neg_step_size;
   const uint32_t off0 = (uint32_t)gr.offset, nan = a.bf16_nan, key = a.master_key;
   const ParamPtrs q = {(float*)a.param + base, (uint16_t*)a.param + base, (int8_t*)a.correction + base,
                        (int16_t*)a.correction + base};
-  int64_t nonfinite = 0;
+  int32_t nonfinite = 0;  // (a group is short: 32-bit lanes, no widening per element)
   for (int j = 0; j < n; ++j) {
     float p = load_param<PM>(q, j);
     float g = GRAD_BF16 ? bf16_to_float(g16[j]) : g32[j];
@@ -333,14 +340,25 @@ EncodeFn encoder(const CoatMoment& mo) {
   }
 }
 
-template <int N, int PM>
+template <int N, int PM, bool COMMON>
 UpdateFn updater_for(const CoatStep& a) {
   int which = (a.grad_bf16 ? 4 : 0) | (a.fma_lerp ? 2 : 0) | (a.fma_addcmul ? 1 : 0);
   constexpr UpdateFn table[8] = {
-      update<N, PM, false, false, false>, update<N, PM, false, false, true>, update<N, PM, false, true, false>,
-      update<N, PM, false, true, true>,   update<N, PM, true, false, false>,  update<N, PM, true, false, true>,
-      update<N, PM, true, true, false>,   update<N, PM, true, true, true>};
+      update<N, PM, false, false, false, COMMON>, update<N, PM, false, false, true, COMMON>,
+      update<N, PM, false, true, false, COMMON>,  update<N, PM, false, true, true, COMMON>,
+      update<N, PM, true, false, false, COMMON>,  update<N, PM, true, false, true, COMMON>,
+      update<N, PM, true, true, false, COMMON>,   update<N, PM, true, true, true, COMMON>};
   return table[which];
+}
+
+template <int N, int PM>
+UpdateFn updater_for(const CoatStep& a) {
+  if constexpr (N == 0) {  // groups of other sizes: the general update only (a faster build)
+    return updater_for<N, PM, false>(a);
+  } else {
+    const bool common = !a.maximize && !a.has_inv_scale && !a.amsgrad;
+    return common ? updater_for<N, PM, true>(a) : updater_for<N, PM, false>(a);
+  }
 }
 
 template <int N>
@@ -379,6 +397,31 @@ struct Kernels {
 
 constexpr int kDefaultGroup = 128;  // formats.defaults.GROUP_SIZE
 
+// Hints the memory streams of the elements `ahead` past a group's first into the cache. The
+// hardware's prefetcher falls behind on these interleaved streams (parameter, gradient and the
+// moments' one-byte codes): without the hints the step stalls on loads more than it computes.
+// A prefetch never faults, so addresses past the end are harmless.
+COAT_INLINE void prefetch_ahead(const CoatStep& a, int64_t first, int64_t count) {
+  const char* p = (const char*)a.param + first * (a.param_bf16 ? 2 : 4);
+  const char* g = (const char*)a.grad + first * (a.grad_bf16 ? 2 : 4);
+  for (int64_t o = 0; o < count * (a.param_bf16 ? 2 : 4); o += 64) __builtin_prefetch(p + o, 1);
+  for (int64_t o = 0; o < count * (a.grad_bf16 ? 2 : 4); o += 64) __builtin_prefetch(g + o, 0);
+  if (a.correction != nullptr) {
+    const char* c = (const char*)a.correction + first * (a.master_bits == 32 ? 2 : 1);
+    for (int64_t o = 0; o < count * (a.master_bits == 32 ? 2 : 1); o += 64) __builtin_prefetch(c + o, 1);
+  }
+  const CoatMoment* moments[3] = {&a.m, &a.v, &a.vmax};
+  for (const CoatMoment* mo : moments) {
+    if (mo == &a.vmax && !a.amsgrad) break;
+    const bool packed = mo->kind >= 3;  // 4-bit: two codes a byte (rows padded to a byte: near enough)
+    const uint8_t* c = mo->codes + (packed ? first / 2 : first);
+    for (int64_t o = 0; o < (packed ? count / 2 : count); o += 64) __builtin_prefetch(c + o, 1);
+  }
+}
+
+// how far ahead prefetch_ahead looks: a few groups, well inside the L2 cache
+constexpr int64_t kPrefetchDistance = 512;
+
 constexpr int64_t kMinElementsPerThread = 1 << 15;  // below it, a second thread costs more than it saves
 
 }  // namespace
@@ -394,9 +437,9 @@ extern "C" int coat_adamw_step(CoatStep* ap) {
   int64_t bad = 0;
 #pragma omp parallel num_threads((int)threads) reduction(+ : bad)
   {
-    // scratch: m, v, vm as float and the 4-bit codes, each padded by a vector for odd groups
-    const int64_t stride = (gs + 64) & ~int64_t(15);
-    float* buf = (float*)std::aligned_alloc(64, sizeof(float) * 4 * stride);
+    // scratch: m, v, vm as float, the 4-bit codes and the square roots encode_fp4 takes
+    const int64_t stride = scratch_stride(gs);
+    float* buf = (float*)std::aligned_alloc(64, sizeof(float) * 5 * stride);
     float *m = buf, *v = buf + stride, *vm = buf + 2 * stride;
     uint32_t* codes = (uint32_t*)(buf + 3 * stride);
 #pragma omp for schedule(static)
@@ -409,6 +452,7 @@ extern "C" int coat_adamw_step(CoatStep* ap) {
       if (gr.n <= 0) continue;
       gr.base = gr.row * a.cols + gr.col0;
       gr.offset = a.first_element + gr.base;
+      prefetch_ahead(a, gr.base + kPrefetchDistance, gr.n);
       bad += (gr.n == kDefaultGroup ? full : any).run(a, gr, m, v, vm, codes);
     }
     std::free(buf);
