@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from common import gpt_shapes, median_range, result_meta
 
-import coatstate
+from coatstate import CompressedAdamW
 from coatstate.optim import optimizer_state_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,14 +36,14 @@ PLAIN = dict(exp_avg_expand=False, exp_avg_sq_expand=False)
 VARIANTS = {
     "torch AdamW fused=True": (lambda ps: torch.optim.AdamW(ps, fused=True), torch.float32, 28.0),
     "torch AdamW foreach=True": (lambda ps: torch.optim.AdamW(ps, foreach=True), torch.float32, 28.0),
-    "coatstate defaults (FP8, expansion)": (lambda ps: coatstate.CompressedAdamW(ps), torch.float32, 16.16),
-    "coatstate plain E4M3": (lambda ps: coatstate.CompressedAdamW(ps, **PLAIN), torch.float32, 16.13),
-    "coatstate 4-bit (e2m1 / ue3m1_sqrt)": (lambda ps: coatstate.CompressedAdamW(ps, **FOURBIT), torch.float32, 14.13),
-    "coatstate bf16 params, 24-bit master": (lambda ps: coatstate.CompressedAdamW(ps), torch.bfloat16, 12.16),
-    "coatstate compress=False": (lambda ps: coatstate.CompressedAdamW(ps, compress=False), torch.float32, 28.0),
+    "coatstate defaults (FP8, expansion)": (lambda ps: CompressedAdamW(ps), torch.float32, 16.16),
+    "coatstate plain E4M3": (lambda ps: CompressedAdamW(ps, **PLAIN), torch.float32, 16.13),
+    "coatstate 4-bit (e2m1 / ue3m1_sqrt)": (lambda ps: CompressedAdamW(ps, **FOURBIT), torch.float32, 14.13),
+    "coatstate bf16 params, 24-bit master": (lambda ps: CompressedAdamW(ps), torch.bfloat16, 12.16),
+    "coatstate compress=False": (lambda ps: CompressedAdamW(ps, compress=False), torch.float32, 28.0),
     # the oracle, timed with --twin: what the CPU step was before the C++ one
     (TWIN := "coatstate defaults, pure-torch twin (fused=False)"): (
-        lambda ps: coatstate.CompressedAdamW(ps, fused=False), torch.float32, 16.16),
+        lambda ps: CompressedAdamW(ps, fused=False), torch.float32, 16.16),
 }  # fmt: skip
 REFERENCE = "torch AdamW fused=True"
 
@@ -129,8 +129,8 @@ def first_step_seconds(shapes, threads: int) -> dict:
     with tempfile.TemporaryDirectory() as cache:
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
         for label in ("cold", "warm"):
-            res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-            out[label] = float(res.stdout.split()[-1])
+            res = subprocess.check_output([sys.executable, "-c", code], env=env, text=True)
+            out[label] = float(res.split()[-1])
     return out
 
 

@@ -187,7 +187,8 @@ def _cpu_table(run: dict) -> str:
 def _cpu_vs_gpu(data: dict) -> str:
     """The seed question's paragraph: the ratios here beside the H200's (docs: optimizer_step)."""
     runs = data["by_threads"]
-    rows = (runs.get("2") or next(iter(runs.values())))["rows"]
+    threads = "2" if "2" in runs else next(iter(runs))
+    rows = runs[threads]["rows"]
 
     def x_floor(name: str) -> float:
         r = rows.get(name)
@@ -201,7 +202,7 @@ def _cpu_vs_gpu(data: dict) -> str:
         "**What changes on a CPU.** On the H200 the FP8 step moves 16.2 bytes a parameter against fused "
         "AdamW's 28 and runs at 0.50x (expansion off) to 0.55x (on) of its time, close to the bytes "
         "ratio: the GPU has arithmetic to spare, so both steps sit near the copy-bandwidth floor "
-        "(1.06-1.24x it). Here, at 2 threads, torch's fused AdamW runs at "
+        f"(1.06-1.24x it). Here, at {threads} thread(s), torch's fused AdamW runs at "
         f"{x_floor(REFERENCE):.1f}x its floor, while the compressed steps run at {x_floor(plain):.1f}x "
         f"(plain E4M3, {vs(plain):.2f}x torch's time) and {x_floor(dflt):.1f}x (range expansion, "
         f"{vs(dflt):.2f}x): two cores cannot decode, update and re-encode a parameter as fast as memory "
