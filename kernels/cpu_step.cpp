@@ -173,11 +173,10 @@ void encode_fp4(const CoatMoment& mo, const CoatStep& a, const Group& gr, const 
                 uint32_t* __restrict codes) {
   const int n = N ? N : gr.n;  // N: a full group of the default size, known to the compiler
   int32_t mx_bits = 0, finite = 0;
-  // the square roots, taken once: scratch beside codes (coat_adamw_step allocates both)
-  float* __restrict roots = (float*)(codes + scratch_stride(a.group_size));
+  // ue3m1_sqrt is exp_avg_sq's format: update() left sqrt(x) in this scratch beside codes
+  const float* __restrict roots = (const float*)(codes + scratch_stride(a.group_size));
   for (int j = 0; j < n; ++j) {
-    float u = SQ ? std::sqrt(x[j]) : x[j];
-    if (SQ) roots[j] = u;
+    float u = SQ ? roots[j] : x[j];
     int32_t b = (int32_t)(as_bits(u) & 0x7FFFFFFFu);
     finite += b < 0x7F800000;
     b = b < 0x7F800000 ? b : 0;
@@ -266,7 +265,7 @@ COAT_INLINE void store_param(const ParamPtrs& q, int64_t i, float p, uint32_t of
 // no maximize, gradient scale or amsgrad, known to the compiler (fewer selects per element)
 template <int N, int PM, bool GRAD_BF16, bool FMA_LERP, bool FMA_ADDCMUL, bool COMMON>
 int64_t update(const CoatStep& a, const Group& gr, float* __restrict m, float* __restrict v,
-               float* __restrict vm) {
+               float* __restrict vm, float* __restrict roots) {
   const int n = N ? N : gr.n;  // N: a full group of the default size, known to the compiler
   const int64_t base = gr.base;
   const float* __restrict g32 = (const float*)a.grad + base;
@@ -298,12 +297,14 @@ int64_t update(const CoatStep& a, const Group& gr, float* __restrict m, float* _
       vm[j] = mx;
       den = mx;
     }
-    float denom = std::sqrt(den) / bc2 + eps;
+    const float root = std::sqrt(vj);  // (kept for a ue3m1_sqrt encode of v)
+    float denom = (amsgrad ? std::sqrt(den) : root) / bc2 + eps;
     p = p + (nstep * mj) / denom;
     float t = mj + vj;
     nonfinite += (t - t) != 0.0f;
     m[j] = mj;
     v[j] = vj;
+    roots[j] = root;
     store_param<PM>(q, j, p, off0 + (uint32_t)j, nan, key);
   }
   return nonfinite;
@@ -311,7 +312,7 @@ int64_t update(const CoatStep& a, const Group& gr, float* __restrict m, float* _
 
 using DecodeFn = void (*)(const CoatMoment&, const CoatStep&, const Group&, float*);
 using EncodeFn = void (*)(const CoatMoment&, const CoatStep&, const Group&, const float*, uint32_t*);
-using UpdateFn = int64_t (*)(const CoatStep&, const Group&, float*, float*, float*);
+using UpdateFn = int64_t (*)(const CoatStep&, const Group&, float*, float*, float*, float*);
 
 template <int MB, bool EXPAND, int N>
 void encode_fp8_(const CoatMoment& mo, const CoatStep& a, const Group& gr, const float* x, uint32_t*) {
@@ -387,7 +388,7 @@ struct Kernels {
     dm(a.m, a, gr, m);
     dv(a.v, a, gr, v);
     if (dvm) dvm(a.vmax, a, gr, vm);
-    int64_t bad = up(a, gr, m, v, vm);
+    int64_t bad = up(a, gr, m, v, vm, (float*)(codes + scratch_stride(a.group_size)));
     em(a.m, a, gr, m, codes);
     ev(a.v, a, gr, v, codes);
     if (evm) evm(a.vmax, a, gr, vm, codes);
