@@ -20,10 +20,8 @@ IMG = DOCS / "img"
 
 def provenance(data: dict, path: Path) -> tuple[str, str]:
     """(date, machine) of a result file, from its meta block or, failing that, git and its args."""
-    meta = {
-        **{k: data[k] for k in ("date", "machine") if isinstance(data.get(k), str)},
-        **(data.get("meta") or {}),
-    }
+    top = {k: data[k] for k in ("date", "machine") if isinstance(data.get(k), str)}
+    meta = {**top, **(data.get("meta") or {})}
     date = meta.get("date")
     if not date:
         out = subprocess.run(
@@ -43,7 +41,8 @@ def provenance(data: dict, path: Path) -> tuple[str, str]:
     if load is not None and str(meta.get("device") or "").startswith("cuda"):  # a shared GPU host
         machine += f" (host load average {load} at start)"
     elif load is not None:  # CPU timings: how busy the machine was, how many threads took part
-        machine += f" (load average {load} at start, {meta.get('threads', '?')} torch threads)"
+        threads = f", {meta['threads']} torch threads" if meta.get("threads") else ""  # (some list several)
+        machine += f" (load average {load} at start{threads})"
     return date, machine
 
 

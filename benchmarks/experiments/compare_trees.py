@@ -51,7 +51,8 @@ def main() -> None:
                     times[label].setdefault(name, []).append(ms)
             print(f"round {rnd + 1}/{args.rounds} done", flush=True)
     rows = []
-    print(f"{'variant':56s} {'old ms':>8s} {'(min-max)':>15s} {'new ms':>8s} {'(min-max)':>15s} {'new/old':>7s}")
+    spread = f"{'(min-max)':>15s}"
+    print(f"{'variant':56s} {'old ms':>8s} {spread} {'new ms':>8s} {spread} {'new/old':>7s}")
     for name, old in times["old"].items():
         new = times["new"].get(name, [])
         if not new:
