@@ -6,7 +6,7 @@ revision against the working tree's, in interleaved rounds on the same parameter
 Each version is built into its own shared library; every format's optimizer is created once per
 version and the versions take turns (order alternating per round), 3 steps a turn. Prints, per
 format and thread count, ns per parameter (median [min-max] over rounds) and the per-round ratio
-new / base. Three GPT-block-sized fp32 matrices (20M parameters), random gradients.
+new / base. Three GPT-block-sized matrices (20M parameters; fp32, bf16 for the master row), random gradients.
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ from coatstate.kernels import cpu_step
 import coatstate
 
 ROOT = Path(__file__).resolve().parents[2]
-FORMATS = {
-    "defaults": {},
-    "plain E4M3": dict(exp_avg_expand=False, exp_avg_sq_expand=False),
-    "4-bit": dict(exp_avg_format="e2m1", exp_avg_sq_format="ue3m1_sqrt"),
+FORMATS = {  # name: (options, parameter dtype)
+    "defaults": ({}, torch.float32),
+    "plain E4M3": (dict(exp_avg_expand=False, exp_avg_sq_expand=False), torch.float32),
+    "4-bit": (dict(exp_avg_format="e2m1", exp_avg_sq_format="ue3m1_sqrt"), torch.float32),
+    "bf16 master24": ({}, torch.bfloat16),
 }
 
 
@@ -56,13 +57,13 @@ def compare(versions: dict, threads: int, rounds: int) -> dict:
     grads = [torch.randn(s, generator=gen) * 1e-3 for s in shapes]
     n = sum(x.numel() for x in start)
     out = {}
-    for name, options in FORMATS.items():
+    for name, (options, dtype) in FORMATS.items():
         opts = {}
         for label, built in versions.items():
             use(built)
-            params = [torch.nn.Parameter(x.clone()) for x in start]
+            params = [torch.nn.Parameter(x.to(dtype)) for x in start]
             for p, g in zip(params, grads, strict=True):
-                p.grad = g
+                p.grad = g.to(dtype)
             opts[label] = coatstate.CompressedAdamW(params, **options)
             opts[label].step()  # states created
         per_round = {label: [] for label in versions}
