@@ -32,6 +32,7 @@ from coatstate.formats.optimizer_state import (
     parse_format,
 )
 from coatstate.optim.base import CompressedOptimizer
+from coatstate.optim.foreach_step import adamw_step_foreach, batchable
 from coatstate.optim.moments import (
     FORMAT_DEFAULTS,
     global_shape,
@@ -340,17 +341,26 @@ class CompressedAdamW(CompressedOptimizer):
             inv_scale = grad_scale.double().reciprocal().float()  # exactly GradScaler.unscale_'s
         beta1, beta2 = group["betas"]
         lr = group["lr"]  # a tensor lr stays one: torch.optim.AdamW computes with it in its dtype
+        twin_only = group.get("fused") is False  # (the oracle: every parameter on its own)
+        batch: dict[float, list] = {}  # step: float32-moment parameters that step together
         for p in params:
             state = self._init_state(p, group, on_device=False)
             state["step"] += 1
             g = local_tensor(p.grad)
+            formats = moment_formats(group, global_shape(p))
+            master = master_mode(group, p)
+            if not twin_only and batchable(
+                local_tensor(p), g, formats, lr=lr, amsgrad=group["amsgrad"], master_bits=master
+            ):
+                batch.setdefault(state["step"].item(), []).append((p, g, local_state(state)))
+                continue
             # the compiled CPU step where it applies (fused=None), else the pure-torch twin
-            step_fn = adamw_step_reference if group.get("fused") is False else adamw_step_cpu
+            step_fn = adamw_step_reference if twin_only else adamw_step_cpu
             bad = step_fn(
                 local_tensor(p),
                 g,
                 local_state(state),
-                moment_formats(group, global_shape(p)),
+                formats,
                 lr=lr,
                 beta1=beta1,
                 beta2=beta2,
@@ -360,13 +370,33 @@ class CompressedAdamW(CompressedOptimizer):
                 amsgrad=group["amsgrad"],
                 step=state["step"].item(),
                 inv_grad_scale=None if inv_scale is None else inv_scale.to(g.device),
-                master_bits=master_mode(group, p),
+                master_bits=master,
                 seed=self._rounding_seed(group, p),
                 first_element=first_element(p),
             )
-            if bad:
-                count, steps, _ = self._twin_nonfinite.get(p, (0, 0, 0))
-                self._twin_nonfinite[p] = (count + bad, steps + 1, int(state["step"].item()))
+            self._record_twin_nonfinite(p, bad, state)
+        for step, members in batch.items():
+            ps, gs, states = zip(*members, strict=True)
+            counts = adamw_step_foreach(
+                [local_tensor(p) for p in ps],
+                list(gs),
+                list(states),
+                lr=lr,
+                beta1=beta1,
+                beta2=beta2,
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+                maximize=group["maximize"],
+                step=step,
+                inv_grad_scale=inv_scale,
+            )
+            for p, bad in zip(ps, counts, strict=True):
+                self._record_twin_nonfinite(p, bad, self.state[p])
+
+    def _record_twin_nonfinite(self, p: torch.Tensor, bad: int, state: dict) -> None:
+        if bad:
+            count, steps, _ = self._twin_nonfinite.get(p, (0, 0, 0))
+            self._twin_nonfinite[p] = (count + bad, steps + 1, int(state["step"].item()))
 
     # ---- state dicts -----------------------------------------------------------------------
 
