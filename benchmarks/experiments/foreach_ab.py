@@ -3,9 +3,10 @@ CompressedAdamW's CPU step? The same optimizer with and without the batch, inter
 
     python benchmarks/experiments/foreach_ab.py --threads 2 1 --out /tmp/foreach_ab.json
 
-optimizer_cpu.py's GPT-shaped set (384 wide, 8 layers: 100 tensors, 66 of them 1-D), plain E4M3
-and the defaults; "per-parameter" patches `batchable` to refuse every parameter, which is the
-step before the batch existed. Each variant steps 3 times a turn, order alternating per round.
+optimizer_cpu.py's GPT-shaped set (384 wide, 8 layers: 100 tensors, 66 of them 1-D), plain E4M3,
+the defaults and compress=False; "per-parameter" patches `batchable` to refuse every parameter,
+which is the step before the batch existed. Each variant steps 3 times a turn, order alternating
+per round.
 """
 
 from __future__ import annotations
@@ -25,7 +26,11 @@ from common import gpt_shapes  # noqa: E402
 import coatstate  # noqa: E402
 from coatstate.optim import adamw  # noqa: E402
 
-FORMATS = {"defaults": {}, "plain E4M3": dict(exp_avg_expand=False, exp_avg_sq_expand=False)}
+FORMATS = {
+    "defaults": {},
+    "plain E4M3": dict(exp_avg_expand=False, exp_avg_sq_expand=False),
+    "compress=False": dict(compress=False),
+}
 
 
 def main() -> None:

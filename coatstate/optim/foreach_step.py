@@ -8,8 +8,8 @@ but one call covers every tensor: the dozen op calls a parameter costs from Pyth
 per step instead of once per parameter. A model has many such small tensors (a GPT block has
 eight), and on a CPU their Python, not their arithmetic, was their step time.
 
-Covered: float32 parameters and gradients on the CPU, a float lr, no amsgrad, no master weights.
-Any other parameter takes the per-parameter path.
+Covered: float32 parameters and gradients on the CPU, a float lr, no amsgrad, no master weights,
+at most MAX_NUMEL elements. Any other parameter takes the per-parameter path.
 """
 
 from __future__ import annotations
@@ -17,6 +17,10 @@ from __future__ import annotations
 import torch
 
 from coatstate.formats.optimizer_state import MomentFormat
+
+MAX_NUMEL = 1 << 16
+"""Larger tensors step one at a time: their arithmetic outweighs their Python, and a batch would
+allocate the temporaries of all of them at once (compress=False's whole model)."""
 
 
 def batchable(
@@ -40,6 +44,7 @@ def batchable(
         and param.device.type == "cpu"
         and grad.device == param.device
         and grad.shape == param.shape
+        and param.numel() <= MAX_NUMEL
     )
 
 
