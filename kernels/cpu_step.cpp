@@ -398,10 +398,11 @@ struct Kernels {
 
 constexpr int kDefaultGroup = 128;  // formats.defaults.GROUP_SIZE
 
-// Hints the memory streams of the elements `ahead` past a group's first into the cache. The
-// hardware's prefetcher falls behind on these interleaved streams (parameter, gradient and the
-// moments' one-byte codes): without the hints the step stalls on loads more than it computes.
-// A prefetch never faults, so addresses past the end are harmless.
+// Hints every stream's memory of elements [first, first + count) into the cache, a few groups
+// before the step reaches them. The hardware's prefetcher falls behind on these interleaved
+// streams (parameter, gradient and the moments' one-byte codes): without the hints the step
+// stalls on loads more than it computes. A prefetch never faults: addresses past the end are
+// harmless.
 COAT_INLINE void prefetch_ahead(const CoatStep& a, int64_t first, int64_t count) {
   const char* p = (const char*)a.param + first * (a.param_bf16 ? 2 : 4);
   const char* g = (const char*)a.grad + first * (a.grad_bf16 ? 2 : 4);
