@@ -167,6 +167,25 @@ void encode_fp8(const CoatMoment& mo, const CoatStep& a, const Group& gr, const 
 // floats per scratch array of one thread: a group, padded by a vector for odd groups
 COAT_INLINE int64_t scratch_stride(int64_t group_size) { return (group_size + 64) & ~int64_t(15); }
 
+// the 4-bit code of u (sqrt(v) or m) in units where the group's largest magnitude is `top`;
+// r: ue3m1_sqrt's stochastic rounding bits, already placed below the kept mantissa bit
+template <bool SQ>
+COAT_INLINE uint32_t fp4_code(float u, float to_units, uint32_t r) {
+  constexpr float top = SQ ? 192.0f : 6.0f;
+  u = is_finite(u) ? u : 0.0f;
+  float y = std::fabs(u) * to_units;
+  y = y > top ? top : y;
+  if (SQ) {
+    int32_t i = (int32_t)((as_bits(y) + r) >> 22) - 254;  // y <= 192: no carry out of 32 bits
+    return (uint32_t)(i < 0 ? 0 : (i > 15 ? 15 : i));
+  }
+  return e2m1_index(y) | (u < 0.0f ? 8u : 0u);
+}
+
+COAT_INLINE uint32_t rounding_bits(uint32_t hash, uint32_t half) {  // half 0: low 16 bits, 1: high
+  return (((hash >> (half * 16)) & 0xFFFFu) << 6) | 32u;
+}
+
 // u = sqrt(x) (ue3m1_sqrt, rounded stochastically) or x (e2m1, to nearest); codes[] is scratch
 template <bool SQ, int N>
 void encode_fp4(const CoatMoment& mo, const CoatStep& a, const Group& gr, const float* __restrict x,
@@ -175,36 +194,35 @@ void encode_fp4(const CoatMoment& mo, const CoatStep& a, const Group& gr, const 
   int32_t mx_bits = 0, finite = 0;
   // ue3m1_sqrt is exp_avg_sq's format: update() left sqrt(x) in this scratch beside codes
   const float* __restrict roots = (const float*)(codes + scratch_stride(a.group_size));
+  const float* __restrict us = SQ ? roots : x;
   for (int j = 0; j < n; ++j) {
-    float u = SQ ? roots[j] : x[j];
-    int32_t b = (int32_t)(as_bits(u) & 0x7FFFFFFFu);
+    int32_t b = (int32_t)(as_bits(us[j]) & 0x7FFFFFFFu);
     finite += b < 0x7F800000;
     b = b < 0x7F800000 ? b : 0;
     mx_bits = b > mx_bits ? b : mx_bits;
   }
   const float mx = as_float((uint32_t)mx_bits);
   const float s = mx > 0.0f ? (mx < kMinScale4 ? kMinScale4 : mx) : 0.0f;
-  constexpr float top = SQ ? 192.0f : 6.0f;
-  const float to_units = s > 0.0f ? top / s : 0.0f;
+  const float to_units = s > 0.0f ? (SQ ? 192.0f : 6.0f) / s : 0.0f;
   const uint32_t key = a.rounding_key, off0 = (uint32_t)gr.offset;  // offsets count mod 2^32
-  for (int j = 0; j < n; ++j) {
-    float u = SQ ? roots[j] : x[j];
-    u = is_finite(u) ? u : 0.0f;
-    float y = std::fabs(u) * to_units;
-    y = y > top ? top : y;
-    if (SQ) {
-      uint32_t off = off0 + (uint32_t)j;
-      uint32_t hash = mix32(((off >> 1) * 0x85EBCA77u) ^ key);
-      uint32_t r = (((hash >> ((off & 1u) * 16)) & 0xFFFFu) << 6) | 32u;
-      int32_t i = (int32_t)((as_bits(y) + r) >> 22) - 254;  // y <= 192: no carry out of 32 bits
-      codes[j] = (uint32_t)(i < 0 ? 0 : (i > 15 ? 15 : i));
-    } else {
-      codes[j] = e2m1_index(y) | (u < 0.0f ? 8u : 0u);
-    }
-  }
-  codes[n] = 0;  // an odd group's last high nibble is 0
   uint8_t* __restrict c = mo.codes + gr.row * ((a.cols + 1) / 2) + gr.col0 / 2;
-  for (int j = 0; j < (n + 1) / 2; ++j) c[j] = (uint8_t)(codes[2 * j] | (codes[2 * j + 1] << 4));
+  if (n % 2 == 0 && (!SQ || off0 % 2 == 0)) {
+    // a byte's two elements share one hash (elements 2k and 2k + 1 of the tensor): taken once
+    for (int i = 0; i < n / 2; ++i) {
+      const uint32_t hash = SQ ? mix32((((off0 + 2u * (uint32_t)i) >> 1) * 0x85EBCA77u) ^ key) : 0u;
+      const uint32_t lo = fp4_code<SQ>(us[2 * i], to_units, rounding_bits(hash, 0));
+      const uint32_t hi = fp4_code<SQ>(us[2 * i + 1], to_units, rounding_bits(hash, 1));
+      c[i] = (uint8_t)(lo | (hi << 4));
+    }
+  } else {  // an odd group, or one starting at an odd element: element by element
+    for (int j = 0; j < n; ++j) {
+      const uint32_t off = off0 + (uint32_t)j;
+      const uint32_t hash = SQ ? mix32(((off >> 1) * 0x85EBCA77u) ^ key) : 0u;
+      codes[j] = fp4_code<SQ>(us[j], to_units, rounding_bits(hash, off & 1u));
+    }
+    codes[n] = 0;  // an odd group's last high nibble is 0
+    for (int j = 0; j < (n + 1) / 2; ++j) c[j] = (uint8_t)(codes[2 * j] | (codes[2 * j + 1] << 4));
+  }
   mo.scales[gr.index] = finite == n ? s : NAN;
 }
 
