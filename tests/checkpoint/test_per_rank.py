@@ -210,6 +210,7 @@ def _ddp_worker(rank, world_size, store, out):
     if rank == 0:
         coatstate.save(opt, os.path.join(out, "ddp_single.safetensors"), model=model.module)
     dist.barrier()
+    del model, opt  # before destroy_process_group: see tests/integration/test_fsdp2_ddp.py
     dist.destroy_process_group()
 
 

@@ -294,6 +294,9 @@ def _ddp_worker(rank, world_size, store, out_dir):
                 assert torch.equal(_bits(opt.state[p][key]), _bits(value)), f"DDP state {key} differs"
         coatstate.save(opt, os.path.join(out_dir, "ddp.safetensors"))
     dist.barrier()
+    # DDP's reducer holds the process group; released after destroy_process_group, gloo's
+    # destructor can hang joining its thread (a CI run hung there): release it while it lives
+    del model, opt
     dist.destroy_process_group()
 
 
