@@ -27,6 +27,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 
 import pytest
 import torch
@@ -41,6 +42,8 @@ from tests.conftest import requires_cuda
 LR = 1e-2
 STEPS = 10
 MORE = 3
+SPAWN_TIMEOUT_S = 300
+"""A test's ranks fail after this long instead of hanging CI (each finishes in seconds)."""
 UNEVEN = "2.weight"  # 131 x 256: rows 66 + 65, two groups per row (0.weight: 256 x 64, 4.weight: 128 x 131)
 
 
@@ -60,9 +63,15 @@ def _spawn(fn, world_size: int, *args, start_method: str = "forkserver") -> None
     if start_method == "forkserver":
         preload = ["torch", "coatstate", "coatstate.kernels.adamw_fused", __name__]
         multiprocessing.set_forkserver_preload(preload)
-    mp.start_processes(
-        fn, args=(world_size, _rendezvous(), *args), nprocs=world_size, start_method=start_method
+    ranks = mp.start_processes(
+        fn, args=(world_size, _rendezvous(), *args), nprocs=world_size, join=False, start_method=start_method
     )
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    while not ranks.join(timeout=max(1.0, deadline - time.monotonic())):  # (raises a rank's error)
+        if time.monotonic() >= deadline:
+            for process in ranks.processes:
+                process.kill()
+            raise AssertionError(f"{fn.__name__}: ranks still running after {SPAWN_TIMEOUT_S} s (a hang)")
 
 
 def _init(rank: int, world_size: int, store: str, device_type: str = "cpu"):
