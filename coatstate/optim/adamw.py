@@ -341,6 +341,8 @@ class CompressedAdamW(CompressedOptimizer):
             inv_scale = grad_scale.double().reciprocal().float()  # exactly GradScaler.unscale_'s
         beta1, beta2 = group["betas"]
         lr = group["lr"]  # a tensor lr stays one: torch.optim.AdamW computes with it in its dtype
+        hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
+        hyper["maximize"] = group["maximize"]
         twin_only = group.get("fused") is False  # (the oracle: every parameter on its own)
         batch: dict[float, list] = {}  # step: float32-moment parameters that step together
         for p in params:
@@ -361,12 +363,7 @@ class CompressedAdamW(CompressedOptimizer):
                 g,
                 local_state(state),
                 formats,
-                lr=lr,
-                beta1=beta1,
-                beta2=beta2,
-                eps=group["eps"],
-                weight_decay=group["weight_decay"],
-                maximize=group["maximize"],
+                **hyper,
                 amsgrad=group["amsgrad"],
                 step=state["step"].item(),
                 inv_grad_scale=None if inv_scale is None else inv_scale.to(g.device),
@@ -381,12 +378,7 @@ class CompressedAdamW(CompressedOptimizer):
                 [local_tensor(p) for p in ps],
                 list(gs),
                 list(states),
-                lr=lr,
-                beta1=beta1,
-                beta2=beta2,
-                eps=group["eps"],
-                weight_decay=group["weight_decay"],
-                maximize=group["maximize"],
+                **hyper,
                 step=step,
                 inv_grad_scale=inv_scale,
             )
