@@ -34,6 +34,7 @@ from tests.integration.test_fsdp2_ddp import (
     _check_equal,
     _fsdp,
     _init,
+    _join_ranks,
     _model,
     _optimizer,
     _rendezvous,
@@ -53,9 +54,12 @@ def _start(fn, world_size: int, *args, join: bool = True):
     multiprocessing.set_forkserver_preload(
         ["torch", "coatstate", "tests.integration.test_fsdp2_ddp", __name__]
     )
-    return mp.start_processes(
-        fn, args=(world_size, _rendezvous(), *args), nprocs=world_size, join=join, start_method="forkserver"
+    ranks = mp.start_processes(
+        fn, args=(world_size, _rendezvous(), *args), nprocs=world_size, join=False, start_method="forkserver"
     )
+    if join:
+        _join_ranks(ranks, fn.__name__)
+    return ranks
 
 
 def _tensors(ckpt) -> dict[str, torch.Tensor]:

@@ -66,12 +66,17 @@ def _spawn(fn, world_size: int, *args, start_method: str = "forkserver") -> None
     ranks = mp.start_processes(
         fn, args=(world_size, _rendezvous(), *args), nprocs=world_size, join=False, start_method=start_method
     )
+    _join_ranks(ranks, fn.__name__)
+
+
+def _join_ranks(ranks, what: str) -> None:
+    """Wait for started ranks (a rank's error is raised); kill them and fail after SPAWN_TIMEOUT_S."""
     deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    while not ranks.join(timeout=max(1.0, deadline - time.monotonic())):  # (raises a rank's error)
+    while not ranks.join(timeout=max(1.0, deadline - time.monotonic())):
         if time.monotonic() >= deadline:
             for process in ranks.processes:
                 process.kill()
-            raise AssertionError(f"{fn.__name__}: ranks still running after {SPAWN_TIMEOUT_S} s (a hang)")
+            raise AssertionError(f"{what}: ranks still running after {SPAWN_TIMEOUT_S} s (a hang)")
 
 
 def _init(rank: int, world_size: int, store: str, device_type: str = "cpu"):
