@@ -341,25 +341,31 @@ class CompressedAdamW(CompressedOptimizer):
             inv_scale = grad_scale.double().reciprocal().float()  # exactly GradScaler.unscale_'s
         beta1, beta2 = group["betas"]
         lr = group["lr"]  # a tensor lr stays one: torch.optim.AdamW computes with it in its dtype
-        hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
-        hyper["maximize"] = group["maximize"]
+        hyper = dict(
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            maximize=group["maximize"],
+        )
         twin_only = group.get("fused") is False  # (the oracle: every parameter on its own)
         batch: dict[float, list] = {}  # step: float32-moment parameters that step together
         for p in params:
             state = self._init_state(p, group, on_device=False)
             state["step"] += 1
-            g = local_tensor(p.grad)
+            local, g = local_tensor(p), local_tensor(p.grad)
             formats = moment_formats(group, global_shape(p))
             master = master_mode(group, p)
             if not twin_only and batchable(
-                local_tensor(p), g, formats, lr=lr, amsgrad=group["amsgrad"], master_bits=master
+                local, g, formats, lr=lr, amsgrad=group["amsgrad"], master_bits=master
             ):
-                batch.setdefault(state["step"].item(), []).append((p, g, local_state(state)))
+                batch.setdefault(state["step"].item(), []).append((p, local, g, local_state(state)))
                 continue
             # the compiled CPU step where it applies (fused=None), else the pure-torch twin
             step_fn = adamw_step_reference if twin_only else adamw_step_cpu
             bad = step_fn(
-                local_tensor(p),
+                local,
                 g,
                 local_state(state),
                 formats,
@@ -373,9 +379,9 @@ class CompressedAdamW(CompressedOptimizer):
             )
             self._record_twin_nonfinite(p, bad, state)
         for step, members in batch.items():
-            ps, gs, states = zip(*members, strict=True)
+            ps, locals_, gs, states = zip(*members, strict=True)
             counts = adamw_step_foreach(
-                [local_tensor(p) for p in ps],
+                list(locals_),
                 list(gs),
                 list(states),
                 **hyper,
