@@ -42,12 +42,16 @@ def _assert_same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     if not torch.equal(_bits(a), _bits(b)):
         differ = (_bits(a) != _bits(b)).sum().item()
         raise AssertionError(
-            f"{what}: {differ} of {a.numel()} values differ between the C++ step and the twin"
+            f"{what}: {differ} of {a.numel()} values differ between fused=None (the C++ step) and the twin"
         )
 
 
-def _run_pair(shapes, dtype=torch.float32, steps=3, seed=0, scaler=None, closure_lr=None, **options):
-    """Step both paths `steps` times on the same data; compare everything after each step."""
+def _run_pair(
+    shapes, dtype=torch.float32, steps=3, seed=0, scaler=None, closure_lr=None, grads_for=None, **options
+):
+    """Step both paths `steps` times on the same data; compare everything after each step.
+    grads_for(step): the indices of the parameters that get a gradient (default: all). Returns
+    (the fused=None optimizer, the twin, their parameters)."""
     gen = torch.Generator().manual_seed(seed)
     start = [(torch.randn(s, generator=gen) * 0.02).to(dtype) for s in shapes]
     fast = [torch.nn.Parameter(x.clone()) for x in start]
@@ -56,9 +60,10 @@ def _run_pair(shapes, dtype=torch.float32, steps=3, seed=0, scaler=None, closure
     of = coatstate.CompressedAdamW(fast, **options)
     ot = coatstate.CompressedAdamW(twin, fused=False, **options)
     for step in range(steps):
-        for pf, pt in zip(fast, twin, strict=True):
+        with_grad = grads_for(step) if grads_for else range(len(shapes))
+        for i, (pf, pt) in enumerate(zip(fast, twin, strict=True)):
             g = (torch.randn(pf.shape, generator=gen) * 10.0 ** -(step % 5)).to(dtype)
-            pf.grad, pt.grad = g.clone(), g.clone()
+            pf.grad, pt.grad = (g.clone(), g.clone()) if i in with_grad else (None, None)
         if scaler is not None:
             for o in (of, ot):
                 o.grad_scale, o.found_inf = scaler
@@ -74,7 +79,7 @@ def _run_pair(shapes, dtype=torch.float32, steps=3, seed=0, scaler=None, closure
             for key in sf:
                 if key != "step":
                     _assert_same(sf[key], st[key], f"step {step}, param {i} {tuple(pf.shape)}, {key}")
-    return of
+    return of, ot, fast, twin
 
 
 @pytest.mark.parametrize(
@@ -176,7 +181,7 @@ def test_without_a_compiler_the_twin_steps_and_says_so_once(monkeypatch, caplog)
     cpu_step.library.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger="coatstate"):
-            of = _run_pair([(3, 129)], steps=2)
+            of, *_ = _run_pair([(3, 129)], steps=2)
             _run_pair([(2, 300)], steps=2)
         lines = [r.getMessage() for r in caplog.records if "C++ compiler" in r.getMessage()]
         assert len(lines) == 1, lines

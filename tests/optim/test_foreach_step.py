@@ -13,42 +13,18 @@ import math
 import pytest
 import torch
 
-import coatstate
 from coatstate.optim import foreach_step
+from tests.kernels.test_cpu_step import _run_pair
 
 # 1-D tensors (norm weights, biases) of odd lengths, and 2-D ones under min_numel
 SHAPES = [(1,), (7,), (129,), (1000,), (4097,), (3, 5), (16, 17)]
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int32) if t.dtype == torch.float32 else t
-
-
-def _pair(shapes, steps=3, grads_for=None, scaler=None, **options):
-    gen = torch.Generator().manual_seed(0)
-    start = [torch.randn(s, generator=gen) * 0.02 for s in shapes]
-    batched = [torch.nn.Parameter(x.clone()) for x in start]
-    single = [torch.nn.Parameter(x.clone()) for x in start]
+def _pair(shapes, **options):
+    """tests/kernels/test_cpu_step.py's two optimizers (fused=None and the twin, compared bit for
+    bit after every step), small 2-D tensors keeping float32 moments unless asked otherwise."""
     options.setdefault("min_numel", 4096)
-    ob = coatstate.CompressedAdamW(batched, **options)
-    os_ = coatstate.CompressedAdamW(single, fused=False, **options)
-    for step in range(steps):
-        with_grad = grads_for(step) if grads_for else range(len(shapes))
-        for i, (pb, ps) in enumerate(zip(batched, single, strict=True)):
-            g = torch.randn(pb.shape, generator=gen) * 10.0 ** -(step % 4) if i in with_grad else None
-            pb.grad, ps.grad = (None, None) if g is None else (g.clone(), g.clone())
-        if scaler is not None:
-            for o in (ob, os_):
-                o.grad_scale, o.found_inf = scaler
-        ob.step()
-        os_.step()
-        for i, (pb, ps) in enumerate(zip(batched, single, strict=True)):
-            assert torch.equal(_bits(pb.detach()), _bits(ps.detach())), f"step {step}, param {i}"
-            sb, ss = ob.state[pb], os_.state[ps]
-            assert sb.keys() == ss.keys()
-            for key in sb:
-                assert torch.equal(_bits(sb[key]), _bits(ss[key])), f"step {step}, param {i}, {key}"
-    return ob, os_, batched, single
+    return _run_pair(shapes, **options)
 
 
 @pytest.mark.parametrize(
