@@ -8,9 +8,10 @@ shape, seq 2048) with fp32 master weights under bfloat16 autocast, the head in b
   coatstate_fp8_only  convert_to_fp8 + fused AdamW: the GEMM speedup alone
   coatstate_compiled[_ca]  convert_to_fp8 + CompressedAdamW, compiled blocks (inside
                    compress_activations, entered outside the compiled blocks)
-  coatstate_compiled_graphs[_all][_cg][_rel[_b24]]  blocks compiled with CompiledActivations (FP8
+  coatstate_compiled_graphs[_all][_cg][_rel[_b24[_4bit]]]  blocks compiled with CompiledActivations (FP8
                    saves inside the graphs; _all: norm and attention_v_out "group"; _cg: CUDA graphs;
-                   _rel: gradient release; _b24: bf16 parameters with a 24-bit master)
+                   _rel: gradient release; _b24: bf16 parameters with a 24-bit master;
+                   _4bit: 4-bit moments, e2m1 / ue3m1_sqrt)
   coatstate_compiled_ca_hp  _ca with E4M3 output gradients and a bf16 weight-gradient GEMM
 Every method is built at once and timed in interleaved rounds (rounds.py): tokens/s, speedups vs
 bf16 paired per round, GPU busy fraction, own peak memory, what compress_activations packed.
@@ -47,6 +48,7 @@ TINYLLAMA = dict(vocab=32000, dim=2048, layers=18, heads=16, hidden=5632, loss_c
 METHODS = """bf16 bf16_compiled coatstate_fp8_only coatstate coatstate_compiled coatstate_compiled_ca
 coatstate_compiled_graphs coatstate_compiled_graphs_all coatstate_compiled_graphs_cg
 coatstate_compiled_graphs_all_cg coatstate_compiled_graphs_rel coatstate_compiled_graphs_rel_b24
+coatstate_compiled_graphs_rel_b24_4bit
 coatstate_compiled_ca_hp torchao torchao_eager""".split()
 
 
@@ -119,9 +121,10 @@ def build(method: str, cfg: ModelConfig, device: torch.device, lr: float = 3e-4)
     notes["fp8_fallbacks"] = fp8_fallbacks(model)
     if method == "coatstate_fp8_only":
         return model, torch.optim.AdamW(model.parameters(), lr=lr, fused=fused), no_ctx, notes
-    if method.endswith("_b24"):  # bf16 weights + 1 correction byte (the one-GPU runs' recipe)
+    if "_b24" in method:  # bf16 weights + 1 correction byte (the one-GPU runs' recipe)
         model.to(torch.bfloat16)
-    opt = coatstate.CompressedAdamW(model.parameters(), lr=lr, gradient_release="_rel" in method)
+    moments = dict(exp_avg_format="e2m1", exp_avg_sq_format="ue3m1_sqrt") if method.endswith("_4bit") else {}
+    opt = coatstate.CompressedAdamW(model.parameters(), lr=lr, gradient_release="_rel" in method, **moments)
     if method == "coatstate":
         return model, opt, _Compressing(), notes
     if method.startswith("coatstate_compiled_graphs"):

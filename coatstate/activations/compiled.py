@@ -37,7 +37,10 @@ graph inputs that need no gradient (data the caller holds; a block's input activ
 needs one, is held by its kind: that is what compiling per block saves); tensors the graph also
 returns; non-float and small tensors; statistics of reductions (a norm's mean and rstd);
 expanded (stride-0) views; tensors with a dynamic (symbolic) shape. A graph whose backward inputs
-do not line up with its forward's saved tensors is left as partitioned, with a warning.
+do not line up with its forward's saved tensors is left as partitioned, with a warning. A kept
+tensor that is a view of a larger buffer no other saved tensor holds (Llama's v, once q and k are
+rotated into new tensors, is the qkv projection's last third) is kept as a compact copy, so that
+the rest of the buffer is freed after forward (shared_buffers.pinning_views).
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ from coatstate.activations.consumer_fusion import guard_consumers
 from coatstate.activations.graph import Boundary, LayoutError, copy_nodes, inline, is_tensor, memory_order
 from coatstate.activations.op_kinds import OpKind
 from coatstate.activations.policy import ActivationPolicy, Granularity
-from coatstate.activations.shared_buffers import pieces_of_one_split, view_chain
+from coatstate.activations.shared_buffers import pieces_of_one_split, pinning_views, view_chain
 from coatstate.activations.stats import ActivationStats, KeepReason
 from coatstate.formats import activation as codec
 from coatstate.formats import fp8 as fp8_format
@@ -226,12 +229,20 @@ class _Rewrite:
         }
         self._share_buffers(decided)
         recompute = self._recomputable(decided)
+        held = {i: b.outputs[i] for i, d in decided.items() if isinstance(d, str) and i not in recompute}
+        held.update((i, n) for i, n in enumerate(b.outputs[: b.first_saved]) if is_tensor(n))  # (returned)
+        movable = {i for i in held if i >= b.first_saved and decided[i].startswith("policy keeps")}
+        compact = pinning_views(held, movable, lambda n: _view_root(n, casts=False)[0], self.policy.min_numel)
         packs = []
         for i, decision in decided.items():
             node = b.outputs[i]
             val = node.meta["val"]
             shape = tuple(s if isinstance(s, int) else str(s) for s in val.shape)  # (SymInts as text)
-            if i in recompute:
+            if i in compact:  # held as it is, copied out of the buffer it would pin
+                self._keep(val, decision)
+                packs.append(_Pack(node, i, Granularity.KEEP, decision, perm=memory_order(val)))
+                self.report.append((node.name, shape, val.dtype, f"kept: {decision} (a compact copy)"))
+            elif i in recompute:
                 what = (
                     "from its parameter"
                     if recompute[i].from_parameter
@@ -393,7 +404,8 @@ class _Rewrite:
             pack_nodes |= set(fw_graph.nodes) - before
             if p.granularity is Granularity.GROUP:
                 group_packs.append((p, packed[1]))
-            self._count(p, x.meta["val"], packed)
+            if p.granularity is not Granularity.KEEP:  # (a compact copy was counted as kept)
+                self._count(p, x.meta["val"], packed)
             members = []  # (saved node, its backward input, that input's users, views from x to it)
             for k, m in enumerate(p.members or [p]):
                 placeholder = b.input_of(m.node)
@@ -561,6 +573,10 @@ def _codec_functions(saved: _Pack, policy: ActivationPolicy, val: torch.Tensor):
     shape = tuple(val.permute(perm).shape)  # the contiguous layout that is packed
     rows2d = (-1, shape[-1]) if shape else (1, 1)
     granularity = saved.granularity
+    if granularity is Granularity.KEEP:  # a compact copy in the same dim order
+        return (lambda x: (x.permute(perm).clone(memory_format=torch.contiguous_format),)), (
+            lambda c: (c.permute(inverse),)
+        )
     if granularity is Granularity.BF16:
         return (lambda x: (x.permute(perm).to(torch.bfloat16),)), (lambda c: (c.to(dtype).permute(inverse),))
     if granularity is Granularity.TENSOR:

@@ -61,3 +61,25 @@ def pieces_of_one_split(root: fx.Node, nodes: list[fx.Node], group_size: int) ->
     if dim % source.dim() != source.dim() - 1:
         return True  # (pieces of whole rows: a row's groups lie in one piece)
     return split.target is not torch.ops.aten.unbind.int and all(p.shape[-1] % group_size == 0 for p in parts)
+
+
+def pinning_views(held: dict[int, fx.Node], movable: set[int], root_of, min_numel: int) -> set[int]:
+    """Positions (of `movable`, among the saved tensors `held` until backward as they are) of views
+    that pin a larger buffer: one that nothing else held is a view of or is, with at least
+    `min_numel` of its elements in no held view. Llama's v is one: a view of the qkv projection
+    whose q and k are rotated into new tensors, it keeps the whole projection alive until backward,
+    where a compact copy of v holds its own elements only. `root_of(node)` is the buffer a node
+    views (the node itself if it is no view)."""
+    by_root: dict[fx.Node, list[int]] = {}
+    for i, node in held.items():
+        by_root.setdefault(root_of(node), []).append(i)
+    found = set()
+    for root, members in by_root.items():
+        val = root.meta.get("val")
+        pinned_anyway = any(i not in movable for i in members)
+        if root.op != "call_function" or not isinstance(val, torch.Tensor) or pinned_anyway:
+            continue  # (a graph input is held by its caller; an unmovable view pins the buffer anyway)
+        used = sum(held[i].meta["val"].numel() for i in members)
+        if val.numel() - used >= max(min_numel, 1):
+            found.update(members)
+    return found
