@@ -45,10 +45,17 @@ MODELS = {
 LABELS = {"bf16": "bf16 AdamW", "coatstate": "coatstate", "release": "+ release", "4bit": "+ release + 4-bit"}
 
 
+def planned_batch(the_plan, setup: str) -> int | None:
+    """The planner's largest batch for a setup; None where the plan left its row out (its notes
+    say why: e.g. the blocks did not compile on this machine's CPU), so the run still measures."""
+    v = variants()[setup]
+    return the_plan.max_batch(v) if v.name in {p.name for p in the_plan.variants} else None
+
+
 def weight(the_plan, setup: str) -> float:
     """A setup's share of the time budget: half for one expected to stop at batch 1 (the eager
     baseline, or any the planner says does not fit), which needs no batch search."""
-    return 0.5 if setup == "bf16" or the_plan.max_batch(variants()[setup]) == 0 else 1.0
+    return 0.5 if setup == "bf16" or planned_batch(the_plan, setup) == 0 else 1.0
 
 
 PAPER = {  # COAT (Xi et al. 2024) Table 7 and its text: one 80 GB GPU, context 2048
@@ -151,15 +158,18 @@ def run_child(setup: str, cfg: ModelConfig, args, guess: int, budget_s: float, l
 
 def add_predictions(res: dict, the_plan, setup: str) -> None:
     """The planner's peak (and its parts) beside every measured batch, and its largest batch."""
-    res["predicted_max_batch"] = the_plan.max_batch(variants()[setup])
-    res["predicted_batch1"] = predicted(the_plan, setup, 1)  # (also beside an out-of-memory error)
-    for r in [res.get("batch1"), *(p for p in res.get("probes", []) if p.get("fits"))]:
-        if r is None:
-            continue
-        pred = predicted(the_plan, setup, r["batch"])
-        r["predicted"] = pred
-        if "peak_bytes" in r:
-            r["peak_error"] = pred["peak"] / r["peak_bytes"] - 1
+    res["predicted_max_batch"] = planned_batch(the_plan, setup)
+    if res["predicted_max_batch"] is None:
+        res["plan_notes"] = the_plan.notes
+    else:
+        res["predicted_batch1"] = predicted(the_plan, setup, 1)  # (also beside an OOM error)
+        for r in [res.get("batch1"), *(p for p in res.get("probes", []) if p.get("fits"))]:
+            if r is None:
+                continue
+            pred = predicted(the_plan, setup, r["batch"])
+            r["predicted"] = pred
+            if "peak_bytes" in r:
+                r["peak_error"] = pred["peak"] / r["peak_bytes"] - 1
     fitted = [p for p in res.get("probes", []) if p.get("fits")]
     res["largest"] = max(fitted, key=lambda p: p["batch"]) if fitted else res.get("batch1")
 
@@ -178,6 +188,8 @@ def run_model(name: str, args, t_end: float, doc: dict, write) -> None:
     }
     shape = f"{params / 1e9:.2f}B params, {cfg.layers} x {cfg.dim}, seq {cfg.seq}"
     print(f"\nLlama {name}: {shape}; planned in {entry['plan_seconds']:.1f} s", flush=True)
+    for note in the_plan.notes:
+        print(f"  plan note: {note}", flush=True)
     todo = list(args.setups)
     while todo:
         setup = todo.pop(0)
@@ -188,7 +200,7 @@ def run_model(name: str, args, t_end: float, doc: dict, write) -> None:
             add_predictions(entry["setups"][setup], the_plan, setup)
             print(f"{setup:10s} skipped: time budget spent", flush=True)
             continue
-        guess = max(2, the_plan.max_batch(variants()[setup]))
+        guess = max(2, planned_batch(the_plan, setup) or 0)
         # no new probe after 70% of the share: the last probe compiles a new shape and runs steps
         res = run_child(setup, cfg, args, guess, budget_s=0.7 * share, limit_s=min(share + 45, left))
         add_predictions(res, the_plan, setup)
