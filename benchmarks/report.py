@@ -435,6 +435,8 @@ def _peak(r: dict) -> str:
     plan = r.get("predicted", {}).get("peak")
     if "peak_bytes" not in r:
         return f"- ({_gb(plan)})"
+    if "peak_error" not in r:  # the run's plan left this setup out (its notes say why)
+        return f"{_gb(r['peak_bytes'])} (-)"
     return f"{_gb(r['peak_bytes'])} ({_gb(plan)}, {100 * r['peak_error']:+.1f}%)"
 
 
@@ -494,6 +496,8 @@ def section_one_gpu(data: dict, path: Path, replan_now: bool = True) -> str:
             ]
         setups = entry["setups"].items()
         notes = [f"{ONE_GPU_LABELS.get(n, n)}: {r['status']}" for n, r in setups if r["status"] != "ok"]
+        left_out = sorted({n.split("\n")[0] for _, r in setups for n in r.get("plan_notes", [])})
+        notes += [f"The run's own plan: {n}" for n in left_out]
         if entry.get("paper"):
             notes.append(f"Paper: {entry['paper']}.")
         parts += [*notes, ""] if notes else []

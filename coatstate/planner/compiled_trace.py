@@ -11,7 +11,7 @@ v is a view of the qkv projection's output, which keeps all of that buffer alive
 
 So each repeated block is compiled by dynamo and AOTAutograd as torch.compile(options=
 CompiledActivations().options) would compile it: inductor's decompositions, its joint-graph
-passes and the partitioner (`partition_fn(partitioner_fn_override=...)`), then the two graphs run
+passes and the partitioner (`partition_fn` under `custom_partitioner_fn`), then the two graphs run
 as plain fx code (no Triton or C++ generated: seconds, on fake tensors too). Every tensor the
 graphs create goes through the dispatcher, so the planner's LiveBytes sees what they hold, views
 and all. Run op by op, a graph would allocate every intermediate that inductor fuses away (a
@@ -58,6 +58,7 @@ def partitioner_backend(partitioner: CompiledActivations):
     `partitioner`, whose forward and backward graphs run as fx code."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.aot_autograd import make_boxed_func
+    from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import partition_fn
     from torch._inductor.decomposition import select_decomp_table
 
@@ -75,7 +76,9 @@ def partitioner_backend(partitioner: CompiledActivations):
         return make_boxed_func(run)
 
     def partition(gm, joint_inputs, **kwargs):
-        return partition_fn(gm, joint_inputs, partitioner_fn_override=partitioner, **kwargs)
+        # inductor's config, not partition_fn's partitioner_fn_override, which torch 2.11 lacks
+        with inductor_config.patch(custom_partitioner_fn=partitioner):
+            return partition_fn(gm, joint_inputs, **kwargs)
 
     return aot_autograd(
         fw_compiler=run_as_fx,
