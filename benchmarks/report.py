@@ -440,6 +440,11 @@ def _peak(r: dict) -> str:
     return f"{_gb(r['peak_bytes'])} ({_gb(plan)}, {100 * r['peak_error']:+.1f}%)"
 
 
+def _planned_batch(res: dict) -> str:
+    b = res.get("predicted_max_batch")
+    return "-" if b is None else str(b)
+
+
 def _speed(r: dict) -> str:
     t = r["tokens_per_s"]
     return f"{t['median']:,.0f} [{t['min']:,.0f}-{t['max']:,.0f}]"
@@ -452,10 +457,10 @@ def _row(name: str, res: dict) -> list[str]:
         oom = res.get("oom")
         why = f"out of memory at batch 1 in {oom['phase']}" if oom else res.get("status", "no result")
         plan = (res.get("predicted_batch1") or {}).get("peak")
-        planned = f"- ({res.get('predicted_max_batch', '-')})"
+        planned = f"- ({_planned_batch(res)})"
         return [label, why, "", "", f"- ({_gb(plan)})", "", planned, "", ""]
     cut = " (time)" if res.get("search", {}).get("cut_short_by_budget") else ""
-    largest = f"{big['batch']}{cut} ({res.get('predicted_max_batch', '-')})"
+    largest = f"{big['batch']}{cut} ({_planned_batch(res)})"
     return [label, _gb(b1["moment_bytes"]), _gb(b1["master_bytes"]), _gb(b1["activation_bytes"]),
             _peak(b1), _speed(b1), largest, _peak(big), _speed(big)]  # fmt: skip
 
@@ -488,15 +493,16 @@ def section_one_gpu(data: dict, path: Path, replan_now: bool = True) -> str:
             parts += [
                 f"The planner now (coatstate.planner, on the CPU: `benchmarks/one_gpu_replan.py`; "
                 "`tests/planner/test_against_gpu_peaks.py` holds each within 3%) against every measured "
-                f"peak: the largest error is {100 * worst:.1f}%. The run's own predictions (made by the "
-                "planner before issue #52's fixes) are beside them.",
+                f"peak: the largest error is {100 * worst:.1f}%. The run's own predictions, where its "
+                "plan made them, are beside them.",
                 "",
                 md_table(one_gpu_replan.HEADER, one_gpu_replan.table_rows(replanned)),
                 "",
             ]
         setups = entry["setups"].items()
         notes = [f"{ONE_GPU_LABELS.get(n, n)}: {r['status']}" for n, r in setups if r["status"] != "ok"]
-        left_out = sorted({n.split("\n")[0] for _, r in setups for n in r.get("plan_notes", [])})
+        left_out = sorted({" ".join(n.split()).split(" Set TORCHDYNAMO")[0] for _, r in setups
+                           for n in r.get("plan_notes", [])})  # fmt: skip
         notes += [f"The run's own plan: {n}" for n in left_out]
         if entry.get("paper"):
             notes.append(f"Paper: {entry['paper']}.")
