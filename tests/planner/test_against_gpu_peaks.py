@@ -1,5 +1,5 @@
 """coatstate.planner against the GPU: every peak benchmarks/one_gpu.py measured (Llama-2-7B and 13B
-shapes on one H200 capped at 80 GB) planned again, now, on the CPU, within 3% (issue #52)."""
+shapes on one 80 GB GPU) planned again, now, on the CPU, within 3% (issue #52)."""
 
 from __future__ import annotations
 
