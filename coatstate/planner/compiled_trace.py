@@ -6,8 +6,8 @@ compiled block inductor's min-cut partitioner decides what the forward saves, an
 CompiledActivations rewrites that choice; the eager hooks see autograd's choice instead. For a
 Llama block with FP8 linear layers the eager path holds each linear layer's FP8 input copy, the
 norms' inputs and the SwiGLU product; the partitioner holds none of these (it recomputes them from
-the block input, q/k/v, the attention output and the gate/up projection, which it packs), but its
-v is a view of the qkv projection's output, which keeps all of that buffer alive.
+the block input, q/k/v, the attention output and the gate/up projection, which it packs); its v,
+a view of the qkv projection's output, is held as a compact copy so as not to pin that buffer.
 
 So each repeated block is compiled by dynamo and AOTAutograd as torch.compile(options=
 CompiledActivations().options) would compile it: inductor's decompositions, its joint-graph
