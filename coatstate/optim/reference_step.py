@@ -166,3 +166,45 @@ def adamw_step_cpu(
     if bad is None:
         bad = adamw_step_reference(param, grad, state, formats, first_element=first_element, **hyper)
     return bad
+
+
+class CompiledSteps:
+    """Parameters' steps through the compiled CPU kernel (coatstate.kernels.cpu_step), launched
+    together: `add` prepares one where the kernel covers it, `run` steps all of them in one call
+    (one parallel region over all their groups, so that a model's small tensors share the threads
+    instead of each running on one). Bit for bit what adamw_step_cpu, one by one, computes."""
+
+    def __init__(self) -> None:
+        from coatstate.kernels import cpu_step
+
+        self._cpu_step = cpu_step
+        self._keys: list = []
+        self._steps: list = []
+        self._alive: list = []  # the tensors the prepared steps hold the addresses of
+
+    def add(
+        self,
+        key: Any,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        state: dict,
+        formats: dict[str, MomentFormat | None],
+        first_element: int = 0,
+        **hyper: Any,
+    ) -> bool:
+        """Prepare one parameter's step (adamw_step_reference's arguments; `key` names it in what
+        `run` returns). False: the kernel does not cover it and nothing was changed."""
+        prepared = self._cpu_step.prepare(param, grad, state, formats, first_element=first_element, **hyper)
+        if prepared is None:
+            return False
+        self._keys.append(key)
+        self._steps.append(prepared)
+        self._alive.append((param, grad, state))
+        return True
+
+    def run(self) -> list[tuple[Any, int]]:
+        """Step every parameter added (then forget them): (key, count of non-finite moment values)."""
+        counts = self._cpu_step.run(self._steps)
+        done = list(zip(self._keys, counts, strict=True))
+        self._keys, self._steps, self._alive = [], [], []
+        return done

@@ -209,3 +209,103 @@ def test_equal_to_the_twin_under_other_cpu_capabilities(capability):
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test], env=env,
                          capture_output=True, text=True)  # fmt: skip
     assert out.returncode == 0, out.stdout[-2000:]
+
+
+# (shape, dtype, format options, group_size, amsgrad): one batch of every kind the kernel takes,
+# odd and tiny shapes among them, groups of three sizes (the scratch is sized for the largest)
+BATCH = [
+    ((7, 131), torch.float32, FP8[0], 128, False),
+    ((70, 1030), torch.float32, FP8[1], 128, False),
+    ((2, 3), torch.float32, FOUR_BIT, 128, False),
+    ((1, 1), torch.bfloat16, FP8[0], 128, False),
+    ((33, 517), torch.bfloat16, FOUR_BIT, 128, False),
+    ((5, 300), torch.float32, FP8[0], 64, True),
+    ((9, 700), torch.bfloat16, FP8[1], 258, False),
+    ((1, 4097), torch.float32, FOUR_BIT, 100, False),
+]
+
+
+def _batch_members(seed=0):
+    """Each of BATCH's parameters with a zero state and its moment formats (bfloat16: master 24)."""
+    gen = torch.Generator().manual_seed(seed)
+    members = []
+    for shape, dtype, fmt, group_size, amsgrad in BATCH:
+        p = (torch.randn(shape, generator=gen) * 0.02).to(dtype)
+        opt = coatstate.CompressedAdamW([torch.nn.Parameter(p.clone())], min_numel=1, group_size=group_size,
+                                        amsgrad=amsgrad, **fmt)  # fmt: skip
+        formats = moment_formats(opt.param_groups[0], shape)
+        state = {}
+        for name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")[: 3 if amsgrad else 2]:
+            init_moment(state, name, p, formats[name])
+        master_bits = 24 if dtype == torch.bfloat16 else None
+        if master_bits:
+            state[MASTER_CORRECTION] = torch.zeros(shape, dtype=torch.int8)
+        members.append((p, state, formats, dict(amsgrad=amsgrad, master_bits=master_bits)))
+    return members
+
+
+def _hyper(i, step, options):
+    """Per parameter hyperparameters: they differ between the members of one batch."""
+    return dict(lr=1e-3 * (i + 1), beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1 * (i % 2),
+                maximize=False, step=float(step + i), seed=i, first_element=0, **options)  # fmt: skip
+
+
+def _batched(members, grads, step, threads):
+    """Step every member in one cpu_step.run call: each one's non-finite count."""
+    steps = []
+    for i, ((p, state, formats, options), g) in enumerate(zip(members, grads, strict=True)):
+        steps.append(cpu_step.prepare(p, g, state, formats, **_hyper(i, step, options)))
+    assert all(s is not None for s in steps)
+    return cpu_step.run(steps, threads)
+
+
+def _one_by_one(members, grads, step):
+    """Step each member alone with the twin: each one's non-finite count."""
+    counts = []
+    for i, ((p, state, formats, options), g) in enumerate(zip(members, grads, strict=True)):
+        counts.append(adamw_step_reference(p, g, state, formats, **_hyper(i, step, options)))
+    return counts
+
+
+def _assert_members_same(fast, twin, what):
+    for i, ((pf, sf, *_), (pt, st, *_)) in enumerate(zip(fast, twin, strict=True)):
+        where = f"{what}, param {i} {tuple(pf.shape)} {pf.dtype}"
+        _assert_same(pf, pt, where)
+        assert sf.keys() == st.keys()
+        for key in sf:
+            _assert_same(sf[key], st[key], f"{where}, {key}")
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_one_batched_call_gives_each_parameters_own_bits(threads):
+    """Parameters of every shape, dtype and format stepped in one cpu_step.run call end with the bits
+    that stepping each alone with the twin (adamw_step_reference) gives, step after step; the
+    threads' runs of groups start and end inside tensors."""
+    fast, twin = _batch_members(), _batch_members()
+    gen = torch.Generator().manual_seed(1)
+    for step in range(1, 5):
+        grads = [(torch.randn(p.shape, generator=gen) * 10.0 ** -(step % 4)).to(p.dtype) for p, *_ in fast]
+        counts = _batched(fast, grads, step, threads)
+        assert counts == _one_by_one(twin, grads, step) == [0] * len(BATCH)
+        _assert_members_same(fast, twin, f"step {step}")
+
+
+def test_a_non_finite_gradient_is_counted_for_its_own_parameter():
+    fast, twin = _batch_members(), _batch_members()
+    gen = torch.Generator().manual_seed(2)
+    grads = [torch.randn(p.shape, generator=gen).to(p.dtype) for p, *_ in fast]
+    grads[1][3, 5] = float("nan")
+    grads[4][0, 7] = float("inf")
+    counts = _batched(fast, grads, 1, 2)
+    assert counts == _one_by_one(twin, grads, 1)
+    assert [i for i, c in enumerate(counts) if c] == [1, 4]
+    _assert_members_same(fast, twin, "step 1")
+
+
+def test_the_optimizer_steps_its_compiled_parameters_in_one_call(monkeypatch):
+    """CompressedAdamW launches every parameter the kernel covers in one run call per param group."""
+    calls = []
+    run = cpu_step.run
+    monkeypatch.setattr(cpu_step, "run", lambda steps, *a: calls.append(len(steps)) or run(steps, *a))
+    _run_pair(SHAPES + [(64,)], steps=2)  # (64,): float32 moments, the foreach step
+    assert calls == [len(SHAPES)] * 2
