@@ -7,16 +7,13 @@
 // -ffp-contract=off, so its bits do not depend on the vector width; the update's lerp and addcmul
 // round as torch's eager kernels do on this machine (the launcher probes whether those use FMA).
 //
-// One call steps a batch of parameters (an optimizer's whole param group): each thread takes a
-// contiguous run of all their groups. A group (at most group_size elements) passes through three
-// loops over per-thread scratch that stays in L1: decode the moments, update (which also reads the
-// gradient and reads and writes the parameter), encode. Every loop is branch-free and vectorizes
-// (check with -fopt-info-vec-missed); the format and parameter mode are template arguments picked
-// once per parameter, so no per-element test remains.
+// Each thread takes a contiguous run of groups. A group (at most group_size elements) passes
+// through three loops over per-thread scratch that stays in L1: decode the moments, update (which
+// also reads the gradient and reads and writes the parameter), encode. Every loop is branch-free
+// and vectorizes (check with -fopt-info-vec-missed); the format and parameter mode are template
+// arguments picked once per call, so no per-element test remains.
 
-#include <algorithm>
 #include <cstdlib>
-#include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -437,8 +434,8 @@ UpdateFn updater(const CoatStep& a) {
   }
 }
 
-// The functions one group runs, picked once per parameter: for groups of any length (N = 0) or for
-// full groups of the default size (N = 128), whose loops the compiler lays out without remainders.
+// The functions one group runs, picked once per call: for groups of any length (N = 0) or for full
+// groups of the default size (N = 128), whose loops the compiler lays out without remainders.
 struct Kernels {
   DecodeFn dm, dv, dvm;
   UpdateFn up;
@@ -492,73 +489,40 @@ constexpr int64_t kMinElementsPerThread = 1 << 15;  // below it, a second thread
 
 }  // namespace
 
-// Steps `count` parameters in one parallel region: their groups are numbered one after another
-// (tensor t's first group is start[t]) and split evenly between the threads, so a model's many
-// small tensors share the threads instead of each paying a region's start and running on one. A
-// group's work is the same whichever call or thread runs it: the bits do not depend on the batch.
-extern "C" int coat_adamw_step_many(CoatStep* steps, int64_t count, int32_t threads) {
-  if (count <= 0) return 0;
-  struct Tensor {  // what a tensor's groups share, worked out once here rather than per group
-    int64_t per_row;
-    Kernels any, full;
-  };
-  std::vector<Tensor> tensors((size_t)count);
-  std::vector<int64_t> start((size_t)count + 1);
-  int64_t elements = 0, largest_group = 0;
-  start[0] = 0;
-  for (int64_t t = 0; t < count; ++t) {
-    CoatStep& a = steps[t];
-    const int64_t gs = a.group_size;
-    const int64_t per_row = a.cols > 0 ? (a.cols + gs - 1) / gs : 1;
-    tensors[t] = {per_row, Kernels::make<0>(a), Kernels::make<kDefaultGroup>(a)};
-    start[t + 1] = start[t] + a.rows * per_row;
-    elements += a.rows * a.cols;
-    largest_group = gs > largest_group ? gs : largest_group;
-    a.nonfinite = 0;
-  }
-  const int64_t total = start[count];
-  int64_t n_threads = elements / kMinElementsPerThread;  // of all the tensors: they share the threads
-  n_threads = n_threads > threads ? threads : n_threads;
-  n_threads = n_threads < 1 ? 1 : n_threads;
-#pragma omp parallel num_threads((int)n_threads)
+extern "C" int coat_adamw_step(CoatStep* ap) {
+  const CoatStep& a = *ap;
+  const int64_t gs = a.group_size;
+  const int64_t per_row = a.cols > 0 ? (a.cols + gs - 1) / gs : 1;
+  const int64_t total = a.rows * per_row;
+  const Kernels any = Kernels::make<0>(a), full = Kernels::make<kDefaultGroup>(a);
+  int64_t threads = a.rows * a.cols / kMinElementsPerThread;
+  threads = threads < 1 ? 1 : (threads > a.threads ? a.threads : threads);
+  int64_t bad = 0;
+#pragma omp parallel num_threads((int)threads) reduction(+ : bad)
   {
-    // scratch: m, v, vm as float, the 4-bit codes and the square roots encode_fp4 takes; sized
-    // for the largest group, so that every tensor's (smaller) offsets fall inside it
-    const int64_t stride = scratch_stride(largest_group);
+    // scratch: m, v, vm as float, the 4-bit codes and the square roots encode_fp4 takes
+    const int64_t stride = scratch_stride(gs);
     float* buf = (float*)std::aligned_alloc(64, sizeof(float) * 5 * stride);
     float *m = buf, *v = buf + stride, *vm = buf + 2 * stride;
     uint32_t* codes = (uint32_t*)(buf + 3 * stride);
-    int64_t t = -1;  // the tensor of the thread's current group: its groups come in order
 #pragma omp for schedule(static)
     for (int64_t index = 0; index < total; ++index) {
-      if (t < 0 || index >= start[t + 1]) {  // the first group, or past the tensor's last: find it
-        t = std::upper_bound(start.begin(), start.end(), index) - start.begin() - 1;
-      }
-      CoatStep& a = steps[t];
-      const Tensor& tensor = tensors[t];
-      const int64_t gs = a.group_size, local = index - start[t];
       Group gr;
-      gr.index = local;
-      gr.row = local / tensor.per_row;
-      gr.col0 = (local - gr.row * tensor.per_row) * gs;
+      gr.index = index;
+      gr.row = index / per_row;
+      gr.col0 = (index - gr.row * per_row) * gs;
       gr.n = (int)(a.cols - gr.col0 < gs ? a.cols - gr.col0 : gs);
       if (gr.n <= 0) continue;
       gr.base = gr.row * a.cols + gr.col0;
       gr.offset = a.first_element + gr.base;
       prefetch_ahead(a, gr.base + kPrefetchDistance, gr.n);
-      const int64_t bad = (gr.n == kDefaultGroup ? tensor.full : tensor.any).run(a, gr, m, v, vm, codes);
-      if (bad != 0) {  // rare (a NaN or Inf), so an atomic add costs nothing in the common case
-#pragma omp atomic
-        a.nonfinite += bad;
-      }
+      bad += (gr.n == kDefaultGroup ? full : any).run(a, gr, m, v, vm, codes);
     }
     std::free(buf);
   }
+  ap->nonfinite = bad;
   return 0;
 }
-
-// One parameter: the batch of one, so that one code path steps both.
-extern "C" int coat_adamw_step(CoatStep* ap) { return coat_adamw_step_many(ap, 1, ap->threads); }
 
 // a * b + c rounded once (fused) and twice (plain): the launcher compares both with torch's
 // eager lerp and addcmul on this machine, to round as they do

@@ -6,12 +6,9 @@ hold it to that on random inputs for every format. It is plain C++ with OpenMP a
 headers, compiled once per machine with the C++ compiler torch.compile uses (`CXX`, else g++)
 and cached on disk beside inductor's cache; a warm process loads it in milliseconds.
 
-`prepare` fills one parameter's step and `run` steps a list of them in one call, one parallel
-region over all their groups (an optimizer steps its param group so: a tensor below the size that
-pays for a second thread used to run on one); `adamw_step` is the two for one parameter. `prepare`
-returns None for what the kernel does not cover (a float16 or float64 parameter, a 4-bit AMSGrad
-maximum, uncompressed moments, a machine without a compiler): the caller then runs the pure-torch
-twin, which stays the oracle. Without a compiler that is said once, with the fix.
+`adamw_step` returns None for what it does not cover (a float16 or float64 parameter, a 4-bit
+AMSGrad maximum, uncompressed moments, a machine without a compiler): the caller then runs the
+pure-torch twin, which stays the oracle. Without a compiler that is said once, with the fix.
 """
 
 from __future__ import annotations
@@ -179,7 +176,6 @@ def library() -> tuple[ctypes.CDLL, dict] | None:
         )
         return None
     lib.coat_adamw_step.argtypes = [ctypes.POINTER(_Step)]
-    lib.coat_adamw_step_many.argtypes = [ctypes.POINTER(_Step), ctypes.c_int64, ctypes.c_int32]
     rounding = _probe_rounding(lib)
     if rounding is None:
         logger.warning(
@@ -256,9 +252,9 @@ def _float32(x: float | torch.Tensor) -> float:
 
 
 def supports(param: torch.Tensor, grad: torch.Tensor, state: dict, formats: dict, amsgrad: bool) -> bool:
-    """Whether the kernel covers this parameter (else the twin steps it)."""
+    """Whether adamw_step covers this parameter (else the twin steps it)."""
     m, v = formats["exp_avg"], formats["exp_avg_sq"]
-    if m is None or v is None or not (param.is_cpu and grad.is_cpu):  # (is_cpu: no device object)
+    if m is None or v is None or param.device.type != "cpu" or grad.device != param.device:
         return False
     floats = (torch.float32, torch.bfloat16)
     if param.dtype not in floats or grad.dtype not in floats:
@@ -269,7 +265,7 @@ def supports(param: torch.Tensor, grad: torch.Tensor, state: dict, formats: dict
     return grad.shape == param.shape and all(t.is_contiguous() for t in tensors)
 
 
-def prepare(
+def adamw_step(
     param: torch.Tensor,
     grad: torch.Tensor,
     state: dict,
@@ -287,14 +283,14 @@ def prepare(
     master_bits: int | None = None,
     seed: int = 0,
     first_element: int = 0,
-) -> _Step | None:
+) -> int | None:
     """One AdamW step of one parameter with compressed moments, as reference_step.adamw_step_reference
-    computes it (same arguments), filled in for `run`; None where this path does not apply. Changes
-    nothing: the step holds the tensors' addresses, so they must stay alive until `run`."""
+    computes it (same arguments). Returns the count of non-finite moment values, or None where
+    this path does not apply (then nothing was changed)."""
     loaded = library()
     if loaded is None or not supports(param, grad, state, formats, amsgrad):
         return None
-    _, rounding = loaded
+    lib, rounding = loaded
     fm, fv = formats["exp_avg"], formats["exp_avg_sq"]
     rows, cols, _ = _group.group_layout(tuple(param.shape), fm.group_size)
     a = _Step()
@@ -325,24 +321,5 @@ def prepare(
     a.rounding_key = _key(seed, int(step), ROUNDING_STREAM)
     a.bf16_nan = rounding["bf16_nan"]
     a.threads = torch.get_num_threads()
-    return a
-
-
-def run(steps: list[_Step], threads: int | None = None) -> list[int]:
-    """Run prepared steps, all in one call (one parallel region over all their groups, on at most
-    `threads` threads: torch's count by default); returns each one's count of non-finite moment
-    values. The bits are those of running each alone."""
-    if not steps:
-        return []
-    lib, _ = library()
-    batch = (_Step * len(steps))(*steps)
-    lib.coat_adamw_step_many(batch, len(steps), torch.get_num_threads() if threads is None else threads)
-    return [int(s.nonfinite) for s in batch]
-
-
-def adamw_step(param: torch.Tensor, grad: torch.Tensor, state: dict, formats: dict, **hyper) -> int | None:
-    """One AdamW step of one parameter with compressed moments, as reference_step.adamw_step_reference
-    computes it (same arguments: `prepare`'s). Returns the count of non-finite moment values, or
-    None where this path does not apply (then nothing was changed)."""
-    a = prepare(param, grad, state, formats, **hyper)
-    return None if a is None else run([a], a.threads)[0]
+    lib.coat_adamw_step(ctypes.byref(a))
+    return int(a.nonfinite)

@@ -40,7 +40,7 @@ from coatstate.optim.moments import (
     moment_formats,
 )
 from coatstate.optim.options import check_arguments, check_master_arguments
-from coatstate.optim.reference_step import CompiledSteps, adamw_step_reference
+from coatstate.optim.reference_step import adamw_step_cpu, adamw_step_reference
 from coatstate.optim.state_dict import convert_param_state
 
 logger = logging.getLogger("coatstate")
@@ -218,13 +218,11 @@ class CompressedAdamW(CompressedOptimizer):
 
     # ---- the step --------------------------------------------------------------------------
 
-    def _init_state(self, p: torch.Tensor, group: dict, on_device: bool, formats: dict | None = None) -> dict:
+    def _init_state(self, p: torch.Tensor, group: dict, on_device: bool) -> dict:
         """p's state, created on first use; a DTensor parameter gets DTensor moments (its local
-        rows only: see coatstate.distributed). formats: p's moment_formats, where the caller has
-        them already."""
+        rows only: see coatstate.distributed)."""
         state = self.state[p]
-        if formats is None:
-            formats = moment_formats(group, global_shape(p))
+        formats = moment_formats(group, global_shape(p))
         if not state:
             local = local_tensor(p)
             if is_dtensor(p) and formats["exp_avg"] is not None:
@@ -353,35 +351,33 @@ class CompressedAdamW(CompressedOptimizer):
         )
         twin_only = group.get("fused") is False  # (the oracle: every parameter on its own)
         batch: dict[float, list] = {}  # step: float32-moment parameters that step together
-        # the compiled CPU step where it applies (fused=None): prepared here, run in one call below
-        compiled = None if twin_only else CompiledSteps()
         for p in params:
-            formats = moment_formats(group, global_shape(p))
-            state = self._init_state(p, group, on_device=False, formats=formats)
+            state = self._init_state(p, group, on_device=False)
             state["step"] += 1
-            step = state["step"].item()
             local, g = local_tensor(p), local_tensor(p.grad)
+            formats = moment_formats(group, global_shape(p))
             master = master_mode(group, p)
             if not twin_only and batchable(
                 local, g, formats, lr=lr, amsgrad=group["amsgrad"], master_bits=master
             ):
-                batch.setdefault(step, []).append((p, local, g, local_state(state)))
+                batch.setdefault(state["step"].item(), []).append((p, local, g, local_state(state)))
                 continue
-            args = (local, g, local_state(state), formats)
-            options = dict(
+            # the compiled CPU step where it applies (fused=None), else the pure-torch twin
+            step_fn = adamw_step_reference if twin_only else adamw_step_cpu
+            bad = step_fn(
+                local,
+                g,
+                local_state(state),
+                formats,
                 **hyper,
                 amsgrad=group["amsgrad"],
-                step=step,
+                step=state["step"].item(),
                 inv_grad_scale=None if inv_scale is None else inv_scale.to(g.device),
                 master_bits=master,
                 seed=self._rounding_seed(group, p),
                 first_element=first_element(p),
             )
-            if compiled is None or not compiled.add(p, *args, **options):  # else the pure-torch twin
-                self._record_twin_nonfinite(p, adamw_step_reference(*args, **options), state)
-        if compiled is not None:
-            for p, bad in compiled.run():
-                self._record_twin_nonfinite(p, bad, self.state[p])
+            self._record_twin_nonfinite(p, bad, state)
         for step, members in batch.items():
             ps, locals_, gs, states = zip(*members, strict=True)
             counts = adamw_step_foreach(
