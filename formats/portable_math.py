@@ -17,7 +17,8 @@ import functools
 import torch
 
 LOG2_COEFFICIENTS = tuple(
-    float.fromhex(h) for h in ("0x1.715476p+1", "0x1.ec709ep-1", "0x1.2776c6p-1", "0x1.a61762p-2", "0x1.484b14p-2")
+    float.fromhex(h)
+    for h in ("0x1.715476p+1", "0x1.ec709ep-1", "0x1.2776c6p-1", "0x1.a61762p-2", "0x1.484b14p-2")
 )
 """float32(2 / (ln2 (2n + 1))), n = 0..4: log2(m) = s * sum(c_n s^2n) with s = (m - 1) / (m + 1);
 for m in [sqrt(1/2), sqrt(2)), |s| < 0.172 and the next term is below 2**-26."""
@@ -86,7 +87,7 @@ def log2_of_fp8(codes: torch.Tensor) -> torch.Tensor:
     return table[codes.view(torch.uint8).long()]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _fp8_log2_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     values = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float().abs()
     return log2(values).to(device)

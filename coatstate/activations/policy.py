@@ -6,9 +6,9 @@ import dataclasses
 import enum
 
 import torch.nn.functional as F
-from coatstate.formats.fp8 import FP8Format
 
 from coatstate.activations.op_kinds import OpKind
+from coatstate.formats.fp8 import FP8Format
 
 
 class Granularity(str, enum.Enum):

@@ -52,7 +52,7 @@ def cast_model(
         for t in own.values():
             if t.is_floating_point():
                 t.data = t.data.to(dtype)
-    for name, module in model.named_modules():
+    for module in model.modules():
         if id(module) in kept:
             module.float()
             module.register_forward_pre_hook(_to_float32)

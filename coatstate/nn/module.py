@@ -9,10 +9,10 @@ import logging
 
 import torch
 import torch.nn.functional as F
-from coatstate.formats.fp8 import FLOAT_DTYPES
 from torch import nn
 
 from coatstate.distributed import is_dtensor
+from coatstate.formats.fp8 import FLOAT_DTYPES
 from coatstate.nn.config import FP8LinearConfig
 from coatstate.nn.functional import ALIGN, FP8LinearFunction, has_fp8_cores
 

@@ -168,7 +168,6 @@ COLUMNS = (  # (header, Row.bytes key)
 
 def table(plan: Plan) -> str:
     """The verdict, the job, the table, its legend, then any advice, warning and notes."""
-    s = plan.setup
     names = labels(plan.variants)
     width = max(len("GB/GPU"), *map(len, names)) + 1
     head = f"{'GB/GPU':<{width}}" + "".join(f"{h:>8}" for h, _ in COLUMNS)

@@ -49,7 +49,6 @@ from coatstate.activations.hooks import compress_activations
 from coatstate.activations.policy import KEEP_ALL, ActivationPolicy
 from coatstate.planner import compiled_trace
 
-
 KINDS = ("none", "compressed", "fp8", "compiled")
 """Trace kinds: nothing compressed; compress_activations; the same with FP8 linear layers; FP8
 linear layers in blocks compiled with CompiledActivations (coatstate.planner.compiled_trace)."""

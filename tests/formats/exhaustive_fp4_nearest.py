@@ -1,6 +1,7 @@
 """Exhaustive check (not collected by pytest: about a minute per codebook on 2 cores):
 
-    python tests/formats/exhaustive_fp4_nearest.py e2m1 && python tests/formats/exhaustive_fp4_nearest.py ue3m1
+    python tests/formats/exhaustive_fp4_nearest.py e2m1
+    python tests/formats/exhaustive_fp4_nearest.py ue3m1
 
 For every float32 y from 0 up to a few ulps above the codebook's top level, the fused step's
 encoder (kernels.fp4_triton._nearest: rounding in float32 bit arithmetic, run here by Triton's

@@ -96,7 +96,8 @@ from coatstate.formats import quantize
 gen = torch.Generator().manual_seed(0)
 h = hashlib.sha256()
 for shape in ((1,), (3, 129), (7, 1000), (64, 300)):
-    x = (torch.randn(shape, generator=gen, dtype=torch.float64) * 6).exp().float() * torch.randn(shape, generator=gen).sign()
+    magnitude = (torch.randn(shape, generator=gen, dtype=torch.float64) * 6).exp().float()
+    x = magnitude * torch.randn(shape, generator=gen).sign()
     for fmt in ("e4m3", "e5m2"):
         for expand in (True, False):
             q = quantize(x, fmt=fmt, expand=expand)

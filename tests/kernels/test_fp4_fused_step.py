@@ -25,7 +25,8 @@ from coatstate.kernels.fp4_triton import E2M1, UE3M1_SQRT, _level, _nearest
 
 from coatstate import CompressedAdamW
 
-# the interpreter's exactness (fast_divide divides exactly there); on CUDA tests/kernels/test_fp4_fused_step_gpu.py
+# the interpreter's exactness (fast_divide divides exactly there); on CUDA:
+# tests/kernels/test_fp4_fused_step_gpu.py
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="interpreter test: CUDA runs test_fp4_fused_step_gpu.py"
 )

@@ -32,7 +32,8 @@ pytestmark = [requires_cuda, pytest.mark.gpu]
 
 
 def _opts(fm, fv):
-    # an FP8 moment without expansion: its codec is bit-exact on the GPU (tests/kernels/test_triton_kernels.py)
+    # an FP8 moment without expansion: its codec is bit-exact on the GPU
+    # (tests/kernels/test_triton_kernels.py)
     fp8 = {f"{n}_expand": False for n, f in (("exp_avg", fm), ("exp_avg_sq", fv)) if f in ("e4m3", "e5m2")}
     return dict(lr=1e-3, min_numel=1, compress_1d=True, exp_avg_format=fm, exp_avg_sq_format=fv, **fp8)
 

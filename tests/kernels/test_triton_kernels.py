@@ -94,7 +94,7 @@ def _assert_tracks(a, b, lr, i, median=True):
     0.2 * lr per step taken, and the median element within 1e-2 * lr: most elements never see a
     flip. (On the GPU the kernel's lg2/ex2/div are approximate: tiny deviations reach every
     element and feed back through the model's gradients, measured 1.3e-3 * lr at step 13.)"""
-    for pa, pb in zip(a.parameters(), b.parameters()):
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
         diff = (pa.float() - pb.float()).abs()
         assert diff.max().item() <= 0.2 * lr * (i + 1), f"step {i}: max difference {diff.max().item():.2e}"
         if median:
@@ -174,7 +174,7 @@ def test_fused_100_steps_track_twin_gpu(dtype):
         fused.zero_grad()
         model(x).float().pow(2).mean().backward()
         with torch.no_grad():
-            for ps, pm in zip(shadow.parameters(), model.parameters()):
+            for ps, pm in zip(shadow.parameters(), model.parameters(), strict=True):
                 ps.copy_(pm)
                 ps.grad = pm.grad.clone()
         twin.load_state_dict(fused.state_dict())
@@ -182,7 +182,7 @@ def test_fused_100_steps_track_twin_gpu(dtype):
             group["fused"] = False  # load_state_dict takes `fused` from the saved dict, as torch's does
         fused.step()
         twin.step()
-        for pm, ps in zip(model.parameters(), shadow.parameters()):
+        for pm, ps in zip(model.parameters(), shadow.parameters(), strict=True):
             diff = (pm.float() - ps.float()).abs()
             slack = 0.0 if dtype == torch.float32 else 2.0**-8 * pm.float().abs().max().item()
             assert diff.max().item() <= lr / 8 + slack, f"step {i}: {diff.max().item():.2e}"

@@ -44,7 +44,7 @@ def _train(model, opt, steps, seed=1, scaler=None, inf_at=()):
 
 
 def _same(a, b):
-    return all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    return all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
 
 
 def test_compression_off_equals_torch_adamw_bit_for_bit():
@@ -65,7 +65,9 @@ def test_compressed_tracks_adamw_closely():
     opt_ours = CompressedAdamW(ours.parameters(), lr=1e-3, min_numel=1)
     _train(ref, opt_ref, 30)
     _train(ours, opt_ours, 30)
-    rel = max(((a - b).norm() / a.norm()).item() for a, b in zip(ref.parameters(), ours.parameters()))
+    rel = max(
+        ((a - b).norm() / a.norm()).item() for a, b in zip(ref.parameters(), ours.parameters(), strict=True)
+    )
     print(f"\n30 steps: largest relative parameter difference vs AdamW {rel:.2e}")
     assert rel < 1e-2
 
@@ -108,7 +110,7 @@ def test_switch_from_adamw_and_back():
     comp = CompressedAdamW(_groups(model, amsgrad=False), lr=1e-3, min_numel=1)
     comp.load_state_dict(adamw.state_dict())
     assert "exp_avg_codes" in comp.state_dict()["state"][0]
-    for g_ours, g_ref in zip(comp.param_groups, adamw.param_groups):
+    for g_ours, g_ref in zip(comp.param_groups, adamw.param_groups, strict=True):
         assert g_ours["lr"] == g_ref["lr"] and g_ours["weight_decay"] == g_ref["weight_decay"]
     _train(model, comp, 20, seed=3)
 
@@ -118,7 +120,10 @@ def test_switch_from_adamw_and_back():
     assert st["exp_avg"].dtype == torch.float32 and st["step"].item() == 40
     before = [p.clone() for p in model.parameters()]
     _train(model, back, 5, seed=4)
-    assert all(torch.isfinite(p).all() and not torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert all(
+        torch.isfinite(p).all() and not torch.equal(p, b)
+        for p, b in zip(model.parameters(), before, strict=True)
+    )
 
 
 def test_state_bytes_per_parameter():

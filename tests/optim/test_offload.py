@@ -183,7 +183,7 @@ def test_state_dict_round_trip_without_files():
 
 def test_gradient_accumulation_is_refused_with_the_fix():
     _, model, options = _pair(torch.float32)
-    opt = HostOffloadAdamW(model.parameters(), **options)
+    _opt = HostOffloadAdamW(model.parameters(), **options)  # (alive: its hooks refuse the 2nd backward)
     x = torch.randn(2, 129)
     model(x).sum().backward()
     with pytest.raises(RuntimeError, match="gradient accumulation.*opt.step\\(\\) after every backward"):
