@@ -9,9 +9,10 @@ recipe: its blocks compiled through inductor's partitioner, coatstate.planner.co
 each with CompressedAdamW's defaults (master_bits=24 for bf16 params): parameters, gradients,
 master weights and optimizer states from the model's real parameter shapes (on the meta device)
 and the library's own rules (CompressedAdamW's moment_formats: group size, formats, expansion,
-min_numel, 1-D params; formats.group.storage_bytes), FSDP2 shards as dim-0 chunks; activation bytes and the
-step's transient peak from a short CPU trace of the model (coatstate.planner.trace). The model
-then gives the peak per GPU, the fewest GPUs that fit and the largest micro-batch that fits.
+min_numel, 1-D params; formats.group.storage_bytes), FSDP2 shards as dim-0 chunks; activation
+bytes and the step's transient peak from a short CPU trace of the model
+(coatstate.planner.trace). The model then gives the peak per GPU, the fewest GPUs that fit and
+the largest micro-batch that fits.
 """
 
 from __future__ import annotations
