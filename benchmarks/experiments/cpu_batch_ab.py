@@ -20,7 +20,6 @@ import ctypes
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -28,6 +27,7 @@ import torch
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent)]
 from coatstate.kernels import cpu_step  # noqa: E402
 from common import gpt_shapes  # noqa: E402
+from helpers import interleaved_step_ms, ratio_range  # noqa: E402
 
 import coatstate  # noqa: E402
 
@@ -73,19 +73,10 @@ def main() -> None:
                         p.grad = g
                     opts[label] = coatstate.CompressedAdamW(params, min_numel=1, **options)
                     opts[label].step()
-                ms = {label: [] for label in variants}
-                for r in range(args.rounds):
-                    for label in list(variants) if r % 2 == 0 else list(variants)[::-1]:
-                        cpu_step.run = variants[label]
-                        times = []
-                        for _ in range(3):
-                            t = time.perf_counter()
-                            opts[label].step()
-                            times.append(time.perf_counter() - t)
-                        ms[label].append(1e3 * statistics.median(times))
+                use = lambda label: setattr(cpu_step, "run", variants[label])  # noqa: E731
+                ms = interleaved_step_ms(opts, use, args.rounds)
                 cpu_step.run = variants["batched"]
-                ratios = sorted(b / a for a, b in zip(ms["per-tensor"], ms["batched"], strict=True))
-                ratio = dict(median=statistics.median(ratios), min=ratios[0], max=ratios[-1])
+                ratio = ratio_range(ms["per-tensor"], ms["batched"])
                 key = f"{set_name}, {threads} threads, {name}"
                 results[key] = dict(ms=ms, batched_over_per_tensor=ratio)
                 cells = [

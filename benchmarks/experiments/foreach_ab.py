@@ -15,13 +15,13 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent)]
 from common import gpt_shapes  # noqa: E402
+from helpers import interleaved_step_ms, ratio_range  # noqa: E402
 
 import coatstate  # noqa: E402
 from coatstate.optim import adamw  # noqa: E402
@@ -57,20 +57,10 @@ def main() -> None:
                     p.grad = g
                 opts[label] = coatstate.CompressedAdamW(params, **options)
                 opts[label].step()
-            ms = {label: [] for label in variants}
-            for r in range(args.rounds):
-                for label in list(variants) if r % 2 == 0 else list(variants)[::-1]:
-                    adamw.batchable = variants[label]
-                    times = []
-                    for _ in range(3):
-                        t = time.perf_counter()
-                        opts[label].step()
-                        times.append(time.perf_counter() - t)
-                    ms[label].append(1e3 * statistics.median(times))
+            use = lambda label: setattr(adamw, "batchable", variants[label])  # noqa: E731
+            ms = interleaved_step_ms(opts, use, args.rounds)
             adamw.batchable = batchable
-            base, new = ms["per-parameter"], ms["batched"]
-            ratios = sorted(b / a for a, b in zip(base, new, strict=True))
-            ratio = dict(median=statistics.median(ratios), min=ratios[0], max=ratios[-1])
+            ratio = ratio_range(ms["per-parameter"], ms["batched"])
             results[f"{threads} threads, {name}"] = dict(ms=ms, batched_over_per_parameter=ratio)
             cells = [f"{k} {statistics.median(v):.1f} ms [{min(v):.1f}-{max(v):.1f}]" for k, v in ms.items()]
             print(f"{threads} thread(s) {name:11s} " + "  ".join(cells), end="")

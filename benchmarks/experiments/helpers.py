@@ -1,11 +1,14 @@
 """What two or more experiments share and no kept benchmark uses: a CompressedAdamW stepped over
-the GPT-shaped parameter set, median [min-max] formatting, the torchrun set-up of the FSDP2
-scripts and loss-curve figures."""
+the GPT-shaped parameter set, median [min-max] formatting, interleaved A/B turns of optimizer
+steps, the torchrun set-up of the FSDP2 scripts and loss-curve figures."""
 
 from __future__ import annotations
 
 import os
+import statistics
 import sys
+import time
+from collections.abc import Callable
 
 import torch
 from common import gpt_shapes
@@ -42,6 +45,31 @@ def fmt_median_range(s: dict, scale: float = 1.0, fmt: str = "{:.3f}") -> str:
     return (
         f"{fmt.format(s['median'] * scale)} [{fmt.format(s['min'] * scale)}-{fmt.format(s['max'] * scale)}]"
     )
+
+
+def interleaved_step_ms(
+    optimizers: dict, use: Callable[[str], None], rounds: int, steps: int = 3
+) -> dict[str, list[float]]:
+    """Per variant (label -> optimizer), the median ms of `steps` steps in each of `rounds` turns,
+    the variants taking turns in an order that alternates per round. `use(label)` switches the code
+    path to that variant's before its turn (a patched function, say)."""
+    ms = {label: [] for label in optimizers}
+    for r in range(rounds):
+        for label in list(optimizers) if r % 2 == 0 else list(optimizers)[::-1]:
+            use(label)
+            times = []
+            for _ in range(steps):
+                t = time.perf_counter()
+                optimizers[label].step()
+                times.append(time.perf_counter() - t)
+            ms[label].append(1e3 * statistics.median(times))
+    return ms
+
+
+def ratio_range(base: list[float], new: list[float]) -> dict:
+    """{median, min, max} of the per-round ratios new / base."""
+    ratios = sorted(b / a for a, b in zip(base, new, strict=True))
+    return dict(median=statistics.median(ratios), min=ratios[0], max=ratios[-1])
 
 
 def torchrun_setup(smoke: bool):
