@@ -15,7 +15,6 @@ turn's median step.
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import json
 import statistics
@@ -27,9 +26,7 @@ import torch
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent)]
 from coatstate.kernels import cpu_step  # noqa: E402
 from common import gpt_shapes  # noqa: E402
-from helpers import interleaved_step_ms, ratio_range  # noqa: E402
-
-import coatstate  # noqa: E402
+from helpers import ab_arguments, interleaved_step_ms, optimizers_on_copies, ratio_range  # noqa: E402
 
 FORMATS = {
     "defaults": {},
@@ -50,11 +47,7 @@ def per_tensor(steps, threads=None):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", type=int, nargs="+", default=[2, 1])
-    ap.add_argument("--rounds", type=int, default=9)
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    args = ab_arguments(__doc__)
     if not hasattr(cpu_step, "run"):
         raise SystemExit("needs commit 0d84935's batched CPU step: git checkout 0d84935 -- kernels coatstate")
     variants = {"per-tensor": per_tensor, "batched": cpu_step.run}
@@ -66,13 +59,7 @@ def main() -> None:
         for threads in args.threads:
             torch.set_num_threads(threads)
             for name, options in FORMATS.items():
-                opts = {}
-                for label in variants:
-                    params = [torch.nn.Parameter(x.clone()) for x in start]
-                    for p, g in zip(params, grads, strict=True):
-                        p.grad = g
-                    opts[label] = coatstate.CompressedAdamW(params, min_numel=1, **options)
-                    opts[label].step()
+                opts = optimizers_on_copies(variants, start, grads, min_numel=1, **options)
                 use = lambda label: setattr(cpu_step, "run", variants[label])  # noqa: E731
                 ms = interleaved_step_ms(opts, use, args.rounds)
                 cpu_step.run = variants["batched"]

@@ -11,7 +11,6 @@ per round.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -21,9 +20,8 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent)]
 from common import gpt_shapes  # noqa: E402
-from helpers import interleaved_step_ms, ratio_range  # noqa: E402
+from helpers import ab_arguments, interleaved_step_ms, optimizers_on_copies, ratio_range  # noqa: E402
 
-import coatstate  # noqa: E402
 from coatstate.optim import adamw  # noqa: E402
 
 FORMATS = {
@@ -34,11 +32,7 @@ FORMATS = {
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", type=int, nargs="+", default=[2, 1])
-    ap.add_argument("--rounds", type=int, default=9)
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    args = ab_arguments(__doc__)
     batchable = adamw.batchable
     variants = {"per-parameter": lambda *a, **k: False, "batched": batchable}
     shapes = gpt_shapes(d=384, layers=8)
@@ -50,13 +44,7 @@ def main() -> None:
     for threads in args.threads:
         torch.set_num_threads(threads)
         for name, options in FORMATS.items():
-            opts = {}
-            for label in variants:
-                params = [torch.nn.Parameter(x.clone()) for x in start]
-                for p, g in zip(params, grads, strict=True):
-                    p.grad = g
-                opts[label] = coatstate.CompressedAdamW(params, **options)
-                opts[label].step()
+            opts = optimizers_on_copies(variants, start, grads, **options)
             use = lambda label: setattr(adamw, "batchable", variants[label])  # noqa: E731
             ms = interleaved_step_ms(opts, use, args.rounds)
             adamw.batchable = batchable

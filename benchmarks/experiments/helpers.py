@@ -4,6 +4,7 @@ steps, the torchrun set-up of the FSDP2 scripts and loss-curve figures."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import sys
@@ -45,6 +46,30 @@ def fmt_median_range(s: dict, scale: float = 1.0, fmt: str = "{:.3f}") -> str:
     return (
         f"{fmt.format(s['median'] * scale)} [{fmt.format(s['min'] * scale)}-{fmt.format(s['max'] * scale)}]"
     )
+
+
+def ab_arguments(doc: str) -> argparse.Namespace:
+    """The CPU A/B experiments' options: --threads (counts to run at), --rounds, --out (JSON)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--threads", type=int, nargs="+", default=[2, 1])
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--out", default=None)
+    return ap.parse_args()
+
+
+def optimizers_on_copies(labels, start: list, grads: list, **options) -> dict:
+    """label -> a CompressedAdamW(**options) over its own copy of the `start` tensors, with `grads`
+    as their gradients, stepped once (so that every variant's state exists before timing)."""
+    import coatstate
+
+    out = {}
+    for label in labels:
+        params = [torch.nn.Parameter(x.clone()) for x in start]
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+        out[label] = coatstate.CompressedAdamW(params, **options)
+        out[label].step()
+    return out
 
 
 def interleaved_step_ms(
