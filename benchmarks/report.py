@@ -470,6 +470,8 @@ def section_one_gpu(data: dict, path: Path, replan_now: bool = True) -> str:
     planner's peaks now beside the measured ones (one_gpu_replan.py: a trace on the CPU)."""
     import one_gpu_replan
 
+    from coatstate.planner.report import first_paragraph
+
     date, machine = provenance(data, path)
     meta = data["meta"]
     cap = meta.get("memory_cap") or {}
@@ -501,8 +503,7 @@ def section_one_gpu(data: dict, path: Path, replan_now: bool = True) -> str:
             ]
         setups = entry["setups"].items()
         notes = [f"{ONE_GPU_LABELS.get(n, n)}: {r['status']}" for n, r in setups if r["status"] != "ok"]
-        left_out = sorted({" ".join(n.split()).split(" Set TORCHDYNAMO")[0] for _, r in setups
-                           for n in r.get("plan_notes", [])})  # fmt: skip
+        left_out = sorted({first_paragraph(n) for _, r in setups for n in r.get("plan_notes", [])})
         notes += [f"The run's own plan: {n}" for n in left_out]
         if entry.get("paper"):
             notes.append(f"Paper: {entry['paper']}.")

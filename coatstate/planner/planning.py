@@ -37,6 +37,7 @@ from coatstate.planner.models import (
     shape_from_config,
     shape_from_numbers,
 )
+from coatstate.planner.report import first_paragraph
 from coatstate.planner.trace import ActivationModel, Progress, find_layers, trace
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -326,7 +327,8 @@ def plan(
                 acts |= run({"compiled"})
             except Exception as e:  # (dynamo, AOTAutograd and inductor raise many kinds)
                 variants = [v for v in variants if v.activations != "compiled"]
-                notes.append(f"CompiledActivations rows left out: the blocks did not compile ({e})"[:300])
+                why = first_paragraph(str(e))
+                notes.append(f"CompiledActivations rows left out: the blocks did not compile ({why})"[:300])
         if not variants and notes:
             raise ValueError(notes[-1])
     setup = dict(

@@ -215,6 +215,12 @@ def s_mem(plan: Plan) -> str:
     return f"{plan.setup['gpu_memory'] / GB:.4g} GB"
 
 
+def first_paragraph(message: str) -> str:
+    """An error message's first paragraph on one line: dynamo follows its error with advice ("Set
+    TORCHDYNAMO_VERBOSE=1 ...") and the user code's frames, which a plan's note leaves out."""
+    return " ".join(message.strip().split("\n\n")[0].split())
+
+
 def _wrap(text: str, indent: str = "  ") -> list[str]:
     return textwrap.wrap(text, WIDTH, subsequent_indent=indent, break_on_hyphens=False) or [""]
 
